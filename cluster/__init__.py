@@ -1,0 +1,1 @@
+"""Wiring: config, the `shoal` CLI and its benchmarks."""

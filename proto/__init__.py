@@ -1,0 +1,1 @@
+"""proto (arrives with the serving issue)."""

@@ -1,0 +1,1 @@
+"""router (arrives with the serving issue)."""

@@ -1,0 +1,34 @@
+"""transformers as the reference: greedy generate and the near-tie check."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> list[list[int]]:
+    """transformers' generate(do_sample=False), one prompt at a time (no
+    padding, so nothing but the weights shapes the numbers)."""
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                           eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)  # fmt: skip
+        outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def check_tokens(model, prompt: list[int], ours: list[int], ref: list[int], tie_tol: float = 1e-4) -> str | None:
+    """None when equal. At the first difference, the reference's top two
+    logits there must be within tie_tol (a near-tie, where summation order
+    decides); returns a note saying so, else raises AssertionError."""
+    if ours == ref:
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    if i == min(len(ours), len(ref)):
+        raise AssertionError(f"lengths differ ({len(ours)} vs {len(ref)}) with equal tokens up to {i}")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    gap = (top2[0] - top2[1]).item()
+    assert gap < tie_tol, f"token {i} differs ({ours[i]} vs {ref[i]}) and the reference's top-2 gap is {gap:.3g}"
+    return f"near-tie at token {i}: top-2 gap {gap:.2e}"

@@ -1,0 +1,99 @@
+"""Hands KV blocks to sequences: prefix-cache lookup, growth and release."""
+
+from __future__ import annotations
+
+from shoal.workers.block_pool import BlockPool
+from shoal.workers.sequence import Sequence
+
+
+class BlockManager:
+    """Maps each sequence's tokens onto blocks of `block_size` slots.
+
+    A full block's hash chains its parent's hash with its own token ids, so
+    equal hashes mean equal prefixes; a hit also compares the tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hash(self, seq: Sequence, i: int) -> int:
+        """Hash of seq's i-th full block, computed once per sequence."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) <= i:
+            j = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(seq.token_ids[j * bs : (j + 1) * bs]))))
+        return hashes[i]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of seq (no reference taken yet).
+
+        The last token is always left to compute: its logits are needed.
+        """
+        if not self.pool.enable_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // bs):
+            block_id = self.pool.lookup(self._block_hash(seq, i), tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Give seq room for `num_new_tokens` more tokens after its computed
+        ones (and after `computed_blocks`, prefix hits for a sequence that has
+        no blocks yet). Returns False, changing nothing, if blocks run short."""
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+        # A hit on a block that sits in the free queue uses up free capacity too.
+        num_free_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_free_hits > self.pool.num_free_blocks:
+            return False
+        if not seq.block_table:  # an admission: count the prefix-cache query
+            self.pool.num_query_tokens += seq.num_tokens
+            self.pool.num_hit_tokens += len(computed_blocks) * bs
+        if computed_blocks:
+            self.pool.touch(list(computed_blocks))
+            seq.block_table.extend(computed_blocks)
+            seq.num_computed_tokens = num_computed
+            seq.num_registered_blocks = len(seq.block_table)
+        if num_new_blocks > 0:
+            seq.block_table.extend(self.pool.get_new_blocks(num_new_blocks))
+        # Blocks that this step fills go into the prefix index now: their
+        # keys and values are written before any attention reads them.
+        if self.pool.enable_caching:
+            num_full = (num_computed + num_new_tokens) // bs
+            for i in range(seq.num_registered_blocks, num_full):
+                self.pool.cache_block(
+                    seq.block_table[i], self._block_hash(seq, i), tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                )
+            seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of seq's blocks at once (finish, abort or preemption)."""
+        self.pool.free(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.pool.num_query_tokens
+        return self.pool.num_hit_tokens / q if q else 0.0

@@ -1,0 +1,100 @@
+"""The pool of fixed-size KV blocks: reference counts, the free queue and
+the prefix-cache index. It knows nothing of sequences (see block_manager)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and cached
+    token_ids: tuple[int, ...] | None = None  # kept to confirm a hash hit
+
+
+class BlockPool:
+    """Blocks with ref_cnt 0 sit in `free_queue`, least recently freed first.
+
+    A freed block keeps its hash, so a later request with the same prefix can
+    take it back (a prefix-cache hit); it loses the hash only when it is
+    handed out again as a fresh block (eviction).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # OrderedDict: O(1) append, pop-oldest and removal from the middle
+        # (a cached free block taken back by a hit).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block_hash -> block_id
+        self.num_hit_queries = 0
+        self.num_hit_tokens = 0
+        self.num_query_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Take n blocks off the free queue, evicting their cached contents."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks with {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
+            block.ref_cnt = 1
+            out.append(block_id)
+        return out
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly these tokens after this prefix."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks found by lookup()."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+
+    def cache_block(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Record a just-filled block in the prefix index (first one wins)."""
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached.setdefault(block_hash, block_id)
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; list tail blocks first so the
+        prefix blocks, more likely shared, are evicted last."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    # Nothing to keep: reuse it before blocks that hold a prefix.
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None

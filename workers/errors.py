@@ -1,0 +1,10 @@
+"""The project's own error types."""
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as given. `field` names the culprit
+    so that the HTTP and gRPC fronts can report it (400 / INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field

@@ -1,0 +1,104 @@
+"""Attention over the paged KV cache: the pure-torch backend.
+
+It runs anywhere and is the reference for faster backends. The model runner
+puts each step's metadata in a small context object (set_forward_context)
+instead of threading it through every forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Queries [start, end) of the flat batch attend to `context_len` keys.
+    `slots` lists the cache slots of those keys; None means the chunk is the
+    whole context, so the fresh keys are used as they are."""
+
+    start: int
+    end: int
+    context_len: int
+    slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]: where each new key/value goes
+    num_decodes: int = 0  # the batch starts with this many one-token decodes
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_len] cache slots to read
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_len], True = attend
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+_context: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_context(meta: AttentionMetadata):
+    global _context
+    _context, prev = meta, _context
+    try:
+        yield
+    finally:
+        _context = prev
+
+
+def get_forward_context() -> AttentionMetadata:
+    assert _context is not None, "attention ran outside set_forward_context"
+    return _context
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's keys/values into the cache, then attends.
+
+    The cache of one layer is [num_blocks, block_size, num_kv_heads, head_dim];
+    viewed flat, slot s is block s // block_size, offset s % block_size.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
+        ctx = get_forward_context()
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+        k_flat, v_flat = self.k_cache.view(kv_shape), self.v_cache.view(kv_shape)
+        k_flat.index_copy_(0, ctx.slot_mapping, k)
+        v_flat.index_copy_(0, ctx.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = ctx.num_decodes
+        if nd:
+            # One batched call for all decodes: gather each one's keys into a
+            # padded [nd, kv_heads, max_len, dim] and mask the padding.
+            kd = k_flat[ctx.decode_slots].transpose(1, 2)
+            vd = v_flat[ctx.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), kd, vd, attn_mask=ctx.decode_mask, scale=self.scale, enable_gqa=True
+            )
+            out[:nd] = o.squeeze(2)
+        for p in ctx.prefills:
+            n = p.end - p.start
+            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            if p.slots is None:
+                ks, vs = k[p.start : p.end], v[p.start : p.end]
+            else:
+                ks, vs = k_flat[p.slots], v_flat[p.slots]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            if n == p.context_len:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                # Queries are the last n positions of the context.
+                mask = torch.ones(n, p.context_len, dtype=torch.bool, device=q.device).tril(p.context_len - n)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[p.start : p.end] = o[0].transpose(0, 1)
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,47 @@
+"""The offline front: LLM(model).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import itertools
+
+from shoal.workers.config import EngineArgs
+from shoal.workers.llm_engine import LLMEngine
+from shoal.workers.outputs import CompletionOutput
+from shoal.workers.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation on one engine. `LLM()` loads the default model."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:  # fmt: skip
+        """One output per prompt, in order. A prompt is a string or a list of
+        token ids; `params` is one SamplingParams for all or one per prompt.
+        Every prompt is validated before any runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        encoded = [engine.tokenize(p) for p in prompts]
+        for ids, sp in zip(encoded, params):
+            engine.validate(ids, sp)
+        outputs: dict[str, CompletionOutput] = {}
+        for ids, sp in zip(encoded, params):
+            rid = f"llm-{next(self._ids)}"
+            engine.add_request(rid, ids, sp)
+            outputs[rid] = CompletionOutput(rid, ids)
+        while any(o.finish_reason is None for o in outputs.values()):
+            for delta in engine.step():
+                outputs[delta.request_id].add(delta)
+        return list(outputs.values())

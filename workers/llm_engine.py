@@ -1,0 +1,216 @@
+"""The synchronous engine: requests in, one scheduled step at a time, deltas out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shoal.workers.block_manager import BlockManager
+from shoal.workers.config import EngineArgs
+from shoal.workers.detokenizer import IncrementalDetokenizer
+from shoal.workers.errors import InvalidRequestError
+from shoal.workers.model_loader import load_model_files
+from shoal.workers.model_runner import ModelRunner
+from shoal.workers.models.llama import LlamaForCausalLM
+from shoal.workers.outputs import RequestOutput, TokenLogprob
+from shoal.workers.sampling_params import SamplingParams
+from shoal.workers.scheduler import Scheduler, SchedulerConfig
+from shoal.workers.sequence import RequestTimings, Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What a router needs to choose a worker, readable at any moment."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs):
+        args = args or EngineArgs(**kwargs)
+        t0 = time.perf_counter()
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        device = args.resolved_device()
+        dtype = args.resolved_dtype(device)
+        loaded = load_model_files(args.model)
+        cfg = loaded.config
+        self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
+        max_len = args.max_model_len or cfg.max_position_embeddings
+        if cfg.sliding_window and max_len > cfg.sliding_window:
+            # Full attention equals sliding-window attention up to the window.
+            logger.warning("max_model_len capped at the sliding window (%d)", cfg.sliding_window)
+            max_len = cfg.sliding_window
+        self.max_model_len = max_len
+
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_len)
+        model.to(dtype)
+        model.load_weights(loaded.weights)
+        model.eval().requires_grad_(False)
+
+        per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype)
+        num_blocks = args.num_kv_blocks
+        if num_blocks is None:
+            budget = args.kv_cache_memory_bytes
+            if budget is None:
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    budget = int(free * 0.9)
+                else:
+                    budget = DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget holds no block of {per_block} bytes")
+        self.args = args
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.block_manager)
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids)
+        self.device = device
+        self.requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._rng = random.Random(args.seed)
+        self.load_time_s = time.perf_counter() - t0
+
+    # ---- requests -------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token ids", field="prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse, with the field named, what could never be served."""
+        params.validate()
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty", field="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", field="prompt")
+        if n + params.max_tokens > self.max_model_len:
+            field = "prompt" if n >= self.max_model_len else "max_tokens"
+            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                      f"max_model_len ({self.max_model_len})", field=field)  # fmt: skip
+        need = self.block_manager.blocks_needed(n + params.max_tokens)
+        if need > self.block_manager.num_total_blocks:
+            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
+                                      f"but the whole cache has {self.block_manager.num_total_blocks}", field="prompt")  # fmt: skip
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", field="stop")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:  # fmt: skip
+        """Queue a request; raises InvalidRequestError (a ValueError) at once
+        for bad input, leaving everything else untouched."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, next(self._arrivals), priority,
+                       RequestTimings(arrival_time or time.time()))  # fmt: skip
+        if not params.greedy:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, detok)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, "abort")
+        req.seq.timings.finished = time.time()
+        return self._delta(req, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and return a delta for every request
+        that produced a token (or finished)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        seqs, result = self.runner.execute(sched)
+        if result is None:
+            return []
+        now = time.time()
+        outputs = []
+        for i, seq in enumerate(seqs):
+            token = result.token_ids[i]
+            seq.token_ids.append(token)
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            req = self.requests[seq.request_id]
+            reason, stop_reason = self._check_stop(req, token)
+            lp = None
+            if result.logprobs[i] is not None:
+                lp = [TokenLogprob(token, *result.logprobs[i])]
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                seq.timings.finished = now
+                del self.requests[seq.request_id]
+            out = self._delta(req, [token], lp)
+            out.stop_reason = stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: _Request, token: int) -> tuple[str | None, str | int | None]:
+        seq, p = req.seq, req.seq.params
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        stop_str = req.detok.add(token, may_stop) if req.detok is not None else None
+        if may_stop:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if stop_str is not None:
+                return "stop", stop_str
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _delta(self, req: _Request, tokens: list[int], lp) -> RequestOutput:
+        seq = req.seq
+        finished = seq.finish_reason is not None
+        text = req.detok.take(finished) if req.detok is not None else ""
+        return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.timings, lp)  # fmt: skip
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
+                           bm.num_total_blocks, bm.block_size, bm.prefix_cache_hit_rate,
+                           self.scheduler.num_preemptions)  # fmt: skip

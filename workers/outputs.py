@@ -1,0 +1,57 @@
+"""What the engine hands back: one delta per request per step, and the
+whole output for the offline front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shoal.workers.sequence import RequestTimings
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta: the tokens and text produced since the last one. The last
+    delta of a request has finish_reason set ('stop', 'length' or 'abort')."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    timings: RequestTimings
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The whole result of one prompt (LLM.generate)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    timings: RequestTimings | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.new_text
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason
+        self.timings = delta.timings

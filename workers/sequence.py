@@ -1,0 +1,75 @@
+"""One request inside the engine: its tokens, progress and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.workers.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Wall-clock instants (time.time()) of a request's milestones."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class Sequence:
+    """token_ids holds the prompt followed by every generated token.
+
+    num_computed_tokens counts the tokens whose keys and values are in the KV
+    cache; the scheduler's work for a sequence is always the tokens from there
+    to the end, so a prefill, a prefill chunk, a decode and a recompute after
+    preemption are the same thing.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_order: int
+    priority: int = 0
+    timings: RequestTimings | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # leading blocks already in the prefix index
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    output_logprobs: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Smaller goes first: lower priority value, then earlier arrival."""
+        return (self.priority, self.arrival_order)

@@ -61,16 +61,16 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=chunks)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device), prefills=chunks)
         if decodes:
             meta.num_decodes = len(decodes)
             meta.decode_slots, meta.decode_mask = self._decode_gather(decodes)
 
         with set_forward_context(meta):
             logits = self.model(
-                torch.tensor(input_ids, device=self.device),
-                torch.tensor(positions, device=self.device),
-                torch.tensor(logits_indices, device=self.device),
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             )
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n

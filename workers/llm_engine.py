@@ -12,6 +12,7 @@ import torch
 
 from shoal.workers.block_manager import BlockManager
 from shoal.workers.config import EngineArgs
+from shoal.workers.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.detokenizer import IncrementalDetokenizer
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.model_loader import load_model_files
@@ -54,6 +55,8 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         device = args.resolved_device()
         dtype = args.resolved_dtype(device)
+        if device.type == "cpu":
+            keep_freed_memory_mapped()
         loaded = load_model_files(args.model)
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer

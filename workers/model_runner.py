@@ -55,8 +55,10 @@ class ModelRunner:
             positions.extend(range(start, ctx_len))
             slot_mapping.extend(self._slots(seq, start, ctx_len))
             if n > 1:
-                slots = None if start == 0 else torch.tensor(self._slots(seq, 0, ctx_len), device=self.device)
-                chunks.append(PrefillChunk(q_start, q_start + n, ctx_len, slots))
+                table = None
+                if start > 0:
+                    table = torch.tensor(seq.block_table[: -(-ctx_len // self.block_size)], device=self.device)
+                chunks.append(PrefillChunk(q_start, q_start + n, ctx_len, table))
             if ctx_len == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
@@ -64,7 +66,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device), prefills=chunks)
         if decodes:
             meta.num_decodes = len(decodes)
-            meta.decode_slots, meta.decode_mask = self._decode_gather(decodes)
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
 
         with set_forward_context(meta):
             logits = self.model(
@@ -78,17 +80,13 @@ class ModelRunner:
             return [], None
         return sample_seqs, self.sampler(logits, sample_seqs)
 
-    def _decode_gather(self, decodes: list[tuple[Sequence, int]]):
-        """Cache slots of every decode's context, padded to the longest, and
-        the mask that hides the padding."""
-        bs = self.block_size
+    def _decode_tables(self, decodes: list[tuple[Sequence, int]]):
+        """Block tables of the decodes, padded to the longest, and the mask
+        that hides the padding."""
         lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-        max_len = max(lens)
-        max_blocks = -(-max_len // bs)
+        max_blocks = -(-max(lens) // self.block_size)
         tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                               for s, _ in decodes], device=self.device)  # fmt: skip
-        offsets = torch.arange(bs, device=self.device)
-        slots = (tables.unsqueeze(-1) * bs + offsets).view(len(decodes), -1)[:, :max_len]
+                               for s, _ in decodes], dtype=torch.long, device=self.device)  # fmt: skip
         lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
-        mask = (torch.arange(max_len, device=self.device).unsqueeze(0) < lens_t)[:, None, None, :]
-        return slots, mask
+        mask = torch.arange(max_blocks * self.block_size, device=self.device).unsqueeze(0) < lens_t
+        return tables, mask[:, None, None, :]

@@ -18,21 +18,21 @@ from torch import nn
 @dataclass(slots=True)
 class PrefillChunk:
     """Queries [start, end) of the flat batch attend to `context_len` keys.
-    `slots` lists the cache slots of those keys; None means the chunk is the
+    `block_table` lists the blocks holding them; None means the chunk is the
     whole context, so the fresh keys are used as they are."""
 
     start: int
     end: int
     context_len: int
-    slots: torch.Tensor | None
+    block_table: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new key/value goes
     num_decodes: int = 0  # the batch starts with this many one-token decodes
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_len] cache slots to read
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_len], True = attend
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -72,16 +72,16 @@ class PagedAttention(nn.Module):
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
         ctx = get_forward_context()
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        k_flat, v_flat = self.k_cache.view(kv_shape), self.v_cache.view(kv_shape)
-        k_flat.index_copy_(0, ctx.slot_mapping, k)
-        v_flat.index_copy_(0, ctx.slot_mapping, v)
+        self.k_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, k)
+        self.v_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, v)
         out = torch.empty_like(q)
         nd = ctx.num_decodes
         if nd:
-            # One batched call for all decodes: gather each one's keys into a
-            # padded [nd, kv_heads, max_len, dim] and mask the padding.
-            kd = k_flat[ctx.decode_slots].transpose(1, 2)
-            vd = v_flat[ctx.decode_slots].transpose(1, 2)
+            # One batched call for all decodes: gather each one's blocks (whole
+            # blocks copy at memory speed) into a padded
+            # [nd, kv_heads, max_blocks * block_size, dim] and mask the padding.
+            kd = self._gather(ctx.decode_block_tables).transpose(1, 2)
+            vd = self._gather(ctx.decode_block_tables, self.v_cache).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), kd, vd, attn_mask=ctx.decode_mask, scale=self.scale, enable_gqa=True
             )
@@ -89,10 +89,11 @@ class PagedAttention(nn.Module):
         for p in ctx.prefills:
             n = p.end - p.start
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            if p.slots is None:
+            if p.block_table is None:
                 ks, vs = k[p.start : p.end], v[p.start : p.end]
             else:
-                ks, vs = k_flat[p.slots], v_flat[p.slots]
+                ks = self._gather(p.block_table[None])[0, : p.context_len]
+                vs = self._gather(p.block_table[None], self.v_cache)[0, : p.context_len]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             if n == p.context_len:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -102,3 +103,9 @@ class PagedAttention(nn.Module):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _gather(self, block_tables: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, max_blocks] block ids -> [n, max_blocks * block_size, kv_heads, dim]."""
+        cache = self.k_cache if cache is None else cache
+        n, m = block_tables.shape
+        return cache.index_select(0, block_tables.reshape(-1)).view(n, m * cache.shape[1], *cache.shape[2:])

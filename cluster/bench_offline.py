@@ -1,0 +1,171 @@
+"""`shoal bench offline`: one fixed workload through shoal and its peers,
+in one run, with the compute roofline of this machine.
+
+Workload: N requests (seed 0), prompts of random token ids with lengths
+uniform in 32..512, outputs uniform in 32..256, ignore_eos. Peers:
+transformers' continuous batching (ContinuousBatchingManager, each request
+with its own max_new_tokens) and plain batched generate in batches of 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+
+def add_parser(sub, engine_flags) -> None:
+    p = sub.add_parser("offline", help="offline throughput against transformers")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
+    p.add_argument("--peers", default="cb,generate", help="comma list of: cb, generate (or none)")
+    p.add_argument("--generate-batch", type=int, default=16)
+    p.add_argument("--output", default="bench_results/offline.json")
+    engine_flags(p)
+    p.set_defaults(func=run, dtype="float32")
+
+
+def make_workload(n: int, seed: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        plen = rng.randint(*input_len)
+        work.append(([rng.randrange(vocab) for _ in range(plen)], rng.randint(*output_len)))
+    return work
+
+
+def measure_matmul_flops(seconds: float = 2.0) -> float:
+    """This machine's float32 matmul rate (FLOP/s) on a large square matmul."""
+    import torch
+
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
+def run_shoal(ns, work) -> dict:
+    from shoal.cluster.cli import engine_args_from
+    from shoal.workers import LLM, SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**{k: getattr(args, k) for k in args.__slots__})
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:2]], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == [n for _, n in work]
+    stats = llm.engine.stats()
+    return {"seconds": dt, "preemptions": stats.num_preemptions, "load_s": llm.engine.load_time_s,
+            "params": sum(p.numel() for p in llm.engine.runner.model.parameters()), "llm": llm}  # fmt: skip
+
+
+def _hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_hf_cb(model, work) -> dict:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0)
+    t0 = time.perf_counter()
+    got = {}
+    with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
+        for i, (ids, n) in enumerate(work):
+            manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        while len(got) < len(work):
+            res = manager.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                got[res.request_id] = len(res.generated_tokens)
+            elif res is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+    dt = time.perf_counter() - t0
+    assert sorted(got.values()) == sorted(n for _, n in work), "a request got the wrong number of tokens"
+    return {"seconds": dt}
+
+
+def run_hf_generate(model, work, batch: int) -> dict:
+    """Static batches (left-padded): each batch runs to its longest output;
+    only each request's own max_new_tokens count as output."""
+    import torch
+
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, (p, _) in enumerate(chunk):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(n for _, n in chunk),
+                           min_new_tokens=max(n for _, n in chunk), eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return {"seconds": time.perf_counter() - t0}
+
+
+def run(ns) -> int:
+    import torch
+
+    from shoal.workers.model_loader import resolve_model
+
+    peak = measure_matmul_flops()
+    print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    from shoal.workers.model_loader import load_model_files
+
+    vocab = load_model_files(ns.model).config.vocab_size
+    work = make_workload(ns.num_prompts, ns.seed, ns.input_len, ns.output_len, vocab)
+    n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)
+    print(f"workload: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens (seed {ns.seed})")
+
+    results = {}
+    s = run_shoal(ns, work)
+    llm = s.pop("llm")
+    results["shoal"] = s
+    params = s["params"]
+    print(f"shoal: {s['seconds']:.1f} s ({s['preemptions']} preemptions)", flush=True)
+    del llm
+    peers = [p for p in ns.peers.split(",") if p and p != "none"]
+    if peers:
+        hf = _hf_model(resolve_model(ns.model))
+        if "cb" in peers:
+            results["transformers continuous batching"] = run_hf_cb(hf, work)
+            print(f"transformers CB: {results['transformers continuous batching']['seconds']:.1f} s", flush=True)
+        if "generate" in peers:
+            key = f"transformers generate (batches of {ns.generate_batch})"
+            results[key] = run_hf_generate(hf, work, ns.generate_batch)
+            print(f"{key}: {results[key]['seconds']:.1f} s", flush=True)
+
+    flops = 2 * params * (n_in + n_out)
+    base = results["shoal"]["seconds"]
+    print()
+    print(f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {'shoal is':>9} {'% roofline':>10}")
+    for name, r in results.items():
+        r["output_tok_s"] = n_out / r["seconds"]
+        r["roofline_fraction"] = flops / r["seconds"] / peak
+        ratio = r["seconds"] / base
+        print(f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {ratio:>8.2f}x "
+              f"{100 * r['roofline_fraction']:>9.1f}%")  # fmt: skip
+    print(f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
+          f"at {peak / 1e9:.1f} GFLOP/s = {flops / peak:.1f} s")  # fmt: skip
+    os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
+    with open(ns.output, "w") as f:
+        json.dump({"workload": {"num_prompts": len(work), "seed": ns.seed, "prompt_tokens": n_in,
+                                "output_tokens": n_out}, "matmul_flops": peak, "params": params,
+                   "results": results}, f, indent=2)  # fmt: skip
+    print(f"wrote {ns.output}")
+    return 0

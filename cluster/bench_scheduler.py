@@ -34,13 +34,15 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=num_running), bm)
+    # Prompts are drawn before the clock starts: making them is not the scheduler's work.
+    prompts = [[rng.randrange(50_000) for _ in range(rng.randint(32, 512))] for _ in range(num_running * 4)]
     n = 0
 
     def add():
         nonlocal n
-        plen = rng.randint(32, 512)
-        s = Sequence(str(n), [rng.randrange(50_000) for _ in range(plen)], plen,
-                     SamplingParams(max_tokens=rng.randint(32, 256), ignore_eos=True), n, 0, RequestTimings(0.0))  # fmt: skip
+        p = [n] + prompts[n % len(prompts)]  # a unique first token: no prefix-cache hits
+        s = Sequence(str(n), p, len(p), SamplingParams(max_tokens=rng.randint(32, 256), ignore_eos=True), n, 0,
+                     RequestTimings(0.0))  # fmt: skip
         n += 1
         sched.add(s)
 
@@ -49,7 +51,7 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
         for s, k in out.scheduled:
             s.num_computed_tokens += k
             if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(rng.randrange(50_000))
+                s.token_ids.append(7)
                 if s.num_output_tokens >= s.params.max_tokens:
                     sched.finish(s, "length")
                     add()

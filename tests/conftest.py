@@ -77,6 +77,7 @@ def tiny_models(tmp_path_factory, tiny_model) -> dict[str, str]:
                                            tie_word_embeddings=True, attention_bias=True),  # fmt: skip
         "qwen2-bias-mha": make_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2",
                                           num_key_value_heads=4, tie_word_embeddings=True),  # fmt: skip
+        "mistral": make_tiny_model(str(tmp_path_factory.mktemp("tiny-mistral")), "mistral", head_dim=32),
         "llama3-rope": make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama3")), rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}),  # fmt: skip

@@ -42,7 +42,7 @@ def hf_models(tiny_models):
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("variant", ["llama-gqa-untied", "llama-tied-bias", "qwen2-bias-mha", "llama3-rope"])
+@pytest.mark.parametrize("variant", ["llama-gqa-untied", "llama-tied-bias", "qwen2-bias-mha", "mistral", "llama3-rope"])
 def test_greedy_matches_transformers(tiny_models, hf_models, variant, setting):
     hf = hf_models[variant]
     llm = LLM(tiny_models[variant], dtype="float32", **SETTINGS[setting])

@@ -59,6 +59,11 @@ class BlockManager:
         ones (and after `computed_blocks`, prefix hits for a sequence that has
         no blocks yet). Returns False, changing nothing, if blocks run short."""
         bs = self.block_size
+        if not computed_blocks:
+            # The common case, a decode inside its last block: nothing to do.
+            end = seq.num_computed_tokens + num_new_tokens
+            if end <= len(seq.block_table) * bs and end // bs <= seq.num_registered_blocks:
+                return True
         num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
         # A hit on a block that sits in the free queue uses up free capacity too.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.workers.layers.attention import AttentionMetadata, PrefillChunk, set_forward_context
+from shoal.workers.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, set_forward_context
 from shoal.workers.layers.sampler import SampleResult, Sampler
 from shoal.workers.models.llama import LlamaForCausalLM
 from shoal.workers.scheduler import SchedulerOutput
@@ -39,8 +39,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
         """Runs one step. Returns the sequences that reached the end of their
         tokens (so get a new one) and what was sampled for them, in order."""
-        # Decodes first, so the attention backend can batch them as one block.
-        decodes = [(s, n) for s, n in sched.scheduled if n == 1]
+        # Decodes first, longest context first, so the attention backend can
+        # batch them in a few groups of similar length.
+        decodes = sorted(((s, n) for s, n in sched.scheduled if n == 1), key=lambda x: -x[0].num_tokens)
         prefills = [(s, n) for s, n in sched.scheduled if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -65,8 +66,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device), prefills=chunks)
         if decodes:
-            meta.num_decodes = len(decodes)
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
+            meta.decodes = self._decode_groups([s for s, _ in decodes])
 
         with set_forward_context(meta):
             logits = self.model(
@@ -80,13 +80,28 @@ class ModelRunner:
             return [], None
         return sample_seqs, self.sampler(logits, sample_seqs)
 
-    def _decode_tables(self, decodes: list[tuple[Sequence, int]]):
-        """Block tables of the decodes, padded to the longest, and the mask
+    def _decode_groups(self, seqs: list[Sequence], max_waste: float = 0.25) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) into groups, starting a new
+        one when padding to the group's longest would waste over max_waste
+        of the keys read. Each group has padded block tables and the mask
         that hides the padding."""
-        lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-        max_blocks = -(-max(lens) // self.block_size)
-        tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                               for s, _ in decodes], dtype=torch.long, device=self.device)  # fmt: skip
-        lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
-        mask = torch.arange(max_blocks * self.block_size, device=self.device).unsqueeze(0) < lens_t
-        return tables, mask[:, None, None, :]
+        bs = self.block_size
+        groups, start = [], 0
+        while start < len(seqs):
+            longest = seqs[start].num_computed_tokens + 1
+            end, total = start, 0
+            while end < len(seqs):
+                n = seqs[end].num_computed_tokens + 1
+                if total + n < (1 - max_waste) * longest * (end - start + 1):
+                    break
+                total += n
+                end += 1
+            group = seqs[start:end]
+            max_blocks = -(-longest // bs)
+            tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                                   for s in group], dtype=torch.long, device=self.device)  # fmt: skip
+            lens = torch.tensor([s.num_computed_tokens + 1 for s in group], device=self.device).unsqueeze(1)
+            mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens
+            groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
+            start = end
+        return groups

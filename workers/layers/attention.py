@@ -28,11 +28,20 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """One-token queries [start, end) of the flat batch, one per sequence,
+    of similar context length so that padding them to the longest is cheap."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, max_blocks], padded
+    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size], True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new key/value goes
-    num_decodes: int = 0  # the batch starts with this many one-token decodes
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -75,17 +84,16 @@ class PagedAttention(nn.Module):
         self.k_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, v)
         out = torch.empty_like(q)
-        nd = ctx.num_decodes
-        if nd:
-            # One batched call for all decodes: gather each one's blocks (whole
+        for g in ctx.decodes:
+            # One batched call per group: gather each one's blocks (whole
             # blocks copy at memory speed) into a padded
-            # [nd, kv_heads, max_blocks * block_size, dim] and mask the padding.
-            kd = self._gather(ctx.decode_block_tables).transpose(1, 2)
-            vd = self._gather(ctx.decode_block_tables, self.v_cache).transpose(1, 2)
+            # [n, kv_heads, max_blocks * block_size, dim] and mask the padding.
+            kd = self._gather(g.block_tables).transpose(1, 2)
+            vd = self._gather(g.block_tables, self.v_cache).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), kd, vd, attn_mask=ctx.decode_mask, scale=self.scale, enable_gqa=True
+                q[g.start : g.end].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )
-            out[:nd] = o.squeeze(2)
+            out[g.start : g.end] = o.squeeze(2)
         for p in ctx.prefills:
             n = p.end - p.start
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)

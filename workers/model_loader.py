@@ -136,7 +136,10 @@ def _load_gguf(path: str) -> LoadedModel:
                 w = _unpermute(w, cfg.num_attention_heads)
             elif gname.endswith(("attn_k.weight", "attn_k.bias")) and cfg.model_type == "llama":
                 w = _unpermute(w, cfg.num_key_value_heads)
-            yield hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+            w = np.asarray(w, dtype=np.float32)
+            if not (w.flags.writeable and w.flags.c_contiguous):
+                w = w.copy()  # float32 tensors are read-only views of the file
+            yield hf, torch.from_numpy(w)
 
     name = g.metadata.get("general.name") or os.path.basename(path)
     if os.path.abspath(path) == os.path.abspath(default_model_path_or_none() or ""):

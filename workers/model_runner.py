@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from shoal.workers.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, set_forward_context
+from shoal.workers.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    GatherWorkspace,
+    PrefillChunk,
+    set_forward_context,
+)
 from shoal.workers.layers.sampler import SampleResult, Sampler
 from shoal.workers.models.llama import LlamaForCausalLM
 from shoal.workers.scheduler import SchedulerOutput
@@ -22,8 +28,10 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        workspace = GatherWorkspace()
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.workspace = workspace
         self.sampler = Sampler(eos_token_ids)
 
     @staticmethod

@@ -63,6 +63,21 @@ def get_forward_context() -> AttentionMetadata:
     return _context
 
 
+class GatherWorkspace:
+    """Reusable buffers for gathered keys and values, shared by all layers
+    of one model: a fresh multi-megabyte tensor per layer and step costs
+    more in page faults than the copy itself."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(slot)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.buffers[slot] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
+
 class PagedAttention(nn.Module):
     """Writes the step's keys/values into the cache, then attends.
 
@@ -76,6 +91,7 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.workspace = GatherWorkspace()  # the model runner shares one across layers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
@@ -88,8 +104,8 @@ class PagedAttention(nn.Module):
             # One batched call per group: gather each one's blocks (whole
             # blocks copy at memory speed) into a padded
             # [n, kv_heads, max_blocks * block_size, dim] and mask the padding.
-            kd = self._gather(g.block_tables).transpose(1, 2)
-            vd = self._gather(g.block_tables, self.v_cache).transpose(1, 2)
+            kd = self._gather(g.block_tables, self.k_cache, 0).transpose(1, 2)
+            vd = self._gather(g.block_tables, self.v_cache, 1).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[g.start : g.end].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )
@@ -100,8 +116,8 @@ class PagedAttention(nn.Module):
             if p.block_table is None:
                 ks, vs = k[p.start : p.end], v[p.start : p.end]
             else:
-                ks = self._gather(p.block_table[None])[0, : p.context_len]
-                vs = self._gather(p.block_table[None], self.v_cache)[0, : p.context_len]
+                ks = self._gather(p.block_table[None], self.k_cache, 0)[0, : p.context_len]
+                vs = self._gather(p.block_table[None], self.v_cache, 1)[0, : p.context_len]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             if n == p.context_len:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -112,8 +128,11 @@ class PagedAttention(nn.Module):
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
 
-    def _gather(self, block_tables: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
-        """[n, max_blocks] block ids -> [n, max_blocks * block_size, kv_heads, dim]."""
-        cache = self.k_cache if cache is None else cache
+    def _gather(self, block_tables: torch.Tensor, cache: torch.Tensor, slot: int) -> torch.Tensor:
+        """[n, max_blocks] block ids -> [n, max_blocks * block_size, kv_heads, dim],
+        copied whole blocks at a time into workspace buffer `slot`."""
         n, m = block_tables.shape
-        return cache.index_select(0, block_tables.reshape(-1)).view(n, m * cache.shape[1], *cache.shape[2:])
+        block_shape = cache.shape[1:]
+        out = self.workspace.get(slot, n * m * cache[0].numel(), cache).view(n * m, *block_shape)
+        torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
+        return out.view(n, m * block_shape[0], *block_shape[1:])

@@ -21,6 +21,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the generators of requests that bring no seed
     num_threads: int | None = None  # torch CPU threads; default: all cores
+    # auto: the compiled CPU decode kernel on CPU/float32 when it builds, else
+    # torch; "torch" forces the pure-torch reference backend.
+    attention_backend: str = "auto"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -90,7 +90,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.block_manager)
         self.eos_token_ids = list(cfg.eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids)
+        self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids, args.attention_backend)
         self.device = device
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()

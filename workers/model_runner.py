@@ -19,7 +19,8 @@ from shoal.workers.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int]):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int],
+                 attention_backend: str = "auto"):  # fmt: skip
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -28,10 +29,22 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On the CPU in float32, decodes read the paged cache through the
+        # compiled kernel when it builds; the torch path is the fallback.
+        if attention_backend not in ("auto", "torch", "cpu_kernel"):
+            raise ValueError(f"attention_backend must be auto, torch or cpu_kernel; got {attention_backend!r}")
+        self.decode_kernel = None
+        if attention_backend != "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
+            from shoal.workers.layers import cpu_decode_kernel
+
+            self.decode_kernel = cpu_decode_kernel.load()
+        if attention_backend == "cpu_kernel" and self.decode_kernel is None:
+            raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32 and a C++ compiler")
         workspace = GatherWorkspace()
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.workspace = workspace
+            attn.decode_kernel = self.decode_kernel
         self.sampler = Sampler(eos_token_ids)
 
     @staticmethod
@@ -74,7 +87,8 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device), prefills=chunks)
         if decodes:
-            meta.decodes = self._decode_groups([s for s, _ in decodes])
+            # The kernel reads each context at its own length: no padding, one group.
+            meta.decodes = self._decode_groups([s for s, _ in decodes], 1.0 if self.decode_kernel else 0.25)
 
         with set_forward_context(meta):
             logits = self.model(
@@ -88,7 +102,7 @@ class ModelRunner:
             return [], None
         return sample_seqs, self.sampler(logits, sample_seqs)
 
-    def _decode_groups(self, seqs: list[Sequence], max_waste: float = 0.25) -> list[DecodeGroup]:
+    def _decode_groups(self, seqs: list[Sequence], max_waste: float) -> list[DecodeGroup]:
         """Split decodes (sorted longest first) into groups, starting a new
         one when padding to the group's longest would waste over max_waste
         of the keys read. Each group has padded block tables and the mask
@@ -108,8 +122,10 @@ class ModelRunner:
             max_blocks = -(-longest // bs)
             tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
                                    for s in group], dtype=torch.long, device=self.device)  # fmt: skip
-            lens = torch.tensor([s.num_computed_tokens + 1 for s in group], device=self.device).unsqueeze(1)
-            mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens
-            groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
+            lens = torch.tensor([s.num_computed_tokens + 1 for s in group], dtype=torch.long, device=self.device)
+            mask = None
+            if self.decode_kernel is None:
+                mask = (torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None]
+            groups.append(DecodeGroup(start, end, tables, lens, mask))
             start = end
         return groups

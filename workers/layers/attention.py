@@ -35,7 +35,8 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor  # [end - start, max_blocks], padded
-    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size], True = attend
+    context_lens: torch.Tensor  # [end - start]
+    mask: torch.Tensor | None  # [end - start, 1, 1, max_blocks * block_size], True = attend (torch path)
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.workspace = GatherWorkspace()  # the model runner shares one across layers
+        self.decode_kernel = None  # the compiled CPU kernel, when the runner has one
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
@@ -101,6 +103,11 @@ class PagedAttention(nn.Module):
         self.v_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, v)
         out = torch.empty_like(q)
         for g in ctx.decodes:
+            if self.decode_kernel is not None:
+                out[g.start : g.end] = self.decode_kernel.paged_decode_attention(
+                    q[g.start : g.end], self.k_cache, self.v_cache, g.block_tables, g.context_lens, self.scale
+                )
+                continue
             # One batched call per group: gather each one's blocks (whole
             # blocks copy at memory speed) into a padded
             # [n, kv_heads, max_blocks * block_size, dim] and mask the padding.

@@ -1,0 +1,93 @@
+// Decode attention straight from the paged KV cache, on the CPU (float32).
+//
+// The torch backend gathers each sequence's blocks into a padded tensor and
+// then attends over it: every key and value is read, written and read again.
+// Here each (sequence, kv head) pair walks its block table and reads each key
+// and value once, for all the query heads that share it (grouped-query
+// attention), with an exact two-pass softmax.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// q: [n, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D];
+// block_tables: [n, max_blocks] int64; context_lens: [n] int64 -> [n, H, D]
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous caches only");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "paged_decode_attention: int64 block tables and lengths");
+  q = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH, max_blocks = tables.size(1);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t tok_stride = KVH * D;
+  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t s = job / KVH, h = job % KVH, L = lp[s];
+      scores.resize(G * L);
+      acc.assign(G * D, 0.f);
+      const float* qh = qp + (s * H + h * G) * D;
+      const int64_t nblk = (L + bs - 1) / bs;
+      for (int64_t b = 0; b < nblk; ++b) {
+        const float* blk = kp + (tp[s * max_blocks + b] * bs * KVH + h) * D;
+        const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+        for (int64_t i = 0; i < tn; ++i) {
+          const float* key = blk + i * tok_stride;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qh + g * D;
+            float a = 0.f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t d = 0; d < D; ++d) a += qg[d] * key[d];
+            scores[g * L + t0 + i] = a * sc;
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, row[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) { row[t] = std::exp(row[t] - m); sum += row[t]; }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < L; ++t) row[t] *= inv;
+      }
+      for (int64_t b = 0; b < nblk; ++b) {
+        const float* blk = vp + (tp[s * max_blocks + b] * bs * KVH + h) * D;
+        const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc.data() + g * D;
+          const float* prow = scores.data() + g * L + t0;
+          for (int64_t i = 0; i < tn; ++i) {
+            const float p = prow[i];
+            const float* val = blk + i * tok_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * val[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (s * H + h * G + g) * D);
+    }
+  });
+  return out;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU, float32)");
+}

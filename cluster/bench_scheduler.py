@@ -23,6 +23,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def stand_in_step(sched, budget_check: int | None = None) -> list:
+    """One engine step with a stand-in model that computes every scheduled
+    token and samples at once. Returns the sequences that finished."""
+    out = sched.schedule()
+    if budget_check is not None:
+        assert out.num_batched_tokens <= budget_check
+    done = []
+    for s, k in out.scheduled:
+        s.num_computed_tokens += k
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append((s.num_tokens * 13) % 50)
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.finish(s, "length")
+                done.append(s)
+    return done
+
+
 def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed: int = 0) -> float:
     """Mean ms per step with `num_running` sequences decoding, each
     replaced by a fresh one (prompt 32..512) when it ends (output 32..256)."""
@@ -47,14 +64,8 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
         sched.add(s)
 
     def step():
-        out = sched.schedule()
-        for s, k in out.scheduled:
-            s.num_computed_tokens += k
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(7)
-                if s.num_output_tokens >= s.params.max_tokens:
-                    sched.finish(s, "length")
-                    add()
+        for _ in stand_in_step(sched):
+            add()  # keep the number running constant
 
     for _ in range(num_running):
         add()

@@ -32,3 +32,13 @@ def check_tokens(model, prompt: list[int], ours: list[int], ref: list[int], tie_
     gap = (top2[0] - top2[1]).item()
     assert gap < tie_tol, f"token {i} differs ({ours[i]} vs {ref[i]}) and the reference's top-2 gap is {gap:.3g}"
     return f"near-tie at token {i}: top-2 gap {gap:.2e}"
+
+
+def check_setting(stats, setting: str, notes: list) -> None:
+    """What each scheduler regime of the token-exact tests must show."""
+    if setting == "preempt":
+        assert stats.num_preemptions > 0
+    if setting == "prefix":
+        assert stats.prefix_cache_hit_rate > 0.3
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block back once idle
+    assert sum(n is not None for n in notes) <= 1, notes

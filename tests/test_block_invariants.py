@@ -7,6 +7,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shoal.cluster.bench_scheduler import stand_in_step
 from shoal.workers.block_manager import BlockManager
 from shoal.workers.sampling_params import SamplingParams
 from shoal.workers.scheduler import Scheduler, SchedulerConfig
@@ -62,15 +63,8 @@ def test_pool_invariants(ops, num_blocks, budget, caching):
             sched.add(s)
             live.append(s)
         elif o[0] == "step":
-            out = sched.schedule()
-            assert out.num_batched_tokens <= budget
-            for s, k in out.scheduled:
-                s.num_computed_tokens += k
-                if s.num_computed_tokens == s.num_tokens:
-                    s.token_ids.append((s.num_tokens * 13) % 50)
-                    if s.num_output_tokens >= s.params.max_tokens:
-                        sched.finish(s, "length")
-                        live.remove(s)
+            for s in stand_in_step(sched, budget_check=budget):
+                live.remove(s)
         else:
             if live:
                 s = live.pop(o[1] % len(live))
@@ -81,14 +75,8 @@ def test_pool_invariants(ops, num_blocks, budget, caching):
     for _ in range(2000):
         if not sched.has_unfinished():
             break
-        out = sched.schedule()
-        for s, k in out.scheduled:
-            s.num_computed_tokens += k
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(1)
-                if s.num_output_tokens >= s.params.max_tokens:
-                    sched.finish(s, "length")
-                    live.remove(s)
+        for s in stand_in_step(sched, budget_check=budget):
+            live.remove(s)
         check(bm, live)
     assert not sched.has_unfinished()
     assert bm.num_free_blocks == num_blocks

@@ -62,7 +62,7 @@ class ModelRunner:
         tokens (so get a new one) and what was sampled for them, in order."""
         # Decodes first, longest context first, so the attention backend can
         # batch them in a few groups of similar length.
-        decodes = sorted(((s, n) for s, n in sched.scheduled if n == 1), key=lambda x: -x[0].num_tokens)
+        decodes = sorted(((s, n) for s, n in sched.scheduled if n == 1), key=lambda x: -x[0].num_computed_tokens)
         prefills = [(s, n) for s, n in sched.scheduled if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -85,7 +85,8 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device), prefills=chunks)
+        slots = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slot_mapping=slots, prefills=chunks)
         if decodes:
             # The kernel reads each context at its own length: no padding, one group.
             meta.decodes = self._decode_groups([s for s, _ in decodes], 1.0 if self.decode_kernel else 0.25)
@@ -119,7 +120,7 @@ class ModelRunner:
                 total += n
                 end += 1
             group = seqs[start:end]
-            max_blocks = -(-longest // bs)
+            max_blocks = -(-max(s.num_computed_tokens + 1 for s in group) // bs)
             tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
                                    for s in group], dtype=torch.long, device=self.device)  # fmt: skip
             lens = torch.tensor([s.num_computed_tokens + 1 for s in group], dtype=torch.long, device=self.device)

@@ -4,12 +4,43 @@
 // then attends over it: every key and value is read, written and read again.
 // Here each (sequence, kv head) pair walks its block table and reads each key
 // and value once, for all the query heads that share it (grouped-query
-// attention), with an exact two-pass softmax.
+// attention), with an exact two-pass softmax. AVX2 paths for the dot
+// products and exp; plain loops elsewhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+inline float hsum256(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// exp for x <= 0 (scores minus their max), Cephes' polynomial: ~1 ulp.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, x), x, x), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
 
 // q: [n, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D];
 // block_tables: [n, max_blocks] int64; context_lens: [n] int64 -> [n, H, D]
@@ -46,6 +77,37 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       for (int64_t b = 0; b < nblk; ++b) {
         const float* blk = kp + (tp[s * max_blocks + b] * bs * KVH + h) * D;
         const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+#ifdef __AVX2__
+        if (D % 8 == 0) {
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qh + g * D;
+            float* srow = scores.data() + g * L + t0;
+            int64_t i = 0;
+            for (; i + 4 <= tn; i += 4) {
+              const float* k0 = blk + i * tok_stride;
+              __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+              for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + tok_stride + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * tok_stride + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * tok_stride + d), a3);
+              }
+              srow[i] = hsum256(a0) * sc;
+              srow[i + 1] = hsum256(a1) * sc;
+              srow[i + 2] = hsum256(a2) * sc;
+              srow[i + 3] = hsum256(a3) * sc;
+            }
+            for (; i < tn; ++i) {
+              const float* key = blk + i * tok_stride;
+              __m256 a0 = _mm256_setzero_ps();
+              for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d), a0);
+              srow[i] = hsum256(a0) * sc;
+            }
+          }
+          continue;  // the scalar loop below is for other head sizes / CPUs
+        }
+#endif
         for (int64_t i = 0; i < tn; ++i) {
           const float* key = blk + i * tok_stride;
           for (int64_t g = 0; g < G; ++g) {
@@ -62,11 +124,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < L; ++t) m = std::max(m, row[t]);
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) { row[t] = std::exp(row[t] - m); sum += row[t]; }
+        int64_t t = 0;
+#ifdef __AVX2__
+        __m256 vsum = _mm256_setzero_ps();
+        const __m256 vm = _mm256_set1_ps(m);
+        for (; t + 8 <= L; t += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), vm));
+          _mm256_storeu_ps(row + t, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = hsum256(vsum);
+#endif
+        for (; t < L; ++t) {
+          row[t] = std::exp(row[t] - m);
+          sum += row[t];
+        }
         const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < L; ++t) row[t] *= inv;
+        for (int64_t u = 0; u < L; ++u) row[u] *= inv;
       }
       for (int64_t b = 0; b < nblk; ++b) {
         const float* blk = vp + (tp[s * max_blocks + b] * bs * KVH + h) * D;

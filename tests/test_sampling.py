@@ -74,15 +74,11 @@ def test_stop_string_cuts_text(llm):
     assert out.text == text[: text.index(stop)]
 
 
-def test_penalties_change_the_distribution(llm, tiny_model):
+def test_repetition_penalty_matches_transformers(llm, tiny_model):
+    # presence/frequency penalties are checked by hand in test_layers.py
     from transformers import AutoModelForCausalLM
 
     prompt = rand_prompt(random.Random(6), 25)
-    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
-    freq = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                               frequency_penalty=2.0, presence_penalty=2.0))[0].token_ids  # fmt: skip
-    assert len(set(freq)) >= len(set(base))
-    # repetition_penalty follows transformers' rule: compare with its generate.
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, repetition_penalty=1.3,
                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip

@@ -58,7 +58,10 @@ def resolve_model(model: str | None) -> str:
 def load_model_files(model: str | None) -> LoadedModel:
     path = resolve_model(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return _load_gguf(path)
+        loaded = _load_gguf(path)
+        if path != model:  # resolved from the default
+            loaded.name = DEFAULT_MODEL_NAME
+        return loaded
     if os.path.isdir(path):
         return _load_hf_folder(path)
     raise ValueError(f"{path}: expected a Hugging Face folder or a .gguf file")
@@ -142,13 +145,4 @@ def _load_gguf(path: str) -> LoadedModel:
             yield hf, torch.from_numpy(w)
 
     name = g.metadata.get("general.name") or os.path.basename(path)
-    if os.path.abspath(path) == os.path.abspath(default_model_path_or_none() or ""):
-        name = DEFAULT_MODEL_NAME
     return LoadedModel(name, cfg, tokenizer, weights())
-
-
-def default_model_path_or_none() -> str | None:
-    try:
-        return default_model_path()
-    except FileNotFoundError:
-        return None

@@ -52,7 +52,6 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already in the prefix index
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    output_logprobs: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

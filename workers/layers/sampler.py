@@ -25,16 +25,19 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [len(seqs), vocab] float32, one row per sequence."""
-        raw = logits
-        logits = logits.clone()
+        raw = logits  # logprobs come from the unprocessed distribution
         for i, seq in enumerate(seqs):
             p = seq.params
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                self._apply_penalties(logits[i], seq)
+            penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            banned = []
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                if banned:
-                    logits[i, banned] = float("-inf")
+            if (penalized or banned) and logits is raw:
+                logits = logits.clone()  # only when some row is changed: a step's logits are megabytes
+            if penalized:
+                self._apply_penalties(logits[i], seq)
+            if banned:
+                logits[i, banned] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     _engine_flags(g)
     g.set_defaults(func=cmd_generate)
 
+    from shoal.cluster import serve_cmd
+
+    serve_cmd.add_parser(sub, _engine_flags)
+
     b = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = b.add_subparsers(dest="bench", required=True)
     from shoal.cluster import bench_offline, bench_scheduler

@@ -40,6 +40,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running, counting those added since the last step."""
+        return self.engine.scheduler.num_waiting + sum(1 for kind, _ in self._pending if kind == "add")
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The error that stopped the engine loop, if it stopped."""
+        return self._error
+
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -69,6 +79,11 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                while not item.finished and not queue.empty():  # the consumer lagged: send one merged delta
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        raise later
+                    item.merge(later)
                 yield item
                 if item.finished:
                     finished = True

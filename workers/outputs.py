@@ -35,6 +35,17 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: "RequestOutput") -> None:
+        """Fold a later delta of the same request into this one, so a consumer
+        that fell behind gets one message instead of several."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.num_cached_tokens, self.num_output_tokens = later.num_cached_tokens, later.num_output_tokens
+        self.timings = later.timings
+
 
 @dataclass(slots=True)
 class CompletionOutput:

@@ -1,0 +1,43 @@
+"""The Ray Serve application: a Router replica in front of the Worker deployment.
+
+`build_app` is the import path a Serve config names (deploy/serve.yaml, a
+KubeRay RayService): `serve run deploy/serve.yaml`. `shoal serve` builds the
+same application from its flags.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from shoal.cluster.options import ServeOptions
+from shoal.router.ingress import Router
+from shoal.workers.worker import Worker
+
+# Serve's own queue in front of a worker must never be what holds a request
+# back: the engine admits up to max_num_seqs and max_waiting, and refuses the rest.
+_HEADROOM = 64
+
+
+def build_app(args: dict | ServeOptions | None = None) -> Application:
+    """The application for `serve run` / `serve deploy`; args are ServeOptions fields."""
+    opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
+    gpu = opts.uses_gpu()
+    engine_args = opts.engine_args(gpu)
+    max_num_seqs = engine_args.get("max_num_seqs", 256)
+    actor = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": opts.cpus_per_worker}
+    worker = serve.deployment(Worker, name="Worker").options(
+        num_replicas=opts.num_workers,
+        ray_actor_options=actor,
+        max_ongoing_requests=max_num_seqs + opts.max_waiting + _HEADROOM,
+        health_check_period_s=5.0,
+        health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=opts.drain_timeout_s + 5.0,
+    )
+    router = serve.deployment(Router, name="Router").options(
+        num_replicas=1,  # it binds the HTTP and gRPC ports itself
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
+        graceful_shutdown_timeout_s=opts.drain_timeout_s + 10.0,
+    )
+    return router.bind(worker.bind(engine_args, opts.max_waiting), opts.router_options())

@@ -1,0 +1,88 @@
+"""`shoal serve`: start (or join) a Ray cluster, deploy the application, wait
+for Ctrl-C, then drain and stop."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+
+APP_NAME = "shoal"
+
+
+def add_parser(sub, engine_flags) -> None:
+    p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC on a Ray cluster")
+    p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--num-workers", type=int, default=1, help="worker replicas (one GPU each on a GPU cluster)")
+    p.add_argument("--api-key", default=None, help="require this bearer key (default: $SHOAL_API_KEY)")
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting requests per worker before 429")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on shutdown")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per CPU worker")
+    engine_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def options_from(ns: argparse.Namespace):
+    from shoal.cluster.cli import engine_args_from
+    from shoal.cluster.options import ServeOptions
+
+    ea = engine_args_from(ns)
+    engine = {k: getattr(ea, k) for k in ("dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
+                                          "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len",
+                                          "enable_prefix_caching")}  # fmt: skip
+    opts = ServeOptions(model=ns.model, host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
+                        num_workers=ns.num_workers, device=ns.device, api_key=ns.api_key,
+                        max_waiting=ns.max_waiting, max_request_bytes=ns.max_request_bytes,
+                        drain_timeout_s=ns.drain_timeout, num_threads=ns.num_threads, engine=engine)  # fmt: skip
+    opts.validate()
+    return opts
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    opts = options_from(ns)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from shoal.cluster.app import build_app
+
+    if ns.address:
+        ray.init(address=ns.address, logging_level="WARNING")
+    else:
+        gpus = None if opts.device in ("auto", "cuda") else 0
+        # Logical CPUs: a CPU worker asks for one, whatever the core count.
+        ray.init(num_cpus=max(os.cpu_count() or 1, opts.num_workers * int(opts.cpus_per_worker + 0.999)),
+                 num_gpus=gpus, include_dashboard=False, logging_level="WARNING")  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        # The router binds the ports itself, so Serve's own proxies stay off.
+        serve.start(proxy_location="Disabled")
+        handle = serve.run(build_app(opts), name=APP_NAME, route_prefix=None)
+        ends = handle.endpoints.remote().result()
+        print(f"shoal: serving {ends['model']} with {opts.num_workers} worker(s)\n"
+              f"  OpenAI HTTP  {ends['http']}/v1\n  gRPC         {ends['grpc']} (shoal.v1.Shoal)\n"
+              f"  ready in {time.perf_counter() - t0:.1f} s; Ctrl-C stops", flush=True)  # fmt: skip
+        while not stop.wait(0.5):
+            pass
+        print("shoal: draining (new requests get 503 / UNAVAILABLE)...", flush=True)
+        left = handle.drain.remote(opts.drain_timeout_s).result()
+        print(f"shoal: drained ({left} streams cut); stopping", flush=True)
+    finally:
+        try:
+            serve.delete(APP_NAME)
+            serve.shutdown()
+        finally:
+            if not ns.address:
+                ray.shutdown()
+    print("shoal: stopped", flush=True)
+    return 0
+

@@ -1,0 +1,1 @@
+"""Stubs generated from shoal.proto (package shoal.v1)."""

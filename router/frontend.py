@@ -1,0 +1,161 @@
+"""The router's core, shared by the HTTP and gRPC fronts: check the key,
+validate and tokenize, send to a worker, stream its deltas back, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from shoal.router.prompt import Prompt, tokenize
+from shoal.workers.errors import InvalidRequestError
+from shoal.workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ServingError(Exception):
+    """kind: invalid (400 / INVALID_ARGUMENT), full (429 / RESOURCE_EXHAUSTED),
+    unavailable (503 / UNAVAILABLE), unauthenticated (401 / UNAUTHENTICATED),
+    not_found (404 / NOT_FOUND), internal (500 / INTERNAL)."""
+
+    def __init__(self, kind: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.field = kind, message, field
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    tensor_parallel_size: int
+    num_workers: int
+
+
+class Frontend:
+    """One per router replica. generate() yields the worker's delta dicts; the
+    last carries finish_reason, usage, worker and timings measured here."""
+
+    def __init__(self, pool, tokenizer, info: ModelInfo, api_key: str | None = None):
+        self.pool, self.tokenizer, self.info = pool, tokenizer, info
+        self.api_key = api_key or None
+        self.draining = False
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._ids = itertools.count()
+        self._prefix = os.urandom(4).hex()
+
+    # ---- checks -------------------------------------------------------------
+
+    def authenticate(self, presented: str | None) -> None:
+        if self.api_key is None:
+            return
+        if presented is None or not hmac.compare_digest(presented.encode(), self.api_key.encode()):
+            raise ServingError("unauthenticated", "a valid API key is required (Authorization: Bearer KEY)")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.info.model:
+            raise ServingError("not_found", f"model {model!r} is not served here; this server serves "
+                                            f"{self.info.model!r}", field="model")  # fmt: skip
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        try:
+            return tokenize(prompt, self.tokenizer)
+        except InvalidRequestError as e:
+            raise ServingError("invalid", str(e), e.field) from None
+
+    def prepare(self, prompt: Prompt, sampling: dict) -> tuple[list[int], SamplingParams]:
+        """Token ids and SamplingParams, or a ServingError('invalid') naming the field."""
+        ids = self.tokenize(prompt)
+        n, limit = len(ids), self.info.max_model_len
+        try:
+            if n == 0:
+                raise InvalidRequestError("prompt is empty", field="prompt")
+            if n >= limit:
+                raise InvalidRequestError(f"prompt has {n} tokens; max_model_len is {limit}", field="prompt")
+            if any(not 0 <= t < self.info.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {self.info.vocab_size})",
+                                          field="prompt")  # fmt: skip
+            sampling = dict(sampling)
+            if sampling.get("max_tokens") is None:  # OpenAI chat: up to the context length
+                sampling["max_tokens"] = limit - n
+            params = SamplingParams(**sampling)
+            if n + params.max_tokens > limit:
+                raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                          f"max_model_len ({limit})", field="max_tokens")  # fmt: skip
+        except InvalidRequestError as e:
+            raise ServingError("invalid", str(e), e.field) from None
+        except TypeError as e:  # a sampling value of the wrong type slipped through
+            raise ServingError("invalid", str(e)) from None
+        return ids, params
+
+    # ---- requests -----------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[dict]:  # fmt: skip
+        """Stream one request. Raises ServingError before the first delta when
+        the request is refused (draining, full, invalid)."""
+        if self.draining:
+            raise ServingError("unavailable", "the server is shutting down")
+        arrival = time.time()
+        request = {"request_id": request_id or self.new_request_id(), "prompt_token_ids": prompt_ids,
+                   "params": params, "priority": priority}  # fmt: skip
+        self.num_in_flight += 1
+        self._idle.clear()
+        first_token = None
+        try:
+            async with aclosing(self.pool.generate(request)) as stream:
+                async for msg in stream:
+                    if "error" in msg:
+                        raise ServingError(msg["error"], msg["message"], msg.get("field"))
+                    if first_token is None and msg["token_ids"]:
+                        first_token = time.time()
+                    if "finish_reason" in msg:
+                        now = time.time()
+                        msg["time_to_first_token_s"] = (first_token or now) - arrival
+                        msg["total_s"] = now - arrival
+                    yield msg
+        finally:
+            self.num_in_flight -= 1
+            if self.num_in_flight == 0:
+                self._idle.set()
+
+    async def load(self) -> list[dict]:
+        out = []
+        for s in await self.pool.stats():
+            if isinstance(s, BaseException):
+                logger.warning("a worker did not report its load: %r", s)
+                continue
+            out.append(s)
+        return sorted(out, key=lambda s: s["worker"])
+
+    async def ready(self) -> bool:
+        """Every expected worker answers (and the router is not draining)."""
+        if self.draining:
+            return False
+        try:
+            return len(await self.load()) >= self.info.num_workers
+        except Exception:
+            return False
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, wait up to timeout_s for those in flight;
+        return how many were still running at the deadline."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.num_in_flight

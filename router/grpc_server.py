@@ -1,0 +1,161 @@
+"""The gRPC front: shoal.v1.Shoal, grpc.health.v1.Health and server reflection
+on one grpc.aio server."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shoal.proto.v1 import shoal_pb2 as pb
+from shoal.proto.v1 import shoal_pb2_grpc
+from shoal.router.frontend import Frontend, ServingError
+from shoal.router.prompt import Prompt
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Shoal"].full_name
+_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "min_tokens", "logprobs", "skip_special_tokens")  # fmt: skip
+
+
+def _prompt(msg, which: str) -> Prompt:
+    if which == "text":
+        return Prompt(text=msg.text)
+    if which == "token_ids":
+        return Prompt(token_ids=list(msg.token_ids.ids))
+    if which == "chat":
+        return Prompt(messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages])
+    raise ServingError("invalid", "a prompt is required: text, token_ids or chat", field="prompt")
+
+
+def _sampling(sp: pb.SamplingParams) -> dict:
+    out = {name: getattr(sp, name) for name in _SAMPLING_FIELDS if sp.HasField(name)}
+    out.setdefault("max_tokens", 16)
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.ignore_eos:
+        out["ignore_eos"] = True
+    return out
+
+
+def _response(request_id: str, msg: dict) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(request_id=request_id, token_ids=msg["token_ids"], text=msg["text"])
+    for t, lp, top in msg.get("logprobs") or ():
+        r.logprobs.append(pb.TokenLogprob(token_id=t, logprob=lp, top_logprobs=[
+            pb.TopLogprob(token_id=k, logprob=v) for k, v in top.items()]))  # fmt: skip
+    if "finish_reason" in msg:
+        sr = msg.get("stop_reason")
+        r.finished.CopyFrom(pb.Finished(
+            finish_reason=msg["finish_reason"], stop_reason="" if sr is None else str(sr), worker=msg["worker"],
+            usage=pb.Usage(prompt_tokens=msg["num_prompt_tokens"], completion_tokens=msg["num_output_tokens"],
+                           cached_tokens=msg["num_cached_tokens"]),
+            timings=pb.Timings(queue_s=msg["queue_s"], time_to_first_token_s=msg["time_to_first_token_s"],
+                               total_s=msg["total_s"])))  # fmt: skip
+    return r
+
+
+class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
+    def __init__(self, frontend: Frontend):
+        self.fe = frontend
+
+    async def _abort(self, context, e: ServingError):
+        await context.abort(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), e.message)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            prompt = _prompt(request, request.WhichOneof("prompt"))
+            ids, params = self.fe.prepare(prompt, _sampling(request.sampling))
+            rid = request.request_id or self.fe.new_request_id()
+            async for msg in self.fe.generate(ids, params, rid, request.priority):
+                yield _response(rid, msg)
+        except ServingError as e:
+            await self._abort(context, e)
+
+    async def GetModelInfo(self, request, context):
+        i = self.fe.info
+        return pb.ModelInfo(model=i.model, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
+                            block_size=i.block_size, tensor_parallel_size=i.tensor_parallel_size,
+                            num_workers=i.num_workers)  # fmt: skip
+
+    async def GetLoad(self, request, context):
+        return pb.LoadReport(workers=[pb.WorkerLoad(worker=s["worker"], num_free_blocks=s["num_free_blocks"],
+                                                    num_total_blocks=s["num_total_blocks"],
+                                                    num_running=s["num_running"], num_waiting=s["num_waiting"])
+                                      for s in await self.fe.load()])  # fmt: skip
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        try:
+            which = request.WhichOneof("prompt")
+            if which is None:
+                raise ServingError("invalid", "a prompt is required: text or chat", field="prompt")
+            prompt = _prompt(request, which)
+            if request.HasField("add_special_tokens"):
+                prompt.add_special_tokens = request.add_special_tokens
+            ids = self.fe.tokenize(prompt)
+        except ServingError as e:
+            await self._abort(context, e)
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.fe.info.max_model_len)
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """With an API key set, every call but the health check needs
+    `authorization: Bearer KEY` in its metadata."""
+
+    def __init__(self, frontend: Frontend):
+        self.fe = frontend
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required (authorization: Bearer KEY)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if self.fe.api_key is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        auth = dict(details.invocation_metadata or ()).get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        try:
+            self.fe.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+        except ServingError:
+            handler = await continuation(details)
+            return self._deny_stream if handler is not None and handler.response_streaming else self._deny_unary
+        return await continuation(details)
+
+
+class GrpcServer:
+    """start() binds host:port; set_serving() flips the health status."""
+
+    def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int = 4 << 20):
+        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(frontend)], options=[
+            ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 0)])  # fmt: skip
+        shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        host = f"[{host}]" if ":" in host else host
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen for gRPC on {host}:{port}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.server.stop(grace_s)

@@ -1,0 +1,97 @@
+"""The router replica: serves OpenAI HTTP and gRPC itself and streams from
+the workers through a Serve handle.
+
+Clients connect to this process directly rather than through Ray Serve's
+proxies: Serve's gRPC proxy cannot carry server reflection (a bidirectional
+stream) or the standard health service, and skipping the proxy takes one Ray
+hop off every token. See the README's architecture section.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from shoal.router.frontend import Frontend, ModelInfo
+from shoal.router.grpc_server import GrpcServer
+from shoal.router.openai_app import OpenAIApp
+from shoal.router.worker_pool import ServeWorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+async def start_http(app, host: str, port: int):
+    """Run uvicorn on this event loop; return the server once it listens."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve())
+    while not server.started:
+        if task.done():  # bind failed: uvicorn logs it and exits
+            raise OSError(f"cannot listen for HTTP on {host}:{port}")
+        await asyncio.sleep(0.02)
+    server._shoal_task = task
+    return server
+
+
+class Router:
+    """One replica; options is the dict ServeOptions.router_options() makes."""
+
+    async def __init__(self, workers, options: dict):
+        from shoal.workers.model_loader import load_model_files
+
+        self.options = options
+        pool = ServeWorkerPool(workers, options["num_workers"])
+        info = await pool.info()
+        # The tokenizer comes from the model file; the weights stay unread here.
+        tokenizer = load_model_files(options.get("model")).tokenizer
+        self.frontend = Frontend(pool, tokenizer, ModelInfo(info["model"], info["max_model_len"], info["vocab_size"],
+                                                            info["block_size"], info["tensor_parallel_size"],
+                                                            options["num_workers"]), options.get("api_key"))  # fmt: skip
+        limit = options.get("max_request_bytes", 4 << 20)
+        host = options.get("host", "127.0.0.1")
+        self.grpc = GrpcServer(self.frontend, host, options["grpc_port"], limit)
+        await self.grpc.start()
+        try:
+            self.http = await start_http(OpenAIApp(self.frontend, limit).app, host, options["http_port"])
+        except BaseException:
+            await self.grpc.stop()
+            raise
+        self._stopped = False
+
+    def endpoints(self) -> dict:
+        o = self.options
+        return {"http": f"http://{o.get('host', '127.0.0.1')}:{o['http_port']}",
+                "grpc": f"{o.get('host', '127.0.0.1')}:{self.grpc.port}", "model": self.frontend.info.model}  # fmt: skip
+
+    async def ready(self) -> bool:
+        return await self.frontend.ready()
+
+    def check_health(self) -> None:
+        if getattr(self.http, "_shoal_task", None) is not None and self.http._shoal_task.done():
+            raise RuntimeError("the HTTP server stopped")
+
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """New requests get 503 / UNAVAILABLE; streams in flight get up to
+        timeout_s to finish; then both servers close. Returns how many were cut."""
+        if self._stopped:
+            return 0
+        timeout_s = self.options.get("drain_timeout_s", 30.0) if timeout_s is None else timeout_s
+        await self.grpc.set_serving(False)
+        left = await self.frontend.drain(timeout_s)
+        self._stopped = True
+        self.http.should_exit = True
+        await self.grpc.stop(0.5)
+        try:
+            await asyncio.wait_for(self.http._shoal_task, 5.0)
+        except Exception:
+            pass
+        if left:
+            logger.warning("shutdown: %d streams were still running after %.0f s", left, timeout_s)
+        return left
+
+    async def __del__(self):
+        # Serve calls this when it stops the replica (e.g. `serve shutdown`).
+        await self.drain()

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP front (a Starlette app): /v1/completions,
+/v1/chat/completions, /v1/models, /health, streamed as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from shoal.router.frontend import Frontend, ServingError
+from shoal.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
+from shoal.workers.errors import InvalidRequestError
+
+# kind -> (HTTP status, OpenAI error type, code)
+_ERRORS = {
+    "invalid": (400, "invalid_request_error", None),
+    "unauthenticated": (401, "authentication_error", "invalid_api_key"),
+    "not_found": (404, "invalid_request_error", "model_not_found"),
+    "too_large": (413, "invalid_request_error", "request_too_large"),
+    "full": (429, "rate_limit_error", "server_full"),
+    "unavailable": (503, "service_unavailable_error", "shutting_down"),
+    "internal": (500, "internal_error", None),
+}
+
+
+def error_response(e: ServingError) -> JSONResponse:
+    status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
+    return JSONResponse({"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class OpenAIApp:
+    """Holds the Frontend; `app` is the ASGI application to serve."""
+
+    def __init__(self, frontend: Frontend, max_request_bytes: int = 4 << 20):
+        self.fe = frontend
+        self.max_request_bytes = max_request_bytes
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])  # fmt: skip
+
+    # ---- plumbing -----------------------------------------------------------
+
+    def _authenticate(self, request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        self.fe.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+
+    async def _read_json(self, request: Request):
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ServingError("too_large", f"the request body exceeds {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ServingError("too_large", f"the request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as e:
+            raise ServingError("invalid", f"malformed JSON body: {e}") from None
+
+    async def _start(self, request: Request, parse) -> tuple[ParsedRequest, list[AsyncIterator[dict]], list[dict]]:
+        """Read, check and dispatch; wait for each prompt's first delta so that a
+        refusal (full, invalid) still gets its own status code."""
+        self._authenticate(request)
+        body = await self._read_json(request)
+        try:
+            parsed = parse(body)
+        except InvalidRequestError as e:
+            raise ServingError("invalid", str(e), e.field) from None
+        self.fe.check_model(parsed.model)
+        prepared = [self.fe.prepare(p, parsed.sampling) for p in parsed.prompts]
+        streams = [self.fe.generate(ids, params) for ids, params in prepared]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        for f in firsts:
+            if isinstance(f, BaseException):
+                await _close(streams)
+                raise f
+        return parsed, streams, firsts
+
+    # ---- endpoints ----------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, parse_completion, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, parse_chat, chat=True)
+
+    async def _serve(self, request: Request, parse, chat: bool) -> Response:
+        try:
+            parsed, streams, firsts = await self._start(request, parse)
+        except ServingError as e:
+            return error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + self.fe.new_request_id()
+        want_lp = parsed.sampling.get("logprobs") is not None
+        fmt = _ChunkFormat(self.fe, rid, chat, want_lp)
+        if parsed.stream:
+            return StreamingResponse(self._events(fmt, parsed, streams, firsts), media_type="text/event-stream")
+        choices = [{"index": i, "text": "", "token_ids": [], "lps": [], "final": None} for i in range(len(streams))]
+        try:
+            async for i, msg in _merge(streams, firsts):
+                c = choices[i]
+                c["text"] += msg["text"]
+                c["lps"].extend(msg.get("logprobs") or [])
+                if "finish_reason" in msg:
+                    c["final"] = msg
+        except ServingError as e:
+            return error_response(e)
+        finally:
+            await _close(streams)
+        return JSONResponse(fmt.whole(choices))
+
+    async def _events(self, fmt: "_ChunkFormat", parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
+        finals = []
+        try:
+            if fmt.chat:
+                yield "data: " + _dumps(fmt.chunk(0, {"role": "assistant", "content": ""}, None, None)) + "\n\n"
+            async for i, msg in _merge(streams, firsts):
+                yield "data: " + _dumps(fmt.delta(i, msg)) + "\n\n"
+                if "finish_reason" in msg:
+                    finals.append(msg)
+            if parsed.include_usage:
+                yield "data: " + _dumps(fmt.usage_chunk(finals)) + "\n\n"
+        except ServingError as e:  # after the 200 went out: report in the stream, as vLLM does
+            status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
+            yield "data: " + _dumps({"error": {"message": e.message, "type": etype, "code": code}}) + "\n\n"
+        finally:
+            await _close(streams)
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+        except ServingError as e:
+            return error_response(e)
+        info = self.fe.info
+        return JSONResponse({"object": "list", "data": [{"id": info.model, "object": "model", "created": 0,
+                                                         "owned_by": "shoal", "max_model_len": info.max_model_len}]})  # fmt: skip
+
+    async def health(self, request: Request) -> Response:
+        if await self.fe.ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining" if self.fe.draining else "not ready"}, 503)
+
+
+class _ChunkFormat:
+    """OpenAI's response shapes for one request."""
+
+    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool):
+        self.fe, self.rid, self.chat, self.want_lp = fe, rid, chat, want_lp
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _tok(self, token_id: int) -> str:
+        tok = self.fe.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+
+    def logprobs(self, lps: list) -> dict | None:
+        if not self.want_lp:
+            return None
+        if self.chat:
+            return {"content": [{"token": self._tok(t), "logprob": lp, "bytes": list(self._tok(t).encode()),
+                                 "top_logprobs": [{"token": self._tok(k), "logprob": v, "bytes": list(self._tok(k).encode())}
+                                                  for k, v in top.items()]} for t, lp, top in lps]}  # fmt: skip
+        return {"tokens": [self._tok(t) for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
+                "top_logprobs": [{self._tok(k): v for k, v in top.items()} for _, _, top in lps]}  # fmt: skip
+
+    def chunk(self, i: int, delta, finish_reason, lps) -> dict:
+        choice = {"index": i, "finish_reason": finish_reason, "logprobs": lps}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        obj = self.object + ".chunk" if self.chat else self.object
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model, "choices": [choice]}
+
+    def delta(self, i: int, msg: dict) -> dict:
+        text = msg["text"]
+        lps = self.logprobs(msg.get("logprobs") or [])
+        delta = ({"content": text} if text or "finish_reason" not in msg else {}) if self.chat else text
+        return self.chunk(i, delta, msg.get("finish_reason"), lps)
+
+    def usage(self, finals: list[dict]) -> dict:
+        prompt = sum(m["num_prompt_tokens"] for m in finals)
+        completion = sum(m["num_output_tokens"] for m in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(m["num_cached_tokens"] for m in finals)}}  # fmt: skip
+
+    def usage_chunk(self, finals: list[dict]) -> dict:
+        obj = self.object + ".chunk" if self.chat else self.object
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model, "choices": [],
+                "usage": self.usage(finals)}  # fmt: skip
+
+    def whole(self, choices: list[dict]) -> dict:
+        out = []
+        for c in choices:
+            final = c["final"]
+            entry = {"index": c["index"], "finish_reason": final["finish_reason"], "logprobs": self.logprobs(c["lps"])}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": c["text"]}
+            else:
+                entry["text"] = c["text"]
+            out.append(entry)
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.fe.info.model,
+                "choices": out, "usage": self.usage([c["final"] for c in choices])}  # fmt: skip
+
+
+async def _merge(streams: list[AsyncIterator[dict]], firsts: list[dict]) -> AsyncIterator[tuple[int, dict]]:
+    """(index, delta) from several streams as they come; one stream needs no tasks."""
+    if len(streams) == 1:
+        yield 0, firsts[0]
+        if "finish_reason" not in firsts[0]:
+            async for msg in streams[0]:
+                yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            if "finish_reason" not in firsts[i]:
+                async for msg in streams[i]:
+                    await queue.put((i, msg))
+        except Exception as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    for i, f in enumerate(firsts):
+        yield i, f
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(streams: list) -> None:
+    for s in streams:
+        await s.aclose()

@@ -1,0 +1,175 @@
+"""OpenAI request bodies -> the router's Prompt and sampling fields.
+
+Every known field is type-checked and a bad one raises InvalidRequestError
+naming it (HTTP 400, `param` set). Unknown fields are ignored, as OpenAI's
+own server and vLLM's do, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.router.prompt import Prompt
+from shoal.workers.errors import InvalidRequestError
+
+_NUMBER = (int, float)
+
+
+def _get(body: dict, name: str, types, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int to Python, never to a JSON schema
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise InvalidRequestError(f"{name} must be {_type_name(types)}, got a boolean", field=name)
+    if not isinstance(value, types):
+        raise InvalidRequestError(f"{name} must be {_type_name(types)}, got {type(value).__name__}", field=name)
+    return value
+
+
+def _type_name(types) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
+             dict: "an object"}  # fmt: skip
+    types = types if isinstance(types, tuple) else (types,)
+    if types == _NUMBER:
+        return "a number"
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """What both endpoints share once the body is read."""
+
+    prompts: list[Prompt]
+    sampling: dict  # SamplingParams fields; max_tokens None = up to the context length
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+def _sampling(body: dict) -> dict:
+    s: dict = {}
+    for name, types in (("temperature", _NUMBER), ("top_p", _NUMBER), ("min_p", _NUMBER),
+                        ("presence_penalty", _NUMBER), ("frequency_penalty", _NUMBER),
+                        ("repetition_penalty", _NUMBER), ("top_k", int), ("seed", int), ("min_tokens", int),
+                        ("ignore_eos", bool), ("skip_special_tokens", bool)):  # fmt: skip
+        v = _get(body, name, types)
+        if v is not None:
+            s[name] = float(v) if types is _NUMBER else v
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise InvalidRequestError("stop must be a string or an array of strings", field="stop")
+        s["stop"] = stop
+    ids = _get(body, "stop_token_ids", list)
+    if ids is not None:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("stop_token_ids must be an array of integers", field="stop_token_ids")
+        s["stop_token_ids"] = ids
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise InvalidRequestError("only n=1 is supported", field="n")
+    if _get(body, "best_of", int, 1) != 1:
+        raise InvalidRequestError("only best_of=1 is supported", field="best_of")
+    if _get(body, "logit_bias", dict):
+        raise InvalidRequestError("logit_bias is not supported", field="logit_bias")
+    return s
+
+
+def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling: dict) -> ParsedRequest:
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    stream = _get(body, "stream", bool, False)
+    opts = _get(body, "stream_options", dict)
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true", field="stream_options")
+        include_usage = _get(opts, "include_usage", bool, False)
+    return ParsedRequest(prompts, sampling, stream, include_usage, _get(body, "model", str))
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    """POST /v1/completions. `prompt` is a string, token ids, or a list of either."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    raw = body.get("prompt")
+    if raw is None:
+        raise InvalidRequestError("prompt is required", field="prompt")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequestError("prompt must be a string, an array of token ids, or a non-empty array of those",
+                                  field="prompt")  # fmt: skip
+    prompts = []
+    for p in raw:
+        if isinstance(p, str):
+            prompts.append(Prompt(text=p))
+        elif isinstance(p, list) and all(_is_int(t) for t in p):
+            prompts.append(Prompt(token_ids=list(p)))
+        else:
+            raise InvalidRequestError("each prompt must be a string or an array of token ids", field="prompt")
+    if _get(body, "suffix", str):
+        raise InvalidRequestError("suffix is not supported", field="suffix")
+    sampling = _sampling(body)
+    logprobs = _get(body, "logprobs", int)
+    if logprobs is not None:
+        if not 0 <= logprobs <= 20:
+            raise InvalidRequestError("logprobs must be in [0, 20]", field="logprobs")
+        sampling["logprobs"] = logprobs
+    if _get(body, "echo", bool, False):
+        raise InvalidRequestError("echo is not supported", field="echo")
+    return _common(body, prompts, _get(body, "max_tokens", int, 16), sampling)
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    """POST /v1/chat/completions. Content may be a string or text parts."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty array", field="messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}] must be an object with a string role", field="messages")
+        rendered.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    sampling = _sampling(body)
+    if _get(body, "logprobs", bool, False):
+        top = _get(body, "top_logprobs", int, 0)
+        if not 0 <= top <= 20:
+            raise InvalidRequestError("top_logprobs must be in [0, 20]", field="top_logprobs")
+        sampling["logprobs"] = top
+    elif body.get("top_logprobs") is not None:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", field="top_logprobs")
+    fmt = _get(body, "response_format", dict)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise InvalidRequestError("only the text response_format is supported", field="response_format")
+    if _get(body, "tools", list):
+        raise InvalidRequestError("tools are not supported", field="tools")
+    max_tokens = _get(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int)
+    add_gen = _get(body, "add_generation_prompt", bool, True)
+    return _common(body, [Prompt(messages=rendered, add_generation_prompt=add_gen)], max_tokens, sampling)
+
+
+def _content(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"messages[{i}].content: only text parts are supported", field="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequestError(f"messages[{i}].content must be a string or an array of text parts", field="messages")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,65 @@
+"""How the router reaches its workers: a Ray Serve handle in the cluster, or
+Worker objects in this process (tests, benchmarks of the router itself)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+
+class ServeWorkerPool:
+    """The worker deployment behind a Serve DeploymentHandle. Serve's default
+    request router sends each request to the replica with fewer requests in
+    flight (power of two choices); routing on free KV blocks comes later."""
+
+    def __init__(self, handle, num_workers: int):
+        self._stream = handle.options(method_name="generate", stream=True)
+        self._handle = handle
+        self.num_workers = num_workers
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        gen = self._stream.remote(request)
+        done = False
+        try:
+            async for msg in gen:
+                yield msg
+            done = True
+        finally:
+            if not done:  # the client went away: abort in the engine, free its blocks
+                gen.cancel()
+
+    async def info(self) -> dict:
+        return await self._handle.options(method_name="info").remote()
+
+    async def stats(self) -> list[dict | BaseException]:
+        """Every live worker's stats, read now (a control-plane broadcast)."""
+        resp = self._handle.broadcast("stats")
+        return await resp.results_async(timeout_s=5.0, return_exceptions=True)
+
+
+class LocalWorkerPool:
+    """Workers in this process; each request goes to the one with the fewest
+    requests in flight."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+        self.num_workers = len(workers)
+        self._outstanding = [0] * len(workers)
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        i = min(range(len(self.workers)), key=self._outstanding.__getitem__)
+        self._outstanding[i] += 1
+        try:
+            async with aclosing(self.workers[i].generate(request)) as stream:
+                async for msg in stream:
+                    yield msg
+        finally:
+            self._outstanding[i] -= 1
+
+    async def info(self) -> dict:
+        return self.workers[0].info()
+
+    async def stats(self) -> list[dict | BaseException]:
+        await asyncio.sleep(0)
+        return [w.stats() for w in self.workers]

@@ -1,0 +1,47 @@
+"""In-process router fronts over real Workers (no Ray), for the fast tier."""
+
+from __future__ import annotations
+
+import socket
+from contextlib import asynccontextmanager
+
+import httpx
+
+from shoal.router.frontend import Frontend, ModelInfo
+from shoal.router.grpc_server import GrpcServer
+from shoal.router.openai_app import OpenAIApp
+from shoal.router.worker_pool import LocalWorkerPool
+from shoal.workers.worker import Worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_frontend(model: str, num_workers: int = 1, max_waiting: int = 64, api_key: str | None = None,
+                  **engine) -> Frontend:  # fmt: skip
+    engine.setdefault("num_kv_blocks", 256)
+    workers = [Worker(dict(model=model, **engine), max_waiting=max_waiting) for _ in range(num_workers)]
+    pool = LocalWorkerPool(workers)
+    i = workers[0].info()
+    info = ModelInfo(i["model"], i["max_model_len"], i["vocab_size"], i["block_size"], 1, num_workers)
+    return Frontend(pool, workers[0].engine.engine.tokenizer, info, api_key)
+
+
+@asynccontextmanager
+async def http_client(fe: Frontend, **kw):
+    app = OpenAIApp(fe, **kw).app
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://shoal") as client:
+        yield client
+
+
+@asynccontextmanager
+async def grpc_server(fe: Frontend):
+    server = GrpcServer(fe, "127.0.0.1", 0)
+    await server.start()
+    try:
+        yield f"127.0.0.1:{server.port}"
+    finally:
+        await server.stop(0)

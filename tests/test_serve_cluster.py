@@ -1,0 +1,253 @@
+"""`shoal serve` as users run it: a real local Ray cluster with two workers on
+the default model, reached by the official openai client and by gRPC stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from shoal.proto.v1 import shoal_pb2 as pb
+from shoal.proto.v1 import shoal_pb2_grpc
+from shoal.workers import LLM, SamplingParams
+from tests.serving import free_port
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time"]
+
+
+class Server:
+    def __init__(self):
+        self.http, self.grpc = free_port(), free_port()
+        cmd = [sys.executable, "-m", "shoal.cluster.cli", "serve", "--num-workers", "2", "--api-key", KEY,
+               "--max-waiting", "2", "--max-num-seqs", "2", "--num-kv-blocks", "512", "--num-threads", "1",
+               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--drain-timeout", "20"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(300):
+            self.stop()
+            raise RuntimeError("shoal serve did not become ready:\n" + "".join(self.lines[-40:]))
+        self.base = f"http://127.0.0.1:{self.http}/v1"
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "ready in" in line:
+                self.ready.set()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"])
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of LLM.generate on the same model, one thread as each worker."""
+    llm = LLM(num_kv_blocks=512, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name a fruit."}])
+    chat_ids = llm.tokenizer.encode(chat, add_special_tokens=False)
+    outs = llm.generate(PROMPTS + [chat_ids], params)
+    return {p: o for p, o in zip(PROMPTS + ["chat"], outs)}
+
+
+def _client(server, **kw):
+    import openai
+
+    return openai.OpenAI(base_url=server.base, api_key=KEY, max_retries=0, **kw)
+
+
+def test_openai_client_completions_and_chat_equal_llm_generate(server, reference):
+    client = _client(server)
+    for p in PROMPTS:
+        r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16, temperature=0)
+        ref = reference[p]
+        assert r.choices[0].text == ref.text
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == len(ref.token_ids)
+        chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    ref = reference["chat"]
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16,
+                                                 temperature=0, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    # A stop string taken from inside the greedy reply ends it just before.
+    stop = ref.text[4:9]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == ref.text[: ref.text.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_grpc_stream_info_health_reflection_and_both_workers_used(server, reference):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        stub = shoal_pb2_grpc.ShoalStub(ch)
+        workers = set()
+        for p in PROMPTS:
+            msgs = list(stub.Generate(pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=16, temperature=0)),
+                                      metadata=AUTH))  # fmt: skip
+            assert [t for m in msgs for t in m.token_ids] == reference[p].token_ids
+            assert "".join(m.text for m in msgs) == reference[p].text
+            workers.add(msgs[-1].finished.worker)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH)
+        assert (info.model, info.num_workers, info.vocab_size) == ("SmolLM2-135M-Instruct", 2, 49152)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="shoal.v1.Shoal"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        names = [s.name for r in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                            metadata=AUTH) for s in r.list_services_response.service]  # fmt: skip
+        assert "shoal.v1.Shoal" in names
+        # Concurrent requests spread over both workers.
+        async def spread():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc}") as ach:
+                astub = shoal_pb2_grpc.ShoalStub(ach)
+                calls = [astub.Generate(pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=8)), metadata=AUTH)
+                         for p in PROMPTS]  # fmt: skip
+                return [[m async for m in c][-1].finished.worker for c in calls]
+        workers |= set(asyncio.run(spread()))
+        assert len(workers) == 2, workers
+    assert httpx.get(f"http://127.0.0.1:{server.http}/health").status_code == 200
+
+
+def _all_free(stub) -> bool:
+    load = stub.GetLoad(pb.GetLoadRequest(), metadata=AUTH).workers
+    return len(load) == 2 and all(w.num_free_blocks == w.num_total_blocks and w.num_running == 0 for w in load)
+
+
+def _seconds_until_free(stub) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        if _all_free(stub):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    return float("inf")
+
+
+def test_cancel_and_deadline_free_the_blocks_within_a_second(server):
+    long = pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        stub = shoal_pb2_grpc.ShoalStub(ch)
+        call = stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=long), metadata=AUTH)
+        for i, _ in enumerate(call):
+            if i == 5:
+                break
+        assert not _all_free(stub)
+        call.cancel()
+        assert _seconds_until_free(stub) < 1.0
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=long), metadata=AUTH, timeout=1.0))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _seconds_until_free(stub) < 1.0
+
+
+def test_http_stream_closed_midway_frees_the_blocks(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        stub = shoal_pb2_grpc.ShoalStub(ch)
+        with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:  # fmt: skip
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 10:
+                    break
+            assert not _all_free(stub)
+        assert _seconds_until_free(stub) < 1.0
+
+
+def test_flood_past_max_waiting_gets_429_and_admitted_ones_are_right(server, reference):
+    prompts = PROMPTS * 5
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                                 json={"prompt": p, "max_tokens": 16, "temperature": 0}) for p in prompts))  # fmt: skip
+
+    rs = asyncio.run(flood())
+    codes = [r.status_code for r in rs]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    for p, r in zip(prompts, rs):
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["text"] == reference[p].text
+        else:
+            assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_auth_and_bad_requests(server):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base, api_key="wrong", max_retries=0).completions.create(
+            model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)  # fmt: skip
+    assert httpx.post(server.base + "/completions", json={"prompt": "hi"}).status_code == 401
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        stub = shoal_pb2_grpc.ShoalStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text=""), metadata=AUTH))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in err.value.details()
+    client = _client(server)
+    for kwargs, param in (({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "x " * 9000}, "prompt"),
+                          ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"), ({"prompt": "hi", "top_p": 7}, "top_p")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="SmolLM2-135M-Instruct", **kwargs)
+        assert err.value.body["param"] == param
+    bad = httpx.post(server.base + "/completions", content=b"{oops", headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    wrong_type = httpx.post(server.base + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"})  # fmt: skip
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"
+    ok = client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_ctrl_c_drains_streams_then_stops_the_cluster(server):
+    """Last: stops the module's server."""
+    result = {}
+
+    def stream():
+        with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": PROMPTS[3], "max_tokens": 60, "ignore_eos": True, "stream": True}, timeout=60) as r:  # fmt: skip
+            result["lines"] = [ln for ln in r.iter_lines() if ln]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    refused = httpx.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"prompt": "hi", "max_tokens": 2})  # fmt: skip
+    t.join(60)
+    assert refused.status_code == 503
+    assert result["lines"][-1] == "data: [DONE]" and '"finish_reason":"length"' in result["lines"][-2]
+    assert server.proc.wait(90) == 0
+    assert any("stopped" in ln for ln in server.lines)

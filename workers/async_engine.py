@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 from shoal.workers.config import EngineArgs
@@ -19,17 +20,23 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     """generate() yields RequestOutput deltas; abort() stops a request.
 
-    Steps run in a worker thread so the event loop stays free to accept and
-    stream; requests are added and aborted on the loop between steps, so the
-    engine itself is only ever touched by one thread at a time.
+    The engine runs in its own thread (the engine core), step after step with
+    no wait on the event loop between them, as vLLM v1's EngineCore busy loop
+    does: a loop busy streaming to clients never delays the next step. Adds
+    and aborts are queued and applied by that thread between steps, so the
+    engine is only ever touched by one thread; each step's outputs reach the
+    loop in one call_soon_threadsafe.
     """
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list = []  # ("add", args) / ("abort", request_id), applied between steps
-        self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._error: BaseException | None = None
 
@@ -51,8 +58,10 @@ class AsyncEngine:
         return self._error
 
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="shoal-engine-core", daemon=True)
+            self._thread.start()
 
     async def generate(self, request_id: str | None, prompt: str | list[int],
                        params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -70,9 +79,8 @@ class AsyncEngine:
         self.engine.validate(prompt_ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending.append(("add", (request_id, prompt_ids, params, priority)))
         self._ensure_loop()
-        self._wake.set()
+        self._submit(("add", (request_id, prompt_ids, params, priority)))
         finished = False
         try:
             while True:
@@ -95,51 +103,66 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step."""
-        self._pending.append(("abort", request_id))
+        self._submit(("abort", request_id))
+
+    def _submit(self, op: tuple) -> None:
+        with self._lock:
+            self._pending.append(op)
         self._wake.set()
 
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
+    # ---- the engine-core thread ----------------------------------------------
+
+    def _apply_pending(self) -> list:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        delivered = []
         for kind, arg in pending:
             if kind == "add":
                 try:
                     self.engine.add_request(*arg)
                 except Exception as e:  # validated already; never let one request stop the loop
-                    self._deliver_error(arg[0], e)
+                    delivered.append((arg[0], e))
             else:
                 out = self.engine.abort_request(arg)
-                if out is not None and arg in self._queues:
-                    self._queues[arg].put_nowait(out)
+                if out is not None:
+                    delivered.append((arg, out))
+        return delivered
 
-    def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        q = self._queues.get(request_id)
-        if q is not None:
-            q.put_nowait(error)
-
-    async def _run(self) -> None:
+    def _run(self) -> None:
         try:
-            while True:
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests():
+            while not self._stop:
+                delivered = self._apply_pending()
+                if self.engine.has_unfinished_requests():
+                    delivered += [(out.request_id, out) for out in self.engine.step()]
+                if delivered:
+                    if self._loop.is_closed():  # the owner's loop ended without shutdown()
+                        return
+                    self._loop.call_soon_threadsafe(self._deliver, delivered)
+                elif not self.engine.has_unfinished_requests():
+                    self._wake.wait(1.0)  # wakes now and then to notice a closed loop
                     self._wake.clear()
-                    if not self._pending:
-                        await self._wake.wait()
-                    continue
-                outputs = await asyncio.to_thread(self.engine.step)
-                for out in outputs:
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
+                    if self._loop.is_closed():
+                        return
         except Exception as e:
             logger.exception("engine loop failed")
             self._error = e
-            for rid in list(self._queues):
-                self._deliver_error(rid, RuntimeError(f"engine loop failed: {e}"))
+            err = RuntimeError(f"engine loop failed: {e}")
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._deliver, [(rid, err) for rid in list(self._queues)])
+        except BaseException:  # interpreter shutdown
+            pass
+
+    def _deliver(self, items: list) -> None:
+        """On the event loop: hand each output (or error) to its consumer."""
+        for request_id, item in items:
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(item)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        """Stop the engine-core thread (after the step in progress)."""
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None

@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
-#   make generate PROMPT="..."   the main job (until the server lands)
-#   make test                    the fast tier, then the slow tier
+#   make serve    serve the default model over OpenAI HTTP (:8000) and gRPC (:9000)
+#   make test     the fast tier, then the slow tier
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install generate test test-fast test-slow bench-offline bench-scheduler
+.PHONY: install serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+serve: $(STAMP)
+	$(VENV)/bin/shoal serve $(ARGS)
+
 generate: $(STAMP)
 	$(VENV)/bin/shoal generate "$(PROMPT)"
 
@@ -45,3 +48,10 @@ bench-offline: $(STAMP)
 
 bench-scheduler: $(STAMP)
 	$(VENV)/bin/shoal bench scheduler
+
+bench-serve: $(STAMP)
+	$(VENV)/bin/shoal bench serve
+
+# Regenerate the gRPC stubs from proto/v1/shoal.proto (a test fails when they are stale).
+proto: $(STAMP)
+	$(PY) proto/generate.py

@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from shoal.cluster import bench_offline, bench_scheduler
+    from shoal.cluster import bench_offline, bench_scheduler, bench_serve
 
     bench_offline.add_parser(bsub, _engine_flags)
+    bench_serve.add_parser(bsub, _engine_flags)
     bench_scheduler.add_parser(bsub)
 
     ns = parser.parse_args(argv)

@@ -28,14 +28,20 @@ def add_parser(sub, engine_flags) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def options_from(ns: argparse.Namespace):
+def engine_options(ns: argparse.Namespace) -> dict:
+    """The engine flags a worker takes (model, device and threads come apart)."""
     from shoal.cluster.cli import engine_args_from
-    from shoal.cluster.options import ServeOptions
 
     ea = engine_args_from(ns)
-    engine = {k: getattr(ea, k) for k in ("dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
-                                          "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len",
-                                          "enable_prefix_caching")}  # fmt: skip
+    return {k: getattr(ea, k) for k in ("dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
+                                        "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len",
+                                        "enable_prefix_caching")}  # fmt: skip
+
+
+def options_from(ns: argparse.Namespace):
+    from shoal.cluster.options import ServeOptions
+
+    engine = engine_options(ns)
     opts = ServeOptions(model=ns.model, host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
                         num_workers=ns.num_workers, device=ns.device, api_key=ns.api_key,
                         max_waiting=ns.max_waiting, max_request_bytes=ns.max_request_bytes,
@@ -44,29 +50,47 @@ def options_from(ns: argparse.Namespace):
     return opts
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    opts = options_from(ns)
+def launch(opts, address: str | None = None):
+    """Start (or join) Ray, deploy the application, return the Router's handle."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
 
     from shoal.cluster.app import build_app
 
-    if ns.address:
-        ray.init(address=ns.address, logging_level="WARNING")
+    if address:
+        ray.init(address=address, logging_level="WARNING")
     else:
         gpus = None if opts.device in ("auto", "cuda") else 0
         # Logical CPUs: a CPU worker asks for one, whatever the core count.
         ray.init(num_cpus=max(os.cpu_count() or 1, opts.num_workers * int(opts.cpus_per_worker + 0.999)),
                  num_gpus=gpus, include_dashboard=False, logging_level="WARNING")  # fmt: skip
+    # The router binds the ports itself, so Serve's own proxies stay off.
+    serve.start(proxy_location="Disabled")
+    return serve.run(build_app(opts), name=APP_NAME, route_prefix=None)
+
+
+def shut_down(address: str | None = None) -> None:
+    """Delete the application and stop Serve, and Ray if this process started it."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        if not address:
+            ray.shutdown()
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    opts = options_from(ns)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        # The router binds the ports itself, so Serve's own proxies stay off.
-        serve.start(proxy_location="Disabled")
-        handle = serve.run(build_app(opts), name=APP_NAME, route_prefix=None)
+        handle = launch(opts, ns.address)
         ends = handle.endpoints.remote().result()
         print(f"shoal: serving {ends['model']} with {opts.num_workers} worker(s)\n"
               f"  OpenAI HTTP  {ends['http']}/v1\n  gRPC         {ends['grpc']} (shoal.v1.Shoal)\n"
@@ -77,12 +101,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         left = handle.drain.remote(opts.drain_timeout_s).result()
         print(f"shoal: drained ({left} streams cut); stopping", flush=True)
     finally:
-        try:
-            serve.delete(APP_NAME)
-            serve.shutdown()
-        finally:
-            if not ns.address:
-                ray.shutdown()
+        shut_down(ns.address)
     print("shoal: stopped", flush=True)
     return 0
-

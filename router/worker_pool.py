@@ -14,7 +14,7 @@ class ServeWorkerPool:
     flight (power of two choices); routing on free KV blocks comes later."""
 
     def __init__(self, handle, num_workers: int):
-        self._stream = handle.options(method_name="generate", stream=True)
+        self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
         self.num_workers = num_workers
 

@@ -160,3 +160,29 @@ def test_api_key_health_and_reflection(tiny_model):
 async def _drain(call):
     return [m async for m in call]
 
+
+
+def test_flood_past_max_waiting_gets_resource_exhausted_and_admitted_ones_finish(tiny_model):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [f"{PROMPT} {i}" for i in range(10)]
+    ref = {p: o.token_ids for p, o in zip(prompts, LLM(tiny_model, num_kv_blocks=256).generate(prompts, params))}
+
+    async def main():
+        fe = make_frontend(tiny_model, max_waiting=1, max_num_seqs=2)
+        async with grpc_server(fe) as addr, grpc.aio.insecure_channel(addr) as ch:
+            stub = shoal_pb2_grpc.ShoalStub(ch)
+
+            async def one(p):
+                try:
+                    req = pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                    return [t async for m in stub.Generate(req) for t in m.token_ids]
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    out = asyncio.run(main())
+    refused = [o for o in out if not isinstance(o, list)]
+    assert refused and set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    served = [(p, o) for p, o in zip(prompts, out) if isinstance(o, list)]
+    assert served and all(o == ref[p] for p, o in served)

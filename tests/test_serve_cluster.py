@@ -230,6 +230,19 @@ def test_auth_and_bad_requests(server):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_bench_serve_measures_an_openai_url(server, tmp_path):
+    """`shoal bench serve --url` against the running server (no timing is asserted)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "shoal.cluster.cli", "bench", "serve", "--url", server.base, "--api-key", KEY,
+                    "--served-model", "SmolLM2-135M-Instruct", "--num-prompts", "3", "--request-rate", "1",
+                    "--input-len", "16", "--output-len", "8", "--output", str(out)], check=True, timeout=300)  # fmt: skip
+    row = json.loads(out.read_text())["results"][0]
+    assert (row["completed"], row["failed"]) == (3, 0) and row["output_throughput"] > 0
+    assert row["ttft_ms"]["p50"] > 0 and (tmp_path / "bench.svg").exists()
+
+
 def test_ctrl_c_drains_streams_then_stops_the_cluster(server):
     """Last: stops the module's server."""
     result = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -23,9 +24,8 @@ _local_ids = itertools.count()
 
 
 def _worker_name() -> str:
+    serve = sys.modules.get("ray.serve")  # imported already inside a Serve replica
     try:
-        from ray import serve
-
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # not inside a Serve replica
         return f"local-{next(_local_ids)}"

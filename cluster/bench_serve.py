@@ -1,0 +1,291 @@
+"""`shoal bench serve`: online serving latency and throughput, defined like
+`vllm bench serve`.
+
+A seeded workload (prompts of random common words, fixed output lengths with
+ignore_eos), Poisson arrivals at --request-rate (inf: all at once), streamed.
+With --url (any OpenAI-compatible server) or --grpc it measures that target.
+Without either it measures the cluster's own cost in one run: the same
+workload offered to an in-process AsyncEngine, then to a served cluster over
+HTTP and over gRPC, side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from shoal.cluster.svg_plot import cdf_plot
+
+_WORDS = ("time year people way day man thing woman life child world school state family student group country "
+          "problem hand part place case week company system program question work government number night point "
+          "home water room mother area money story fact month lot right study book eye job word business issue "
+          "side kind head house service friend father power hour game line end member law car city community name "
+          "president team minute idea kid body information back parent face others level office door health person "
+          "art war history party result change morning reason research girl guy moment air teacher force education").split()  # fmt: skip
+
+
+def add_parser(sub, engine_flags) -> None:
+    p = sub.add_parser("serve", help="online latency/throughput: in-process vs the served cluster (HTTP, gRPC)")
+    p.add_argument("--url", default=None, help="measure this OpenAI-compatible base URL only (e.g. http://host:8000/v1)")
+    p.add_argument("--grpc", default=None, help="measure this shoal gRPC address only (host:port)")
+    p.add_argument("--api-key", default=os.environ.get("SHOAL_API_KEY"))
+    p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="words per prompt (about one token each)")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf = all at once")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="alternate in-process / HTTP / gRPC this many times")
+    p.add_argument("--output", default="bench_results/serve.json")
+    engine_flags(p)
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def make_workload(n: int, input_len: int, output_len: int, rate: float, seed: int):
+    """[(arrival offset s, prompt text, max_tokens)], the same for every target."""
+    rng = random.Random(seed)
+    t, work = 0.0, []
+    for _ in range(n):
+        work.append((t, " ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len))
+        if rate != float("inf"):
+            t += rng.expovariate(rate)
+    return work
+
+
+async def _offer(work, send, label: str) -> tuple[list[Result], float]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(work), desc=label, leave=False)
+    start = time.perf_counter()
+
+    async def one(offset, prompt, max_tokens):
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        r = Result()
+        t0 = last = time.perf_counter()
+        try:
+            async for ntok in send(prompt, max_tokens):
+                now = time.perf_counter()
+                if r.output_tokens == 0:
+                    r.ttft = now - t0
+                else:
+                    r.itl.append(now - last)
+                last = now
+                r.output_tokens += ntok
+            r.ok, r.e2e = True, time.perf_counter() - t0
+        except Exception as e:
+            r.error = f"{type(e).__name__}: {e}"[:200]
+        bar.update(1)
+        return r
+
+    results = await asyncio.gather(*(one(*w) for w in work))
+    bar.close()
+    return results, time.perf_counter() - start
+
+
+def in_process_sender(engine):
+    from shoal.workers import SamplingParams
+
+    async def send(prompt, max_tokens):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        async for out in engine.generate(None, prompt, params):
+            if out.new_token_ids:
+                yield len(out.new_token_ids)
+
+    return send
+
+
+def http_sender(session, base_url: str, model: str | None, api_key: str | None):
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def send(prompt, max_tokens):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        if model:
+            body["model"] = model
+        async with session.post(base_url.rstrip("/") + "/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    yield 1  # an SSE chunk per engine delta; usage below corrects the count
+                elif chunk.get("usage"):
+                    yield 0
+                    send.usage_tokens.append(chunk["usage"]["completion_tokens"])
+
+    send.usage_tokens = []
+    return send
+
+
+def grpc_sender(stub, api_key: str | None):
+    from shoal.proto.v1 import shoal_pb2 as pb
+
+    md = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    async def send(prompt, max_tokens):
+        req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        async for msg in stub.Generate(req, metadata=md):
+            if msg.token_ids:
+                yield len(msg.token_ids)
+
+    return send
+
+
+def summarize(label: str, results: list[Result], duration: float, usage_tokens: list[int] | None = None) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(usage_tokens) if usage_tokens else sum(r.output_tokens for r in ok)
+
+    def pct(xs, q):
+        if not xs:
+            return float("nan")
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+    def stats(xs):
+        xs = [x * 1000 for x in xs]
+        return {"mean": statistics.fmean(xs) if xs else float("nan"), "p50": pct(xs, 50), "p99": pct(xs, 99)}
+
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {"label": label, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+            "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+            "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats(tpot),
+            "itl_ms": stats([x for r in ok for x in r.itl]), "e2el_ms": stats([r.e2e for r in ok]),
+            "errors": sorted({r.error for r in results if not r.ok})[:3]}  # fmt: skip
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [r["label"] for r in rows]
+    width = max(12, *(len(c) for c in cols)) + 2
+    print(f"{'':28}" + "".join(f"{c:>{width}}" for c in cols))
+
+    def line(name, get, fmt="{:.1f}"):
+        print(f"{name:28}" + "".join(f"{fmt.format(get(r)):>{width}}" for r in rows))
+
+    line("completed / failed", lambda r: f"{r['completed']}/{r['failed']}", "{}")
+    line("duration (s)", lambda r: r["duration_s"], "{:.2f}")
+    line("request throughput (req/s)", lambda r: r["request_throughput"], "{:.2f}")
+    line("output throughput (tok/s)", lambda r: r["output_throughput"])
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
+        for stat in ("mean", "p50", "p99"):
+            line(f"{name} {stat} (ms)", lambda r, k=key, s=stat: r[k][s])
+    base = rows[0]
+    for r in rows[1:]:
+        print(f"{r['label']} vs {base['label']}: TTFT p50 {r['ttft_ms']['p50'] - base['ttft_ms']['p50']:+.1f} ms, "
+              f"output throughput {100 * r['output_throughput'] / base['output_throughput']:.1f}%")  # fmt: skip
+
+
+async def _measure_cluster(ns, opts, work, salts=("", "")) -> list[tuple[str, list[Result], float, list[int] | None]]:
+    import aiohttp
+    import grpc
+
+    from shoal.proto.v1 import shoal_pb2_grpc
+
+    out = []
+    if ns.url or not ns.grpc:
+        url = ns.url or f"http://127.0.0.1:{opts.http_port}/v1"
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            send = http_sender(session, url, ns.served_model, ns.api_key)
+            res, dur = await _offer(_salted(work, salts[0]), send, "HTTP")
+            out.append(("cluster HTTP" if not ns.url else url, res, dur, send.usage_tokens))
+    if ns.grpc or not ns.url:
+        addr = ns.grpc or f"127.0.0.1:{opts.grpc_port}"
+        async with grpc.aio.insecure_channel(addr) as ch:
+            res, dur = await _offer(_salted(work, salts[1]), grpc_sender(shoal_pb2_grpc.ShoalStub(ch), ns.api_key), "gRPC")
+            out.append(("cluster gRPC" if not ns.grpc else addr, res, dur, None))
+    return out
+
+
+def _salted(work, salt: str):
+    """The same prompts with another first word, so that one target's prompts
+    never hit the prefix cache another target filled."""
+    if not salt:
+        return work
+    return [(t, salt + " " + p.split(" ", 1)[1], n) for t, p, n in work]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _compare(ns, work) -> list[tuple[str, list[Result], float, list[int] | None]]:
+    """The cluster is started first and left idle while the in-process engine
+    runs, then the targets alternate for --rounds rounds (each round with its
+    own prompt prefix), so that drift in the machine's speed hits all alike."""
+    from shoal.cluster.options import ServeOptions
+    from shoal.cluster.serve_cmd import engine_options, launch, shut_down
+    from shoal.workers import AsyncEngine
+
+    engine = engine_options(ns)
+    opts = ServeOptions(model=ns.model, http_port=_free_port(), grpc_port=_free_port(), num_workers=ns.num_workers,
+                        device=ns.device, api_key=ns.api_key, max_waiting=max(256, ns.num_prompts), engine=engine)  # fmt: skip
+    # The in-process engine gets what one worker gets: same engine, same threads.
+    local_args = dict(opts.engine_args(gpu=opts.uses_gpu()))
+    launch(opts)
+    try:
+        async def main():
+            eng = AsyncEngine.from_engine_args(**local_args)
+            send = in_process_sender(eng)
+            await _offer(_salted(work[:4], "warm"), send, "warm-up")
+            await _measure_cluster(ns, opts, work[:4], ("warm", "warm2"))
+            got: dict[str, list] = {}
+            for k in range(ns.rounds):
+                res, dur = await _offer(_salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}")
+                rounds = [("in-process", res, dur, None)]
+                rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"))
+                for label, res, dur, usage in rounds:
+                    acc = got.setdefault(label, [label, [], 0.0, [] if usage is not None else None])
+                    acc[1] += res
+                    acc[2] += dur
+                    if usage is not None:
+                        acc[3] += usage
+            await eng.shutdown()
+            return [tuple(v) for v in got.values()]
+
+        return asyncio.run(main())
+    finally:
+        shut_down()
+
+
+def run(ns) -> int:
+    work = make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.request_rate, ns.seed)
+    if ns.url or ns.grpc:
+        measured = asyncio.run(_measure_cluster(ns, None, work))
+    else:
+        measured = _compare(ns, work)
+    rows = [summarize(label, res, dur, usage) for label, res, dur, usage in measured]
+    print(f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
+          f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target")  # fmt: skip
+    print_table(rows)
+    os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
+    with open(ns.output, "w") as f:
+        json.dump({"workload": {k: getattr(ns, k) for k in ("num_prompts", "input_len", "output_len", "request_rate",
+                                                              "seed", "num_workers", "rounds")}, "results": rows}, f, indent=1)  # fmt: skip
+    svg = os.path.splitext(ns.output)[0] + ".svg"
+    with open(svg, "w") as f:
+        f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, _, _ in measured},
+                         "Time to first token (CDF)", "ms"))  # fmt: skip
+    print(f"wrote {ns.output} and {svg}")
+    return 0

@@ -127,6 +127,12 @@ class Frontend:
                         msg["time_to_first_token_s"] = (first_token or now) - arrival
                         msg["total_s"] = now - arrival
                     yield msg
+        except (ServingError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:  # the worker died or its stream broke: say so, never hang
+            logger.warning("request %s failed in its worker: %r", request["request_id"], e)
+            raise ServingError("unavailable", f"the worker serving this request failed ({type(e).__name__}); "
+                                              "retry") from None  # fmt: skip
         finally:
             self.num_in_flight -= 1
             if self.num_in_flight == 0:

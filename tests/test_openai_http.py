@@ -157,3 +157,31 @@ def test_flood_past_max_waiting_gets_429_and_admitted_requests_finish_right(tiny
         else:
             assert r.json()["error"]["type"] == "rate_limit_error"
     assert load[0]["num_free_blocks"] == load[0]["num_total_blocks"]
+
+
+def test_a_worker_failing_midstream_ends_the_request_with_503_not_a_hang(tiny_model):
+    class Broken:
+        """A worker whose stream breaks after one delta, as a dead replica's does."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def generate(self, request):
+            async for msg in self.inner.generate(request):
+                yield msg
+                raise ConnectionError("replica died")
+
+    async def main():
+        fe = make_frontend(tiny_model)
+        fe.pool.workers[0] = Broken(fe.pool.workers[0])
+        async with http_client(fe) as c:
+            whole = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True})
+            streamed = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True,
+                                                              "stream": True})  # fmt: skip
+        return whole, streamed, fe
+
+    whole, streamed, fe = asyncio.run(main())
+    assert whole.status_code == 503 and "worker" in whole.json()["error"]["message"]
+    events = streamed.text.split("\n\n")
+    assert any('"error"' in e for e in events) and events[-2] == "data: [DONE]"
+    assert fe.num_in_flight == 0

@@ -54,6 +54,7 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int = 0
     error: str = ""
 
 
@@ -79,7 +80,13 @@ async def _offer(work, send, label: str) -> tuple[list[Result], float]:
         r = Result()
         t0 = last = time.perf_counter()
         try:
-            async for ntok in send(prompt, max_tokens):
+            # (new tokens, prompt tokens once known, completion tokens once known)
+            counted = None
+            async for ntok, nprompt, ncompletion in send(prompt, max_tokens):
+                r.prompt_tokens = nprompt or r.prompt_tokens
+                counted = ncompletion or counted
+                if not ntok:
+                    continue
                 now = time.perf_counter()
                 if r.output_tokens == 0:
                     r.ttft = now - t0
@@ -88,6 +95,7 @@ async def _offer(work, send, label: str) -> tuple[list[Result], float]:
                 last = now
                 r.output_tokens += ntok
             r.ok, r.e2e = True, time.perf_counter() - t0
+            r.output_tokens = counted or r.output_tokens
         except Exception as e:
             r.error = f"{type(e).__name__}: {e}"[:200]
         bar.update(1)
@@ -104,8 +112,7 @@ def in_process_sender(engine):
     async def send(prompt, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         async for out in engine.generate(None, prompt, params):
-            if out.new_token_ids:
-                yield len(out.new_token_ids)
+            yield len(out.new_token_ids), out.num_prompt_tokens, None
 
     return send
 
@@ -126,12 +133,10 @@ def http_sender(session, base_url: str, model: str | None, api_key: str | None):
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    yield 1  # an SSE chunk per engine delta; usage below corrects the count
+                    yield 1, 0, None  # SSE chunks count deltas; the usage chunk gives the tokens
                 elif chunk.get("usage"):
-                    yield 0
-                    send.usage_tokens.append(chunk["usage"]["completion_tokens"])
+                    yield 0, chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
 
-    send.usage_tokens = []
     return send
 
 
@@ -143,15 +148,14 @@ def grpc_sender(stub, api_key: str | None):
     async def send(prompt, max_tokens):
         req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         async for msg in stub.Generate(req, metadata=md):
-            if msg.token_ids:
-                yield len(msg.token_ids)
+            yield len(msg.token_ids), msg.finished.usage.prompt_tokens, None
 
     return send
 
 
-def summarize(label: str, results: list[Result], duration: float, usage_tokens: list[int] | None = None) -> dict:
+def summarize(label: str, results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
-    out_tokens = sum(usage_tokens) if usage_tokens else sum(r.output_tokens for r in ok)
+    out_tokens = sum(r.output_tokens for r in ok)
 
     def pct(xs, q):
         if not xs:
@@ -166,6 +170,7 @@ def summarize(label: str, results: list[Result], duration: float, usage_tokens: 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {"label": label, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
             "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+            "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
             "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats(tpot),
             "itl_ms": stats([x for r in ok for x in r.itl]), "e2el_ms": stats([r.e2e for r in ok]),
             "errors": sorted({r.error for r in results if not r.ok})[:3]}  # fmt: skip
@@ -174,15 +179,16 @@ def summarize(label: str, results: list[Result], duration: float, usage_tokens: 
 def print_table(rows: list[dict]) -> None:
     cols = [r["label"] for r in rows]
     width = max(12, *(len(c) for c in cols)) + 2
-    print(f"{'':28}" + "".join(f"{c:>{width}}" for c in cols))
+    print(f"{'':32}" + "".join(f"{c:>{width}}" for c in cols))
 
     def line(name, get, fmt="{:.1f}"):
-        print(f"{name:28}" + "".join(f"{fmt.format(get(r)):>{width}}" for r in rows))
+        print(f"{name:32}" + "".join(f"{fmt.format(get(r)):>{width}}" for r in rows))
 
     line("completed / failed", lambda r: f"{r['completed']}/{r['failed']}", "{}")
     line("duration (s)", lambda r: r["duration_s"], "{:.2f}")
     line("request throughput (req/s)", lambda r: r["request_throughput"], "{:.2f}")
     line("output throughput (tok/s)", lambda r: r["output_throughput"])
+    line("total token throughput (tok/s)", lambda r: r["total_token_throughput"])
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
         for stat in ("mean", "p50", "p99"):
             line(f"{name} {stat} (ms)", lambda r, k=key, s=stat: r[k][s])
@@ -192,7 +198,7 @@ def print_table(rows: list[dict]) -> None:
               f"output throughput {100 * r['output_throughput'] / base['output_throughput']:.1f}%")  # fmt: skip
 
 
-async def _measure_cluster(ns, opts, work, salts=("", "")) -> list[tuple[str, list[Result], float, list[int] | None]]:
+async def _measure_cluster(ns, opts, work, salts=("", "")) -> list[tuple[str, list[Result], float]]:
     import aiohttp
     import grpc
 
@@ -205,12 +211,12 @@ async def _measure_cluster(ns, opts, work, salts=("", "")) -> list[tuple[str, li
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
             send = http_sender(session, url, ns.served_model, ns.api_key)
             res, dur = await _offer(_salted(work, salts[0]), send, "HTTP")
-            out.append(("cluster HTTP" if not ns.url else url, res, dur, send.usage_tokens))
+            out.append(("cluster HTTP" if not ns.url else url, res, dur))
     if ns.grpc or not ns.url:
         addr = ns.grpc or f"127.0.0.1:{opts.grpc_port}"
         async with grpc.aio.insecure_channel(addr) as ch:
             res, dur = await _offer(_salted(work, salts[1]), grpc_sender(shoal_pb2_grpc.ShoalStub(ch), ns.api_key), "gRPC")
-            out.append(("cluster gRPC" if not ns.grpc else addr, res, dur, None))
+            out.append(("cluster gRPC" if not ns.grpc else addr, res, dur))
     return out
 
 
@@ -230,7 +236,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _compare(ns, work) -> list[tuple[str, list[Result], float, list[int] | None]]:
+def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     """The cluster is started first and left idle while the in-process engine
     runs, then the targets alternate for --rounds rounds (each round with its
     own prompt prefix), so that drift in the machine's speed hits all alike."""
@@ -253,14 +259,12 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float, list[int] | None]
             got: dict[str, list] = {}
             for k in range(ns.rounds):
                 res, dur = await _offer(_salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}")
-                rounds = [("in-process", res, dur, None)]
+                rounds = [("in-process", res, dur)]
                 rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"))
-                for label, res, dur, usage in rounds:
-                    acc = got.setdefault(label, [label, [], 0.0, [] if usage is not None else None])
+                for label, res, dur in rounds:
+                    acc = got.setdefault(label, [label, [], 0.0])
                     acc[1] += res
                     acc[2] += dur
-                    if usage is not None:
-                        acc[3] += usage
             await eng.shutdown()
             return [tuple(v) for v in got.values()]
 
@@ -275,7 +279,7 @@ def run(ns) -> int:
         measured = asyncio.run(_measure_cluster(ns, None, work))
     else:
         measured = _compare(ns, work)
-    rows = [summarize(label, res, dur, usage) for label, res, dur, usage in measured]
+    rows = [summarize(label, res, dur) for label, res, dur in measured]
     print(f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
           f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target")  # fmt: skip
     print_table(rows)
@@ -285,7 +289,7 @@ def run(ns) -> int:
                                                               "seed", "num_workers", "rounds")}, "results": rows}, f, indent=1)  # fmt: skip
     svg = os.path.splitext(ns.output)[0] + ".svg"
     with open(svg, "w") as f:
-        f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, _, _ in measured},
+        f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, _ in measured},
                          "Time to first token (CDF)", "ms"))  # fmt: skip
     print(f"wrote {ns.output} and {svg}")
     return 0

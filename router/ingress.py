@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 async def start_http(app, host: str, port: int):
-    """Run uvicorn on this event loop; return the server once it listens."""
+    """Run uvicorn on this event loop; return (server, its task) once it listens."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
@@ -32,8 +32,7 @@ async def start_http(app, host: str, port: int):
         if task.done():  # bind failed: uvicorn logs it and exits
             raise OSError(f"cannot listen for HTTP on {host}:{port}")
         await asyncio.sleep(0.02)
-    server._shoal_task = task
-    return server
+    return server, task
 
 
 class Router:
@@ -55,7 +54,8 @@ class Router:
         self.grpc = GrpcServer(self.frontend, host, options["grpc_port"], limit)
         await self.grpc.start()
         try:
-            self.http = await start_http(OpenAIApp(self.frontend, limit).app, host, options["http_port"])
+            self.http, self._http_task = await start_http(OpenAIApp(self.frontend, limit).app, host,
+                                                          options["http_port"])  # fmt: skip
         except BaseException:
             await self.grpc.stop()
             raise
@@ -70,7 +70,7 @@ class Router:
         return await self.frontend.ready()
 
     def check_health(self) -> None:
-        if getattr(self.http, "_shoal_task", None) is not None and self.http._shoal_task.done():
+        if self._http_task.done() and not self._stopped:
             raise RuntimeError("the HTTP server stopped")
 
     async def drain(self, timeout_s: float | None = None) -> int:
@@ -85,7 +85,7 @@ class Router:
         self.http.should_exit = True
         await self.grpc.stop(0.5)
         try:
-            await asyncio.wait_for(self.http._shoal_task, 5.0)
+            await asyncio.wait_for(self._http_task, 5.0)
         except Exception:
             pass
         if left:

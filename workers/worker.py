@@ -94,6 +94,3 @@ class Worker:
                        num_output_tokens=out.num_output_tokens,
                        queue_s=(t.first_scheduled - t.arrival) if t and t.first_scheduled else 0.0)  # fmt: skip
         return msg
-
-    async def shutdown(self) -> None:
-        await self.engine.shutdown()

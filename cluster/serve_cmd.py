@@ -71,16 +71,17 @@ def launch(opts, address: str | None = None):
 
 
 def shut_down(address: str | None = None) -> None:
-    """Delete the application and stop Serve, and Ray if this process started it."""
+    """Delete the application; on a cluster this process started, stop Serve
+    and Ray too. A joined cluster keeps running (and serving other apps)."""
     import ray
     from ray import serve
 
     try:
         serve.delete(APP_NAME)
-        serve.shutdown()
-    finally:
         if not address:
-            ray.shutdown()
+            serve.shutdown()
+    finally:
+        ray.shutdown()  # on a joined cluster this only disconnects
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

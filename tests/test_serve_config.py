@@ -86,3 +86,45 @@ def test_serve_run_deploys_the_config_file(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"])
+
+
+@pytest.mark.slow
+def test_shoal_serve_joins_a_running_cluster_and_leaves_it_running(tmp_path):
+    """`shoal serve --address` deploys onto a cluster started with `ray start`;
+    Ctrl-C removes the app and leaves the cluster up."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.serving import free_port
+
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    subprocess.run([os.path.join(bindir, "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)  # fmt: skip
+    try:
+        http = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "shoal.cluster.cli", "serve", "--address", "auto", "--device", "cpu",
+                                 "--http-port", str(http), "--grpc-port", str(free_port()), "--num-kv-blocks", "256"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert any("ready in" in ln for ln in lines), "".join(lines[-30:])
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+        # The cluster and its Serve instance stay up (other apps may be on it); shoal's app is gone.
+        probe = ("import ray; from ray import serve; from ray.serve._private.constants import SERVE_CONTROLLER_NAME, "
+                 "SERVE_NAMESPACE; ray.init(address='auto', logging_level='ERROR'); "
+                 "ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE); "
+                 "print('serve up, apps:', sorted(serve.status().applications))")  # fmt: skip
+        status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        assert "serve up, apps: []" in status.stdout, status.stdout + status.stderr[-800:]
+    finally:
+        subprocess.run([os.path.join(bindir, "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)

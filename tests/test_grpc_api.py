@@ -101,8 +101,10 @@ def test_cancel_and_deadline_abort_in_the_engine_and_free_the_blocks(tiny_model)
             busy = (await stub.GetLoad(pb.GetLoadRequest())).workers[0]
             call.cancel()
             freed_after = await _wait_free(stub)
+            # ~1000 tokens take seconds even on a fast machine; the deadline is 0.3 s.
+            longer = pb.SamplingParams(max_tokens=1000, ignore_eos=True)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=long), timeout=0.3)]
+                [m async for m in stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=longer), timeout=0.3)]
             deadline_freed_after = await _wait_free(stub)
         return busy, freed_after, err.value, deadline_freed_after
 

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator
 
 from shoal.workers.config import EngineArgs
@@ -15,6 +16,20 @@ from shoal.workers.outputs import RequestOutput
 from shoal.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+_live: "weakref.WeakSet[AsyncEngine]" = weakref.WeakSet()
+
+
+def _stop_engine_threads() -> None:
+    for engine in list(_live):
+        engine._stop = True
+        engine._wake.set()
+
+
+# The engine thread is not a daemon: a daemon thread still inside torch when
+# the interpreter finalizes (freeing tensors, say) is killed mid-C++ and takes
+# the process down with std::terminate. At exit it is told to stop, then
+# joined like any other thread, before finalization begins.
+threading._register_atexit(_stop_engine_threads)
 
 
 class AsyncEngine:
@@ -60,8 +75,9 @@ class AsyncEngine:
     def _ensure_loop(self) -> None:
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
-            self._thread = threading.Thread(target=self._run, name="shoal-engine-core", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="shoal-engine-core")
             self._thread.start()
+            _live.add(self)
 
     async def generate(self, request_id: str | None, prompt: str | list[int],
                        params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -159,10 +175,14 @@ class AsyncEngine:
             if q is not None:
                 q.put_nowait(item)
 
-    async def shutdown(self) -> None:
-        """Stop the engine-core thread (after the step in progress)."""
-        if self._thread is not None:
+    def _stop_thread(self, timeout: float | None = None) -> None:
+        thread = self._thread
+        if thread is not None:
             self._stop = True
             self._wake.set()
-            await asyncio.to_thread(self._thread.join)
+            thread.join(timeout)
             self._thread = None
+
+    async def shutdown(self) -> None:
+        """Stop the engine-core thread (after the step in progress)."""
+        await asyncio.to_thread(self._stop_thread)

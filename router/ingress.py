@@ -42,7 +42,7 @@ class Router:
         from shoal.workers.model_loader import load_model_files
 
         self.options = options
-        pool = ServeWorkerPool(workers, options["num_workers"])
+        pool = ServeWorkerPool(workers)
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.get("model")).tokenizer
@@ -65,9 +65,6 @@ class Router:
         o = self.options
         return {"http": f"http://{o.get('host', '127.0.0.1')}:{o['http_port']}",
                 "grpc": f"{o.get('host', '127.0.0.1')}:{self.grpc.port}", "model": self.frontend.info.model}  # fmt: skip
-
-    async def ready(self) -> bool:
-        return await self.frontend.ready()
 
     def check_health(self) -> None:
         if self._http_task.done() and not self._stopped:

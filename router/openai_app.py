@@ -174,9 +174,12 @@ class _ChunkFormat:
         if not self.want_lp:
             return None
         if self.chat:
-            return {"content": [{"token": self._tok(t), "logprob": lp, "bytes": list(self._tok(t).encode()),
-                                 "top_logprobs": [{"token": self._tok(k), "logprob": v, "bytes": list(self._tok(k).encode())}
-                                                  for k, v in top.items()]} for t, lp, top in lps]}  # fmt: skip
+            def entry(t: int, lp: float) -> dict:
+                tok = self._tok(t)
+                return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+            return {"content": [dict(entry(t, lp), top_logprobs=[entry(k, v) for k, v in top.items()])
+                                for t, lp, top in lps]}  # fmt: skip
         return {"tokens": [self._tok(t) for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
                 "top_logprobs": [{self._tok(k): v for k, v in top.items()} for _, _, top in lps]}  # fmt: skip
 

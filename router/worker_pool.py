@@ -13,10 +13,9 @@ class ServeWorkerPool:
     request router sends each request to the replica with fewer requests in
     flight (power of two choices); routing on free KV blocks comes later."""
 
-    def __init__(self, handle, num_workers: int):
+    def __init__(self, handle):
         self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
-        self.num_workers = num_workers
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         gen = self._stream.remote(request)
@@ -44,7 +43,6 @@ class LocalWorkerPool:
 
     def __init__(self, workers: list):
         self.workers = workers
-        self.num_workers = len(workers)
         self._outstanding = [0] * len(workers)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:

@@ -1,5 +1,9 @@
 """Owns the model and its KV cache; turns a scheduled batch into one flat
-forward pass and samples the next tokens."""
+forward pass and samples the next tokens.
+
+Under tensor parallelism every rank runs one of these over its own slice
+of the model and cache; only rank 0 gets logits and samples.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from shoal.workers.layers.attention import (
     PrefillChunk,
     set_forward_context,
 )
+from shoal.workers.layers.parallel_state import num_local_kv_heads
 from shoal.workers.layers.sampler import SampleResult, Sampler
 from shoal.workers.models.llama import LlamaForCausalLM
 from shoal.workers.scheduler import SchedulerOutput
@@ -27,7 +32,8 @@ class ModelRunner:
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_heads = model.attention_layers()[0].num_kv_heads  # this rank's
+        shape = (2, cfg.num_hidden_layers, num_blocks, block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # On the CPU in float32, decodes read the paged cache through the
         # compiled kernel when it builds; the torch path is the fallback.
@@ -48,22 +54,34 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids)
 
     @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """One block's keys and values on one rank."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        kv_heads = num_local_kv_heads(cfg.num_key_value_heads, tp_size)
+        return 2 * cfg.num_hidden_layers * block_size * kv_heads * cfg.head_dim * itemsize
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
         """Runs one step. Returns the sequences that reached the end of their
         tokens (so get a new one) and what was sampled for them, in order."""
+        sample_seqs, logits = self.execute_model(sched.scheduled)
+        if not sample_seqs:
+            return [], None
+        return sample_seqs, self.sampler(logits, sample_seqs)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduled: list) -> tuple[list, torch.Tensor | None]:
+        """The forward pass of one step over (sequence, new tokens) pairs;
+        a sequence is anything with token_ids, num_computed_tokens and
+        block_table. Returns the sequences due a token and their logits
+        (None on ranks other than 0)."""
         # Decodes first, longest context first, so the attention backend can
         # batch them in a few groups of similar length.
-        decodes = sorted(((s, n) for s, n in sched.scheduled if n == 1), key=lambda x: -x[0].num_computed_tokens)
-        prefills = [(s, n) for s, n in sched.scheduled if n > 1]
+        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda x: -x[0].num_computed_tokens)
+        prefills = [(s, n) for s, n in scheduled if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -81,7 +99,7 @@ class ModelRunner:
                 if start > 0:
                     table = torch.tensor(seq.block_table[: -(-ctx_len // self.block_size)], device=self.device)
                 chunks.append(PrefillChunk(q_start, q_start + n, ctx_len, table))
-            if ctx_len == seq.num_tokens:
+            if ctx_len == len(seq.token_ids):
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
@@ -97,11 +115,9 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=self.device),
                 torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             )
-        for seq, n in sched.scheduled:
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
-        if not sample_seqs:
-            return [], None
-        return sample_seqs, self.sampler(logits, sample_seqs)
+        return sample_seqs, logits
 
     def _decode_groups(self, seqs: list[Sequence], max_waste: float) -> list[DecodeGroup]:
         """Split decodes (sorted longest first) into groups, starting a new

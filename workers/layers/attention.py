@@ -7,6 +7,7 @@ instead of threading it through every forward.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -46,22 +47,25 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-_context: AttentionMetadata | None = None
+# Per thread: two engines in one process (an AsyncEngine's thread and an
+# offline LLM in a test, say) must not see each other's step.
+_local = threading.local()
 
 
 @contextmanager
 def set_forward_context(meta: AttentionMetadata):
-    global _context
-    _context, prev = meta, _context
+    prev = getattr(_local, "meta", None)
+    _local.meta = meta
     try:
         yield
     finally:
-        _context = prev
+        _local.meta = prev
 
 
 def get_forward_context() -> AttentionMetadata:
-    assert _context is not None, "attention ran outside set_forward_context"
-    return _context
+    meta = getattr(_local, "meta", None)
+    assert meta is not None, "attention ran outside set_forward_context"
+    return meta
 
 
 class GatherWorkspace:

@@ -3,7 +3,9 @@
 The batch is one flat run of tokens from many sequences (no padding);
 positions and the attention metadata say which token is where. q/k/v and
 gate/up are fused into one matmul each, loaded from the separate
-checkpoint tensors (see load_weights).
+checkpoint tensors (see load_weights). Built inside a tensor-parallel group,
+every layer holds this rank's slice (layers/linear.py) and logits reach
+rank 0 only.
 """
 
 from __future__ import annotations
@@ -15,23 +17,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.workers.layers.attention import PagedAttention
+from shoal.workers.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from shoal.workers.layers.norm import RMSNorm
 from shoal.workers.layers.rotary import RotaryEmbedding
+from shoal.workers.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.workers.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.qkv_bias)  # fmt: skip
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
@@ -47,9 +49,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        n = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size, [n, n], cfg.mlp_bias)
+        self.intermediate_size = self.gate_up_proj.output_size // 2  # this rank's
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -84,22 +87,24 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one parameter, listed once
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns logits (float32) only at `logits_indices` of the flat batch."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """Logits (float32) only at `logits_indices` of the flat batch; on
+        ranks other than 0 of a tensor-parallel group, None."""
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(positions, h)
-        h = self.norm(h[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return self.lm_head(self.norm(h[logits_indices]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters,
@@ -110,21 +115,18 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied checkpoints sometimes carry a copy
             for piece, (fused, shard) in _STACKED.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)
-                    self._load_shard(params[target], tensor, fused, shard)
+                    self._load(params[target], target, tensor, shard)
                     loaded.add(f"{target}#{shard}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                param.data.copy_(tensor)
+                self._load(params[name], name, tensor, None)
                 loaded.add(name)
         expected = set()
         for name in params:
@@ -138,14 +140,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    def _load_shard(self, param: torch.Tensor, tensor: torch.Tensor, fused: str, shard: int) -> None:
-        cfg = self.config
-        if fused == "qkv_proj":
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            offsets, sizes = [0, q, q + kv], [q, kv, kv]
-        else:
-            offsets, sizes = [0, cfg.intermediate_size], [cfg.intermediate_size] * 2
-        dst = param.data.narrow(0, offsets[shard], sizes[shard])
-        if dst.shape != tensor.shape:
-            raise ValueError(f"{fused} shard {shard}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-        dst.copy_(tensor)
+    @staticmethod
+    def _load(param: nn.Parameter, name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        """Through the parameter's own loader, which takes this rank's slice."""
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None

@@ -1,0 +1,109 @@
+"""Linear layers split across the tensor-parallel group (Megatron's layout).
+
+Column-parallel layers split the output features: each rank computes its
+slice and nothing is exchanged. Row-parallel layers split the input
+features: each rank's partial sum is all-reduced. A column layer followed by
+a row layer (q/k/v -> o, gate/up -> down) costs one all-reduce.
+
+Each parameter carries a `weight_loader(param, tensor, shard_id)` that cuts
+this rank's part out of a full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.workers.layers.parallel_state import get_tp_group, num_local_kv_heads
+
+
+def _check(name: str, got: torch.Size, want: tuple) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"{name}: checkpoint shape {tuple(got)} != expected {tuple(want)}")
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
+    _check("parameter", tensor.shape, param.shape)
+    param.data.copy_(tensor)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split across ranks.
+
+    The layer may fuse several checkpoint tensors (gate and up, say): each
+    is one shard, given as (full rows, local rows, first row taken here).
+    """
+
+    def __init__(self, input_size: int, shards: list[tuple[int, int, int]], bias: bool):
+        super().__init__()
+        self.input_size, self.shards = input_size, shards
+        self.output_size = sum(local for _, local, _ in shards)  # on this rank
+        self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    @classmethod
+    def even(cls, input_size: int, output_sizes: list[int], bias: bool) -> "ColumnParallelLinear":
+        """Each fused part split evenly: rank r takes the r-th slice of each."""
+        tp = get_tp_group()
+        return cls(input_size, [(n, n // tp.size, tp.rank * (n // tp.size)) for n in output_sizes], bias)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
+        shard_id = shard_id or 0
+        full, local, start = self.shards[shard_id]
+        _check(f"shard {shard_id}", tensor.shape[:1], (full,))
+        offset = sum(n for _, n, _ in self.shards[:shard_id])
+        param.data.narrow(0, offset, local).copy_(tensor.narrow(0, start, local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v fused, split by attention head. With more ranks than KV
+    heads, each rank holds one KV head (shared by tp_size / num_kv_heads ranks)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        tp = get_tp_group()
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = num_local_kv_heads(num_kv_heads, tp.size)
+        if tp.size <= num_kv_heads:
+            kv_first = tp.rank * self.num_kv_heads
+        else:
+            kv_first = tp.rank // (tp.size // num_kv_heads)
+        q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
+        q_local, kv_local = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        kv = (kv_full, kv_local, kv_first * head_dim)
+        super().__init__(hidden_size, [(q_full, q_local, tp.rank * q_local), kv, kv], bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: W's columns (input features) are split;
+    x arrives already split the same way (the output of a column layer)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.input_full = input_size
+        local = input_size // self.tp.size
+        self.input_start = self.tp.rank * local
+        self.weight = nn.Parameter(torch.empty(output_size, local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
+        _check("row-parallel weight", tensor.shape, (param.shape[0], self.input_full))
+        param.data.copy_(tensor.narrow(1, self.input_start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,49 @@
+"""The embedding and the LM head split by vocabulary across the
+tensor-parallel group. Each rank holds ceil(vocab / tp_size) rows (the last
+rank's tail is zero padding); the LM head's logits are gathered to rank 0."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.workers.layers.linear import _check
+from shoal.workers.layers.parallel_state import get_tp_group
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // self.tp.size)  # per rank, padded
+        self.start = self.tp.rank * self.rows
+        self.end = min(self.start + self.rows, vocab_size)  # real rows end here
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
+        _check("vocabulary weight", tensor.shape, (self.vocab_size, param.shape[1]))
+        param.data.zero_()
+        param.data[: self.end - self.start].copy_(tensor[self.start : self.end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids outside this rank's rows contribute zeros; the sum over ranks
+        # gives every token its one real row.
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        h = F.embedding((input_ids - self.start).masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Same split as the embedding, so a tied head shares its weight."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [tokens, vocab] on rank 0; None on other ranks."""
+        parts = self.tp.gather(F.linear(h, self.weight).float())
+        if parts is None:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)[:, : self.vocab_size]

@@ -24,6 +24,8 @@ class EngineArgs:
     # auto: the compiled CPU decode kernel on CPU/float32 when it builds, else
     # torch; "torch" forces the pure-torch reference backend.
     attention_backend: str = "auto"
+    # Ranks (GPUs) one model is split across; ranks 1.. run as Ray actors.
+    tensor_parallel_size: int = 1
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

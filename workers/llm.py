@@ -11,11 +11,24 @@ from shoal.workers.sampling_params import SamplingParams
 
 
 class LLM:
-    """Batch generation on one engine. `LLM()` loads the default model."""
+    """Batch generation on one engine. `LLM()` loads the default model;
+    `LLM(model, tensor_parallel_size=K)` splits it across K ranks (Ray
+    actors; a local Ray cluster is started if none is connected). Call
+    shutdown() (or use it as a context manager) to stop them."""
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and free their resources."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -15,17 +16,26 @@ from shoal.workers.config import EngineArgs
 from shoal.workers.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.detokenizer import IncrementalDetokenizer
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.model_loader import load_model_files
+from shoal.workers.layers.parallel_state import check_tp_size
+from shoal.workers.model_loader import build_model, load_model_files
 from shoal.workers.model_runner import ModelRunner
-from shoal.workers.models.llama import LlamaForCausalLM
 from shoal.workers.outputs import RequestOutput, TokenLogprob
 from shoal.workers.sampling_params import SamplingParams
 from shoal.workers.scheduler import Scheduler, SchedulerConfig
 from shoal.workers.sequence import RequestTimings, Sequence
+from shoal.workers.shard_group import ShardGroup
+from shoal.workers.step_input import StepInputEncoder
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def ray_get(refs: list) -> list:
+    if not refs:
+        return []
+    import ray
+
+    return ray.get(refs)
 
 
 @dataclass(slots=True)
@@ -51,9 +61,12 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
         t0 = time.perf_counter()
+        device = args.resolved_device()
+        if device.type == "cpu" and args.tensor_parallel_size > 1 and not args.num_threads:
+            # The ranks share this machine's cores.
+            args.num_threads = max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        device = args.resolved_device()
         dtype = args.resolved_dtype(device)
         if device.type == "cpu":
             keep_freed_memory_mapped()
@@ -67,30 +80,35 @@ class LLMEngine:
             max_len = cfg.sliding_window
         self.max_model_len = max_len
 
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_len)
-        model.to(dtype)
-        model.load_weights(loaded.weights)
-        model.eval().requires_grad_(False)
-
-        per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype)
-        num_blocks = args.num_kv_blocks
-        if num_blocks is None:
-            budget = args.kv_cache_memory_bytes
-            if budget is None:
-                if device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(device)
-                    budget = int(free * 0.9)
-                else:
-                    budget = DEFAULT_CPU_KV_BYTES
-            num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget holds no block of {per_block} bytes")
         self.args = args
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.block_manager)
-        self.eos_token_ids = list(cfg.eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids, args.attention_backend)
+        tp = args.tensor_parallel_size
+        check_tp_size(cfg, tp)  # before any actor starts
+        self.shards: ShardGroup | None = None
+        if tp > 1:
+            self.shards = ShardGroup(args, tp, device)
+        try:
+            loading = self.shards.load(max_len) if self.shards else []
+            model = build_model(cfg, loaded.weights, max_len, device, dtype)
+            per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
+            num_blocks = args.num_kv_blocks
+            if num_blocks is None:
+                # Each rank holds its own heads: the same bytes hold tp times the blocks.
+                num_blocks = min([ModelRunner.kv_budget_bytes(args, device) // per_block] + ray_get(loading))
+            elif loading:
+                ray_get(loading)
+            if num_blocks < 1:
+                raise ValueError(f"the KV budget holds no block of {per_block} bytes")
+            self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+            self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+                                       self.block_manager)  # fmt: skip
+            self.eos_token_ids = list(cfg.eos_token_ids)
+            self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids, args.attention_backend)
+            if self.shards:
+                self.shards.start(num_blocks, self.eos_token_ids)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.encoder = StepInputEncoder()
         self.device = device
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -166,6 +184,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if self.shards is not None:
+            self.shards.send(self.encoder.encode(sched))
         seqs, result = self.runner.execute(sched)
         if result is None:
             return []
@@ -217,3 +237,14 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
                            bm.num_total_blocks, bm.block_size, bm.prefix_cache_hit_rate,
                            self.scheduler.num_preemptions)  # fmt: skip
+
+    def check_health(self) -> None:
+        """Raise if a tensor-parallel rank is gone."""
+        if self.shards is not None:
+            self.shards.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
+        if getattr(self, "shards", None) is not None:
+            self.shards.shutdown()
+            self.shards = None

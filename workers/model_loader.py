@@ -146,3 +146,15 @@ def _load_gguf(path: str) -> LoadedModel:
 
     name = g.metadata.get("general.name") or os.path.basename(path)
     return LoadedModel(name, cfg, tokenizer, weights())
+
+
+def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.device, dtype: torch.dtype):
+    """The model (this rank's slice of it inside a tensor-parallel group)
+    with the checkpoint's weights, ready for inference."""
+    from shoal.workers.models.llama import LlamaForCausalLM
+
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model.to(dtype)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

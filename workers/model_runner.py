@@ -23,6 +23,9 @@ from shoal.workers.scheduler import SchedulerOutput
 from shoal.workers.sequence import Sequence
 
 
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int],
                  attention_backend: str = "auto"):  # fmt: skip
@@ -59,6 +62,16 @@ class ModelRunner:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         kv_heads = num_local_kv_heads(cfg.num_key_value_heads, tp_size)
         return 2 * cfg.num_hidden_layers * block_size * kv_heads * cfg.head_dim * itemsize
+
+    @staticmethod
+    def kv_budget_bytes(args, device: torch.device) -> int:
+        """This rank's KV budget: as asked, else 90% of free GPU memory (after
+        the weights are loaded) or a fixed amount of RAM."""
+        if args.kv_cache_memory_bytes is not None:
+            return args.kv_cache_memory_bytes
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0] * 0.9)
+        return DEFAULT_CPU_KV_BYTES
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table

@@ -1,0 +1,122 @@
+"""Tensor parallelism on CPU with gloo: the sharded model against the
+single-rank one, the refusal of sizes that cannot split a model, and a rank
+that dies."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import make_tiny_model
+from tp_helpers import max_logit_diff, run_recorded, tp_prompts
+from shoal.workers import LLM, SamplingParams
+from shoal.workers.layers.parallel_state import check_tp_size
+from shoal.workers.model_config import ModelConfig
+
+# Small caches and token budgets so that the steps mix chunked prefills,
+# decodes, prefix-cache hits and preemptions: every kind of step input.
+ENGINE = dict(num_kv_blocks=24, block_size=8, max_num_batched_tokens=48, max_num_seqs=6)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory) -> dict[str, str]:
+    return {
+        "4 heads, 2 KV, untied": make_tiny_model(str(tmp_path_factory.mktemp("tp-4-2"))),
+        "8 heads, 2 KV, tied, bias": make_tiny_model(str(tmp_path_factory.mktemp("tp-8-2")), num_attention_heads=8,
+                                                     tie_word_embeddings=True, attention_bias=True),  # fmt: skip
+        # one KV head: at K = 2 each rank keeps a replica of it
+        "4 heads, 1 KV (replicated)": make_tiny_model(str(tmp_path_factory.mktemp("tp-4-1")), num_key_value_heads=1),
+        # a vocabulary that 2 does not divide: the LM head is padded
+        "odd vocab": make_tiny_model(str(tmp_path_factory.mktemp("tp-odd")), vocab_size=509),
+    }
+
+
+@pytest.mark.parametrize("name", ["4 heads, 2 KV, untied", "8 heads, 2 KV, tied, bias",
+                                  "4 heads, 1 KV (replicated)", "odd vocab"])  # fmt: skip
+def test_k2_greedy_equals_k1(ray_cluster, tp_models, name):
+    path = tp_models[name]
+    prompts = tp_prompts(500, n=10)
+    ref, ref_logits, ref_stats = run_recorded(path, 1, prompts, 20, **ENGINE)
+    got, got_logits, stats = run_recorded(path, 2, prompts, 20, **ENGINE)
+    diff = max_logit_diff(ref_logits, got_logits)
+    print(f"\n{name}: K=2 vs K=1 on {len(prompts)} prompts, largest logit difference {diff:.2e}")
+    assert got == ref
+    assert diff < 1e-3
+    # The workload went through every kind of step input.
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
+    assert (stats.num_preemptions, stats.num_total_blocks) == (ref_stats.num_preemptions, ref_stats.num_total_blocks)
+
+
+def test_k2_holds_twice_the_blocks_in_the_same_bytes(ray_cluster, tp_models):
+    path = tp_models["4 heads, 2 KV, untied"]
+    budget = dict(kv_cache_memory_bytes=1 << 20, block_size=16)
+    with LLM(path, **budget) as one, LLM(path, tensor_parallel_size=2, **budget) as two:
+        n1, n2 = one.engine.stats().num_total_blocks, two.engine.stats().num_total_blocks
+        assert n2 == 2 * n1
+        # and both serve
+        sp = SamplingParams(temperature=0, max_tokens=5)
+        assert one.generate([[5, 6, 7]], sp)[0].token_ids == two.generate([[5, 6, 7]], sp)[0].token_ids
+
+
+def test_a_dead_rank_fails_the_engine_fast(ray_cluster, tp_models):
+    import ray
+
+    llm = LLM(tp_models["4 heads, 2 KV, untied"], tensor_parallel_size=2)
+    try:
+        llm.engine.check_health()
+        ray.kill(llm.engine.shards.actors[0])
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=50, ignore_eos=True))
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                llm.engine.check_health()
+            except RuntimeError as e:
+                assert "rank 1" in str(e)
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("check_health never noticed the dead rank")
+    finally:
+        llm.shutdown()
+    assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if "shoal-tp" in str(n)]
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("size, reason", [(4, "6 attention heads"), (3, "2 KV heads"), (0, ">= 1"),
+                                          (2.0, ">= 1")])  # fmt: skip
+def test_sizes_that_cannot_split_are_refused_with_the_reason(size, reason):
+    with pytest.raises(ValueError, match=reason):
+        check_tp_size(_cfg(), size)
+    check_tp_size(_cfg(), 2)
+    check_tp_size(_cfg(num_key_value_heads=1), 6)  # one KV head, replicated
+    with pytest.raises(ValueError, match="MLP width 100"):
+        check_tp_size(_cfg(intermediate_size=100, num_attention_heads=8), 8)
+
+
+def test_a_bad_size_is_refused_before_any_actor_starts(ray_cluster, tiny_model):
+    import ray
+
+    groups = len(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        LLM(tiny_model, tensor_parallel_size=3)
+    assert len(ray.util.placement_group_table()) == groups  # no placement group, so no actor
+    assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if "shoal-tp" in str(n)]

@@ -1,0 +1,48 @@
+"""Running one workload at tensor-parallel size 1 and K, recording the
+logits rank 0 samples from, so tests can compare tokens and logits."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from shoal.workers import LLM, SamplingParams
+
+
+class LogitRecorder:
+    """Wraps a runner's sampler; keeps a copy of every step's logits."""
+
+    def __init__(self, sampler):
+        self.sampler, self.steps = sampler, []
+
+    def __call__(self, logits, seqs):
+        self.steps.append(logits.clone())
+        return self.sampler(logits, seqs)
+
+
+def tp_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
+    """Prompts of 1 to ~150 tokens; half share a 40-token prefix (prefix cache hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 17, 60, 110]))]
+        out.append(shared + tail if i % 2 else tail)
+    return out
+
+
+def run_recorded(model: str, tp: int, prompts, max_tokens: int, **engine) -> tuple[list[list[int]], list, object]:
+    """Greedy tokens, per-step logits and the engine's final stats."""
+    with LLM(model, tensor_parallel_size=tp, **engine) as llm:
+        rec = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        stats = llm.engine.stats()
+    return [o.token_ids for o in outs], rec.steps, stats
+
+
+def max_logit_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest |difference| over the steps both runs share in shape (they
+    schedule alike while their tokens agree)."""
+    diffs = [(x - y).abs().max().item() for x, y in zip(a, b) if x.shape == y.shape]
+    return max(diffs) if diffs else float("nan")

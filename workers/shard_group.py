@@ -1,0 +1,138 @@
+"""Rank 0's view of a tensor-parallel worker: the other ranks as Ray
+actors in one STRICT_PACK placement group (one bundle per GPU), joined to
+this process by torch.distributed (NCCL on GPUs, gloo on CPU).
+
+Inside a Ray Serve replica the placement group is the replica's own (the
+replica sits in bundle 0); elsewhere (the offline LLM) it is made here, and
+bundle 0 stays reserved for this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import asdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shoal.workers.config import EngineArgs
+from shoal.workers.layers.parallel_state import destroy_tp_group, init_tp_group
+
+logger = logging.getLogger(__name__)
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def tp_bundles(tp_size: int, gpu: bool, cpus: float = 1.0) -> list[dict]:
+    """One bundle per rank. On GPUs the other ranks take no CPU, so they
+    schedule wherever the GPUs are (DESIGN: an actor in a GPU bundle needs
+    num_cpus=0 or a CPU in the bundle)."""
+    if gpu:
+        return [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1}] * (tp_size - 1)
+    return [{"CPU": cpus}] * tp_size
+
+
+class ShardGroup:
+    def __init__(self, args: EngineArgs, tp_size: int, device: torch.device):
+        import ray
+        from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from shoal.workers.shard_worker import ShardWorker
+
+        self.size = tp_size
+        self.actors: list = []
+        self.loops: list = []
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            ray.init(num_cpus=max(os.cpu_count() or 1, tp_size), include_dashboard=False, logging_level="WARNING")
+        pg = get_current_placement_group()
+        self._own_pg = None
+        if pg is None:
+            bundles = tp_bundles(tp_size, device.type == "cuda")
+            pg = placement_group(bundles, strategy="STRICT_PACK",
+                                 _soft_target_node_id=ray.get_runtime_context().get_node_id())  # fmt: skip
+            self._own_pg = pg
+            if not pg.wait(PLACEMENT_TIMEOUT_S):
+                self.shutdown()
+                raise RuntimeError(f"tensor_parallel_size {tp_size} needs {bundles} on one node; "
+                                   f"the cluster has {ray.cluster_resources()}")  # fmt: skip
+        elif pg.bundle_count < tp_size:
+            raise RuntimeError(f"this replica's placement group has {pg.bundle_count} bundles; "
+                               f"tensor_parallel_size {tp_size} needs one per rank")  # fmt: skip
+        self._remove_pg = remove_placement_group
+
+        # Rendezvous on a port the OS picks (several workers share a machine).
+        host = ray.util.get_node_ip_address()
+        store = dist.TCPStore(host, 0, tp_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=120))  # fmt: skip
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        shard_args = asdict(args)
+        if device.type == "cuda":
+            shard_args["device"] = "cuda"  # each actor sees its own GPU as cuda:0
+        tag = uuid.uuid4().hex[:8]
+        cls = ray.remote(ShardWorker)
+        try:
+            for rank in range(1, tp_size):
+                bundle = pg.bundle_specs[rank]
+                self.actors.append(cls.options(
+                    name=f"shoal-tp-{tag}-rank{rank}", num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                ).remote(shard_args, rank, tp_size, host, store.port, backend))  # fmt: skip
+            joins = [a.join.remote() for a in self.actors]
+            self.group = init_tp_group(0, tp_size, store, backend)
+            ray.get(joins)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.store = store  # the other ranks keep talking to it while the group lives
+
+    def load(self, max_model_len: int) -> list:
+        """Start loading on every other rank (rank 0 loads meanwhile)."""
+        return [a.load.remote(max_model_len) for a in self.actors]
+
+    def start(self, num_blocks: int, eos_token_ids: list[int]) -> None:
+        self.loops = [a.run.remote(num_blocks, eos_token_ids) for a in self.actors]
+
+    def send(self, step) -> None:
+        """Broadcast one step's inputs; every rank then runs the forward."""
+        self.group.broadcast_object(step)
+
+    def check_health(self) -> None:
+        """Raise if a rank's loop has ended (its actor died or failed)."""
+        import ray
+
+        ready, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
+        for ref in ready:
+            rank = self.loops.index(ref) + 1
+            try:
+                ray.get(ref)
+            except Exception as e:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone: {type(e).__name__}") from e
+            raise RuntimeError(f"tensor-parallel rank {rank} stopped")
+
+    def shutdown(self) -> None:
+        """Stop the loops, the actors and the group; free the placement group."""
+        import ray
+
+        if self.loops:
+            try:
+                self.check_health()
+                self.send(None)
+                ray.get(self.loops, timeout=10)
+            except Exception:
+                pass  # a rank already gone: the actors are killed below
+            self.loops = []
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        destroy_tp_group()
+        if self._own_pg is not None:
+            self._remove_pg(self._own_pg)
+            self._own_pg = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False

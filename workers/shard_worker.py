@@ -1,0 +1,62 @@
+"""Rank r > 0 of a tensor-parallel worker: a Ray actor holding its slice of
+the model and of the KV cache, running the forward pass of every step that
+rank 0 broadcasts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shoal.workers.config import EngineArgs
+from shoal.workers.layers.parallel_state import get_tp_group, init_tp_group
+from shoal.workers.model_loader import build_model, load_model_files
+from shoal.workers.model_runner import ModelRunner
+from shoal.workers.step_input import StepInputDecoder
+
+logger = logging.getLogger(__name__)
+
+
+class ShardWorker:
+    def __init__(self, args: dict, rank: int, size: int, host: str, port: int, backend: str):
+        self.args = EngineArgs(**args)
+        self.rank, self.size = rank, size
+        if self.args.num_threads:
+            torch.set_num_threads(self.args.num_threads)
+        self.store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=120))
+        self.backend = backend
+        self.runner: ModelRunner | None = None
+
+    def join(self) -> int:
+        """Join the group (returns once every rank has joined)."""
+        init_tp_group(self.rank, self.size, self.store, self.backend)
+        return os.getpid()
+
+    def load(self, max_model_len: int) -> int:
+        """Load this rank's slice of the weights; returns how many KV blocks
+        this rank's budget holds."""
+        args = self.args
+        self.device = args.resolved_device()
+        self.dtype = args.resolved_dtype(self.device)
+        loaded = load_model_files(args.model)
+        self.model = build_model(loaded.config, loaded.weights, max_model_len, self.device, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
+        return ModelRunner.kv_budget_bytes(args, self.device) // per_block
+
+    def run(self, num_blocks: int, eos_token_ids: list[int]) -> None:
+        """Run every step rank 0 broadcasts until it sends None. A failure
+        ends this process: rank 0's next collective then fails at once
+        instead of waiting on a rank that will never answer."""
+        try:
+            runner = ModelRunner(self.model, num_blocks, self.args.block_size, eos_token_ids,
+                                 self.args.attention_backend)  # fmt: skip
+            decoder = StepInputDecoder()
+            tp = get_tp_group()
+            while (step := tp.broadcast_object()) is not None:
+                runner.execute_model(decoder.decode(step))
+        except BaseException:
+            logger.exception("tensor-parallel rank %d failed", self.rank)
+            os._exit(1)

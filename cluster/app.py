@@ -12,6 +12,7 @@ from ray.serve import Application
 
 from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
+from shoal.workers.shard_group import tp_bundles
 from shoal.workers.worker import Worker
 
 # Serve's own queue in front of a worker must never be what holds a request
@@ -27,12 +28,20 @@ _ONE_LOOP = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 def build_app(args: dict | ServeOptions | None = None) -> Application:
     """The application for `serve run` / `serve deploy`; args are ServeOptions fields."""
     opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
+    opts.check_cluster()
     gpu = opts.uses_gpu()
     engine_args = opts.engine_args(gpu)
     max_num_seqs = engine_args.get("max_num_seqs", 256)
     actor = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": opts.cpus_per_worker}
     actor["runtime_env"] = _ONE_LOOP
+    placement = {}
+    if opts.tp_size > 1:
+        # One STRICT_PACK group per replica: the replica (rank 0) in bundle 0,
+        # its other ranks in the rest; Serve replaces the group as a whole.
+        bundles = tp_bundles(opts.tp_size, gpu, actor["num_cpus"])
+        placement = {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
     worker = serve.deployment(Worker, name="Worker").options(
+        **placement,
         num_replicas=opts.num_workers,
         ray_actor_options=actor,
         max_ongoing_requests=max_num_seqs + opts.max_waiting + _HEADROOM,

@@ -17,6 +17,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many ranks (GPUs), Megatron-style")  # fmt: skip
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -25,7 +27,8 @@ def engine_args_from(ns: argparse.Namespace):
     return EngineArgs(model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
                       kv_cache_memory_bytes=ns.kv_cache_memory_bytes, num_kv_blocks=ns.num_kv_blocks,
-                      max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching)  # fmt: skip
+                      max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
+                      tensor_parallel_size=ns.tensor_parallel_size)  # fmt: skip
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -79,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_scheduler.add_parser(bsub)
 
     ns = parser.parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:  # bad flags or model: say why, no traceback
+        print(f"shoal {ns.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ class ServeOptions:
         if bad:
             raise ValueError(f"unknown engine options: {sorted(bad)}")
 
+    @property
+    def tp_size(self) -> int:
+        return self.engine.get("tensor_parallel_size", 1)
+
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("SHOAL_API_KEY") or None
 
@@ -72,10 +76,27 @@ class ServeOptions:
 
     def engine_args(self, gpu: bool) -> dict:
         args = dict(self.engine, model=self.model)
-        args["device"] = "cuda" if gpu else "cpu"
-        if not gpu:
-            args["num_threads"] = self.num_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        # On GPU workers "auto" is settled inside the worker, which sees its
+        # own GPUs (logical GPUs of a test cluster have no CUDA behind them).
+        args["device"] = ("auto" if self.device == "auto" else self.device) if gpu else "cpu"
+        # Used wherever a rank runs on the CPU: the ranks share the cores.
+        args["num_threads"] = self.num_threads or max(1, (os.cpu_count() or 1) // (self.num_workers * self.tp_size))
         return args
+
+    def check_cluster(self) -> None:
+        """Refuse, before anything deploys, a tensor-parallel size the model
+        cannot split or the cluster cannot place (Serve would wait forever)."""
+        from shoal.workers.layers.parallel_state import check_tp_size
+        from shoal.workers.model_loader import load_model_files
+
+        check_tp_size(load_model_files(self.model).config, self.tp_size)
+        import ray
+
+        if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu():
+            need, have = self.num_workers * self.tp_size, ray.cluster_resources().get("GPU", 0)
+            if have < need:
+                raise ValueError(f"{self.num_workers} worker(s) x tensor_parallel_size {self.tp_size} need "
+                                 f"{need} GPUs; the cluster has {have:g}")  # fmt: skip
 
     def router_options(self) -> dict:
         return {"model": self.model, "host": self.host, "http_port": self.http_port, "grpc_port": self.grpc_port,

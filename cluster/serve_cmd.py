@@ -18,7 +18,8 @@ def add_parser(sub, engine_flags) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000)
-    p.add_argument("--num-workers", type=int, default=1, help="worker replicas (one GPU each on a GPU cluster)")
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="worker replicas (each with --tensor-parallel-size GPUs on a GPU cluster)")  # fmt: skip
     p.add_argument("--api-key", default=None, help="require this bearer key (default: $SHOAL_API_KEY)")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting requests per worker before 429")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20)
@@ -35,7 +36,7 @@ def engine_options(ns: argparse.Namespace) -> dict:
     ea = engine_args_from(ns)
     return {k: getattr(ea, k) for k in ("dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
                                         "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len",
-                                        "enable_prefix_caching")}  # fmt: skip
+                                        "enable_prefix_caching", "tensor_parallel_size")}  # fmt: skip
 
 
 def options_from(ns: argparse.Namespace):
@@ -62,8 +63,9 @@ def launch(opts, address: str | None = None):
         ray.init(address=address, logging_level="WARNING")
     else:
         gpus = None if opts.device in ("auto", "cuda") else 0
-        # Logical CPUs: a CPU worker asks for one, whatever the core count.
-        ray.init(num_cpus=max(os.cpu_count() or 1, opts.num_workers * int(opts.cpus_per_worker + 0.999)),
+        # Logical CPUs: each rank of a CPU worker asks for one, whatever the core count.
+        ranks = opts.num_workers * opts.tp_size
+        ray.init(num_cpus=max(os.cpu_count() or 1, ranks * int(opts.cpus_per_worker + 0.999)),
                  num_gpus=gpus, include_dashboard=False, logging_level="WARNING")  # fmt: skip
     # The router binds the ports itself, so Serve's own proxies stay off.
     serve.start(proxy_location="Disabled")
@@ -87,13 +89,15 @@ def shut_down(address: str | None = None) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     opts = options_from(ns)
+    opts.check_cluster()  # a size that cannot split the model: refused before Ray starts
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         handle = launch(opts, ns.address)
         ends = handle.endpoints.remote().result()
-        print(f"shoal: serving {ends['model']} with {opts.num_workers} worker(s)\n"
+        tp = f" of {opts.tp_size} ranks" if opts.tp_size > 1 else ""
+        print(f"shoal: serving {ends['model']} with {opts.num_workers} worker(s){tp}\n"
               f"  OpenAI HTTP  {ends['http']}/v1\n  gRPC         {ends['grpc']} (shoal.v1.Shoal)\n"
               f"  ready in {time.perf_counter() - t0:.1f} s; Ctrl-C stops", flush=True)  # fmt: skip
         while not stop.wait(0.5):

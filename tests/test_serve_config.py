@@ -39,6 +39,31 @@ def test_options_route_engine_fields_and_refuse_unknown_ones():
         ServeOptions.from_dict({"num_workers": 0})
 
 
+def test_tensor_parallel_options_build_one_strict_pack_group_per_replica(tiny_model):
+    from shoal.cluster.app import build_app
+
+    opts = ServeOptions.from_dict({"model": tiny_model, "num_workers": 2, "tensor_parallel_size": 2, "device": "cpu"})
+    assert opts.tp_size == 2 and opts.engine_args(gpu=False)["tensor_parallel_size"] == 2
+    app = build_app(opts)
+    worker = app._bound_deployment.init_args[0]  # the Worker deployment bound into the Router
+    cfg = worker._bound_deployment._deployment_config if hasattr(worker, "_bound_deployment") else None
+    replica = worker._bound_deployment._replica_config
+    assert replica.placement_group_strategy == "STRICT_PACK"
+    assert replica.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert cfg is None or cfg.num_replicas == 2
+
+
+def test_shoal_serve_refuses_a_size_that_cannot_split_the_model_before_ray_starts(tiny_model):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "shoal.cluster.cli", "serve", "--model", tiny_model,
+                        "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("shoal serve: error: tensor_parallel_size 3 does not divide the model's "
+                                "4 attention heads")  # nothing else: refused before Ray started  # fmt: skip
+
+
 def test_api_key_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHOAL_API_KEY", "from-env")
     assert ServeOptions().router_options()["api_key"] == "from-env"

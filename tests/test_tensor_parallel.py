@@ -120,3 +120,16 @@ def test_a_bad_size_is_refused_before_any_actor_starts(ray_cluster, tiny_model):
         LLM(tiny_model, tensor_parallel_size=3)
     assert len(ray.util.placement_group_table()) == groups  # no placement group, so no actor
     assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if "shoal-tp" in str(n)]
+
+
+@pytest.mark.slow
+def test_smollm2_k3_greedy_equals_k1(ray_cluster):
+    """SmolLM2-135M: 9 heads and 3 KV heads, so K = 3 gives each rank 3 heads and 1 KV head."""
+    prompts = tp_prompts(49152, n=8, seed=1)
+    engine = dict(num_kv_blocks=64, block_size=16, max_num_batched_tokens=128)
+    ref, ref_logits, _ = run_recorded(None, 1, prompts, 16, **engine)
+    got, got_logits, stats = run_recorded(None, 3, prompts, 16, **engine)
+    diff = max_logit_diff(ref_logits, got_logits)
+    print(f"\nSmolLM2-135M: K=3 vs K=1 on {len(prompts)} prompts, largest logit difference {diff:.2e}")
+    assert got == ref
+    assert diff < 1e-2

@@ -49,7 +49,7 @@ class Worker:
         eng = self.engine.engine
         return {"model": eng.model_name, "max_model_len": eng.max_model_len,
                 "vocab_size": eng.model_config.vocab_size, "block_size": eng.block_manager.block_size,
-                "tensor_parallel_size": 1, "worker": self.name}  # fmt: skip
+                "tensor_parallel_size": eng.args.tensor_parallel_size, "worker": self.name}  # fmt: skip
 
     def stats(self) -> dict:
         s = asdict(self.engine.stats())
@@ -63,9 +63,12 @@ class Worker:
         return self.stats()
 
     def check_health(self) -> None:
-        """Ray Serve's health check: a failed engine loop fails the replica."""
+        """Ray Serve's health check: a failed engine loop, or a dead
+        tensor-parallel rank, fails the replica (Serve then replaces it and
+        its placement group, all ranks together)."""
         if self.engine.failed is not None:
             raise RuntimeError(f"engine loop failed: {self.engine.failed!r}")
+        self.engine.engine.check_health()
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """request: request_id, prompt_token_ids, params (SamplingParams), priority.

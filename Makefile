@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve
+.PHONY: install serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -51,6 +51,10 @@ bench-scheduler: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(VENV)/bin/shoal bench serve
+
+# On a GPU machine: K=1 against transformers, then decode step time per K.
+bench-tp: $(STAMP)
+	$(VENV)/bin/shoal bench tp
 
 # Regenerate the gRPC stubs from proto/v1/shoal.proto (a test fails when they are stale).
 proto: $(STAMP)

@@ -5,6 +5,8 @@ Workload: N requests (seed 0), prompts of random token ids with lengths
 uniform in 32..512, outputs uniform in 32..256, ignore_eos. Peers:
 transformers' continuous batching (ContinuousBatchingManager, each request
 with its own max_new_tokens) and plain batched generate in batches of 16.
+With --tensor-parallel-size K > 1, shoal also runs at K = 1 on the same
+cores, and the table gives both step times.
 """
 
 from __future__ import annotations
@@ -51,21 +53,31 @@ def measure_matmul_flops(seconds: float = 2.0) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
-def run_shoal(ns, work) -> dict:
+def run_shoal(ns, work, tp: int | None = None) -> dict:
     from shoal.cluster.cli import engine_args_from
     from shoal.workers import LLM, SamplingParams
 
     args = engine_args_from(ns)
+    if tp is not None:
+        args.tensor_parallel_size = tp
     llm = LLM(**{k: getattr(args, k) for k in args.__slots__})
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:2]], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
+    eng = llm.engine
+    steps0, step_s0 = eng.num_steps, eng.step_seconds
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params)
     dt = time.perf_counter() - t0
     assert [len(o.token_ids) for o in outs] == [n for _, n in work]
-    stats = llm.engine.stats()
-    return {"seconds": dt, "preemptions": stats.num_preemptions, "load_s": llm.engine.load_time_s,
-            "params": sum(p.numel() for p in llm.engine.runner.model.parameters()), "llm": llm}  # fmt: skip
+    stats = eng.stats()
+    steps = eng.num_steps - steps0
+    # Parameters of the whole model (each rank holds 1/K of most of them).
+    params = sum(p.numel() for p in eng.runner.model.parameters()) if tp in (None, 1) else None
+    result = {"seconds": dt, "preemptions": stats.num_preemptions, "load_s": eng.load_time_s, "steps": steps,
+              "step_ms": 1000 * (eng.step_seconds - step_s0) / max(steps, 1), "params": params,
+              "tensor_parallel_size": eng.args.tensor_parallel_size, "outputs": [o.token_ids for o in outs]}  # fmt: skip
+    llm.shutdown()
+    return result
 
 
 def _hf_model(path: str):
@@ -127,18 +139,31 @@ def run(ns) -> int:
     print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     from shoal.workers.model_loader import load_model_files
 
-    vocab = load_model_files(ns.model).config.vocab_size
+    from shoal.workers.layers.parallel_state import check_tp_size
+
+    cfg = load_model_files(ns.model).config
+    check_tp_size(cfg, ns.tensor_parallel_size)  # before anything runs
+    vocab = cfg.vocab_size
     work = make_workload(ns.num_prompts, ns.seed, ns.input_len, ns.output_len, vocab)
     n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)
     print(f"workload: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens (seed {ns.seed})")
 
     results = {}
+    tp = ns.tensor_parallel_size
+    if tp > 1:
+        one = run_shoal(ns, work, tp=1)
+        print(f"shoal K=1: {one['seconds']:.1f} s, {one['step_ms']:.1f} ms/step", flush=True)
     s = run_shoal(ns, work)
-    llm = s.pop("llm")
-    results["shoal"] = s
+    results["shoal" if tp == 1 else f"shoal K={tp}"] = s
+    print(f"shoal{'' if tp == 1 else f' K={tp}'}: {s['seconds']:.1f} s, {s['step_ms']:.1f} ms/step "
+          f"({s['preemptions']} preemptions)", flush=True)  # fmt: skip
+    if tp > 1:
+        results["shoal K=1"] = one
+        s["same_tokens_as_k1"] = s["outputs"] == one["outputs"]
+        s["params"] = one["params"]
     params = s["params"]
-    print(f"shoal: {s['seconds']:.1f} s ({s['preemptions']} preemptions)", flush=True)
-    del llm
+    for r in results.values():
+        r.pop("outputs")
     peers = [p for p in ns.peers.split(",") if p and p != "none"]
     if peers:
         hf = _hf_model(resolve_model(ns.model))
@@ -151,15 +176,20 @@ def run(ns) -> int:
             print(f"{key}: {results[key]['seconds']:.1f} s", flush=True)
 
     flops = 2 * params * (n_in + n_out)
-    base = results["shoal"]["seconds"]
+    base = s["seconds"]
+    first = next(iter(results))
     print()
-    print(f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {'shoal is':>9} {'% roofline':>10}")
+    print(f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {first + ' is':>12} {'% roofline':>10} {'ms/step':>8}")
     for name, r in results.items():
         r["output_tok_s"] = n_out / r["seconds"]
         r["roofline_fraction"] = flops / r["seconds"] / peak
         ratio = r["seconds"] / base
-        print(f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {ratio:>8.2f}x "
-              f"{100 * r['roofline_fraction']:>9.1f}%")  # fmt: skip
+        step = f"{r['step_ms']:>8.1f}" if "step_ms" in r else f"{'':>8}"
+        print(f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {ratio:>11.2f}x "
+              f"{100 * r['roofline_fraction']:>9.1f}% {step}")  # fmt: skip
+    if tp > 1:
+        print(f"\nK={tp} step time is {s['step_ms'] / results['shoal K=1']['step_ms']:.2f}x K=1's on these "
+              f"{os.cpu_count()} cores (all-reduce over gloo); same tokens as K=1: {s['same_tokens_as_k1']}")  # fmt: skip
     print(f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
           f"at {peak / 1e9:.1f} GFLOP/s = {flops / peak:.1f} s")  # fmt: skip
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)

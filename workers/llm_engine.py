@@ -113,6 +113,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
+        self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
         self.load_time_s = time.perf_counter() - t0
 
     # ---- requests -------------------------------------------------------
@@ -184,9 +185,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        t0 = time.perf_counter()
         if self.shards is not None:
             self.shards.send(self.encoder.encode(sched))
         seqs, result = self.runner.execute(sched)
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
         if result is None:
             return []
         now = time.time()

@@ -184,5 +184,7 @@ class AsyncEngine:
             self._thread = None
 
     async def shutdown(self) -> None:
-        """Stop the engine-core thread (after the step in progress)."""
+        """Stop the engine-core thread (after the step in progress), then the
+        engine's other tensor-parallel ranks, if any."""
         await asyncio.to_thread(self._stop_thread)
+        self.engine.shutdown()

@@ -25,9 +25,10 @@ class ServingError(Exception):
     unavailable (503 / UNAVAILABLE), unauthenticated (401 / UNAUTHENTICATED),
     not_found (404 / NOT_FOUND), internal (500 / INTERNAL)."""
 
-    def __init__(self, kind: str, message: str, field: str | None = None):
+    def __init__(self, kind: str, message: str, field: str | None = None, code: str | None = None):
         super().__init__(message)
         self.kind, self.message, self.field = kind, message, field
+        self.code = code  # a finer reason than the kind's default code
 
 
 @dataclass(slots=True)
@@ -132,7 +133,7 @@ class Frontend:
         except Exception as e:  # the worker died or its stream broke: say so, never hang
             logger.warning("request %s failed in its worker: %r", request["request_id"], e)
             raise ServingError("unavailable", f"the worker serving this request failed ({type(e).__name__}); "
-                                              "retry") from None  # fmt: skip
+                                              "retry", code="worker_failed") from None  # fmt: skip
         finally:
             self.num_in_flight -= 1
             if self.num_in_flight == 0:

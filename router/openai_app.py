@@ -31,6 +31,7 @@ _ERRORS = {
 
 def error_response(e: ServingError) -> JSONResponse:
     status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
+    code = e.code or code
     return JSONResponse({"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status)
 
 
@@ -138,7 +139,7 @@ class OpenAIApp:
                 yield "data: " + _dumps(fmt.usage_chunk(finals)) + "\n\n"
         except ServingError as e:  # after the 200 went out: report in the stream, as vLLM does
             status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
-            yield "data: " + _dumps({"error": {"message": e.message, "type": etype, "code": code}}) + "\n\n"
+            yield "data: " + _dumps({"error": {"message": e.message, "type": etype, "code": e.code or code}}) + "\n\n"
         finally:
             await _close(streams)
         yield "data: [DONE]\n\n"

@@ -182,6 +182,7 @@ def test_a_worker_failing_midstream_ends_the_request_with_503_not_a_hang(tiny_mo
 
     whole, streamed, fe = asyncio.run(main())
     assert whole.status_code == 503 and "worker" in whole.json()["error"]["message"]
+    assert whole.json()["error"]["code"] == "worker_failed"
     events = streamed.text.split("\n\n")
-    assert any('"error"' in e for e in events) and events[-2] == "data: [DONE]"
+    assert any('"code":"worker_failed"' in e for e in events) and events[-2] == "data: [DONE]"
     assert fe.num_in_flight == 0

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import make_tiny_model
-from tp_helpers import max_logit_diff, run_recorded, tp_prompts
+from tp_helpers import compare_with_k1, tp_prompts
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.layers.parallel_state import check_tp_size
 from shoal.workers.model_config import ModelConfig
@@ -44,13 +44,7 @@ def tp_models(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("name", ["4 heads, 2 KV, untied", "8 heads, 2 KV, tied, bias",
                                   "4 heads, 1 KV (replicated)", "odd vocab"])  # fmt: skip
 def test_k2_greedy_equals_k1(ray_cluster, tp_models, name):
-    path = tp_models[name]
-    prompts = tp_prompts(500, n=10)
-    ref, ref_logits, ref_stats = run_recorded(path, 1, prompts, 20, **ENGINE)
-    got, got_logits, stats = run_recorded(path, 2, prompts, 20, **ENGINE)
-    diff = max_logit_diff(ref_logits, got_logits)
-    print(f"\n{name}: K=2 vs K=1 on {len(prompts)} prompts, largest logit difference {diff:.2e}")
-    assert got == ref
+    diff, ref_stats, stats = compare_with_k1(name, tp_models[name], 2, tp_prompts(500, n=10), 20, ENGINE)
     assert diff < 1e-3
     # The workload went through every kind of step input.
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
@@ -125,11 +119,6 @@ def test_a_bad_size_is_refused_before_any_actor_starts(ray_cluster, tiny_model):
 @pytest.mark.slow
 def test_smollm2_k3_greedy_equals_k1(ray_cluster):
     """SmolLM2-135M: 9 heads and 3 KV heads, so K = 3 gives each rank 3 heads and 1 KV head."""
-    prompts = tp_prompts(49152, n=8, seed=1)
     engine = dict(num_kv_blocks=64, block_size=16, max_num_batched_tokens=128)
-    ref, ref_logits, _ = run_recorded(None, 1, prompts, 16, **engine)
-    got, got_logits, stats = run_recorded(None, 3, prompts, 16, **engine)
-    diff = max_logit_diff(ref_logits, got_logits)
-    print(f"\nSmolLM2-135M: K=3 vs K=1 on {len(prompts)} prompts, largest logit difference {diff:.2e}")
-    assert got == ref
+    diff, _, _ = compare_with_k1("SmolLM2-135M", None, 3, tp_prompts(49152, n=8, seed=1), 16, engine)
     assert diff < 1e-2

@@ -46,3 +46,14 @@ def max_logit_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     schedule alike while their tokens agree)."""
     diffs = [(x - y).abs().max().item() for x, y in zip(a, b) if x.shape == y.shape]
     return max(diffs) if diffs else float("nan")
+
+
+def compare_with_k1(label: str, model: str | None, k: int, prompts, max_tokens: int, engine: dict):
+    """Runs K = 1 and K = k; asserts equal greedy tokens, prints and returns
+    the largest logit difference with both runs' stats."""
+    ref, ref_logits, ref_stats = run_recorded(model, 1, prompts, max_tokens, **engine)
+    got, got_logits, stats = run_recorded(model, k, prompts, max_tokens, **engine)
+    diff = max_logit_diff(ref_logits, got_logits)
+    print(f"\n{label}: K={k} vs K=1 on {len(prompts)} prompts, largest logit difference {diff:.2e}")
+    assert got == ref
+    return diff, ref_stats, stats

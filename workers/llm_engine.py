@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -27,15 +28,6 @@ from shoal.workers.shard_group import ShardGroup
 from shoal.workers.step_input import StepInputEncoder
 
 logger = logging.getLogger(__name__)
-
-
-
-def ray_get(refs: list) -> list:
-    if not refs:
-        return []
-    import ray
-
-    return ray.get(refs)
 
 
 @dataclass(slots=True)
@@ -64,7 +56,7 @@ class LLMEngine:
         device = args.resolved_device()
         if device.type == "cpu" and args.tensor_parallel_size > 1 and not args.num_threads:
             # The ranks share this machine's cores.
-            args.num_threads = max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
+            args = dataclasses.replace(args, num_threads=max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         dtype = args.resolved_dtype(device)
@@ -87,15 +79,15 @@ class LLMEngine:
         if tp > 1:
             self.shards = ShardGroup(args, tp, device)
         try:
-            loading = self.shards.load(max_len) if self.shards else []
+            if self.shards:
+                self.shards.load(max_len)  # the other ranks load while this one does
             model = build_model(cfg, loaded.weights, max_len, device, dtype)
+            # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
             per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
-            num_blocks = args.num_kv_blocks
-            if num_blocks is None:
-                # Each rank holds its own heads: the same bytes hold tp times the blocks.
-                num_blocks = min([ModelRunner.kv_budget_bytes(args, device) // per_block] + ray_get(loading))
-            elif loading:
-                ray_get(loading)
+            capacities = [ModelRunner.kv_budget_bytes(args, device) // per_block]
+            if self.shards:
+                capacities += self.shards.wait_loaded()
+            num_blocks = min(capacities) if args.num_kv_blocks is None else args.num_kv_blocks
             if num_blocks < 1:
                 raise ValueError(f"the KV budget holds no block of {per_block} bytes")
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)

@@ -90,9 +90,15 @@ class ShardGroup:
             raise
         self.store = store  # the other ranks keep talking to it while the group lives
 
-    def load(self, max_model_len: int) -> list:
+    def load(self, max_model_len: int) -> None:
         """Start loading on every other rank (rank 0 loads meanwhile)."""
-        return [a.load.remote(max_model_len) for a in self.actors]
+        self._loading = [a.load.remote(max_model_len) for a in self.actors]
+
+    def wait_loaded(self) -> list[int]:
+        """How many KV blocks each other rank's budget holds, once loaded."""
+        import ray
+
+        return ray.get(self._loading)
 
     def start(self, num_blocks: int, eos_token_ids: list[int]) -> None:
         self.loops = [a.run.remote(num_blocks, eos_token_ids) for a in self.actors]

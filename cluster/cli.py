@@ -46,10 +46,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine.add_request("cli", prompt, params)
     n = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            n += len(out.new_token_ids)
-            print(out.new_text, end="", flush=True)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                n += len(out.new_token_ids)
+                print(out.new_text, end="", flush=True)
+    finally:
+        engine.shutdown()  # the other tensor-parallel ranks, if any
     dt = time.perf_counter() - t0
     print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
     return 0

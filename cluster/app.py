@@ -12,7 +12,7 @@ from ray.serve import Application
 
 from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
-from shoal.workers.shard_group import tp_bundles
+from shoal.workers.distributed.shard_group import tp_bundles
 from shoal.workers.worker import Worker
 
 # Serve's own queue in front of a worker must never be what holds a request

@@ -78,12 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from shoal.cluster import bench_offline, bench_scheduler, bench_serve, bench_tp
+    from shoal.benchmarks import offline, scheduler, serve, tp
 
-    bench_offline.add_parser(bsub, _engine_flags)
-    bench_serve.add_parser(bsub, _engine_flags)
-    bench_scheduler.add_parser(bsub)
-    bench_tp.add_parser(bsub, _engine_flags)
+    offline.add_parser(bsub, _engine_flags)
+    serve.add_parser(bsub, _engine_flags)
+    scheduler.add_parser(bsub)
+    tp.add_parser(bsub, _engine_flags)
 
     ns = parser.parse_args(argv)
     try:

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from shoal.workers.config import EngineArgs
+from shoal.workers.engine_args import EngineArgs
 
 
 @dataclass(slots=True)
@@ -86,10 +86,9 @@ class ServeOptions:
     def check_cluster(self) -> None:
         """Refuse, before anything deploys, a tensor-parallel size the model
         cannot split or the cluster cannot place (Serve would wait forever)."""
-        from shoal.workers.layers.parallel_state import check_tp_size
-        from shoal.workers.model_loader import load_model_files
+        from shoal.workers.model_executor.model_loader import load_model_files
 
-        check_tp_size(load_model_files(self.model).config, self.tp_size)
+        load_model_files(self.model).config.check_tp_size(self.tp_size)
         import ray
 
         if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu():

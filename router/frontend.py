@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.sampling_params import SamplingParams
+from shoal.workers.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

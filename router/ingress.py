@@ -39,7 +39,7 @@ class Router:
     """One replica; options is the dict ServeOptions.router_options() makes."""
 
     async def __init__(self, workers, options: dict):
-        from shoal.workers.model_loader import load_model_files
+        from shoal.workers.model_executor.model_loader import load_model_files
 
         self.options = options
         pool = ServeWorkerPool(workers)

@@ -10,8 +10,8 @@ import torch
 
 from reference import check_tokens, hf_greedy
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.layers import cpu_decode_kernel
-from shoal.workers.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, set_forward_context
+from shoal.workers.model_executor.layers import cpu_decode_kernel
+from shoal.workers.model_executor.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, set_forward_context
 
 
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 32), (4, 4, 8, 64), (8, 2, 4, 32),

@@ -7,11 +7,11 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.cluster.bench_scheduler import stand_in_step
-from shoal.workers.block_manager import BlockManager
-from shoal.workers.sampling_params import SamplingParams
-from shoal.workers.scheduler import Scheduler, SchedulerConfig
-from shoal.workers.sequence import RequestTimings, Sequence
+from shoal.benchmarks.scheduler import stand_in_step
+from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
+from shoal.workers.core.sequence import RequestTimings, Sequence
 
 BS = 4
 

@@ -13,7 +13,7 @@ import torch
 
 from reference import check_setting, check_tokens, hf_greedy
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_loader import default_model_path
+from shoal.workers.model_executor.model_loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,8 @@ def test_smollm2_greedy_matches_transformers(gguf_path, hf_model, references, se
 def test_gguf_tokenizer_matches_transformers(gguf_path):
     from transformers import AutoTokenizer
 
-    from shoal.workers.gguf_file import GGUFFile
-    from shoal.workers.tokenizer import Tokenizer
+    from shoal.workers.model_executor.gguf_file import GGUFFile
+    from shoal.workers.model_executor.tokenizer import Tokenizer
 
     ours = Tokenizer.from_gguf_metadata(GGUFFile(gguf_path).metadata)
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))

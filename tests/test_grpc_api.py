@@ -16,7 +16,7 @@ from shoal.proto import generate as proto_generate
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams
-from tests.serving import grpc_server, make_frontend
+from serving import grpc_server, make_frontend
 
 PROMPT = "The quick brown fox"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.workers.layers.rotary import rope_inv_freq
-from shoal.workers.layers.sampler import Sampler
-from shoal.workers.sampling_params import SamplingParams
-from shoal.workers.sequence import RequestTimings, Sequence
+from shoal.workers.model_executor.layers.rotary import rope_inv_freq
+from shoal.workers.model_executor.layers.sampler import Sampler
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.sequence import RequestTimings, Sequence
 
 
 @pytest.mark.parametrize("scaling", [

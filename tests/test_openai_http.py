@@ -9,7 +9,7 @@ import json
 import pytest
 
 from shoal.workers import LLM, SamplingParams
-from tests.serving import http_client, make_frontend
+from serving import http_client, make_frontend
 
 PROMPT = "The quick brown fox"
 

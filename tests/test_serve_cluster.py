@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams
-from tests.serving import free_port
+from serving import free_port
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"

@@ -80,7 +80,7 @@ def test_serve_run_deploys_the_config_file(tmp_path):
 
     import httpx
 
-    from tests.serving import free_port
+    from serving import free_port
 
     with open(os.path.join(ROOT, "deploy", "serve.yaml")) as f:
         config = yaml.safe_load(f)
@@ -123,7 +123,7 @@ def test_shoal_serve_joins_a_running_cluster_and_leaves_it_running(tmp_path):
 
     import httpx
 
-    from tests.serving import free_port
+    from serving import free_port
 
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")

@@ -8,11 +8,10 @@ import time
 
 import pytest
 
-from conftest import make_tiny_model
+from tiny_models import make_tiny_model
 from tp_helpers import compare_with_k1, tp_prompts
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.layers.parallel_state import check_tp_size
-from shoal.workers.model_config import ModelConfig
+from shoal.workers.model_executor.models.config import ModelConfig
 
 # Small caches and token budgets so that the steps mix chunked prefills,
 # decodes, prefix-cache hits and preemptions: every kind of step input.
@@ -99,11 +98,11 @@ def _cfg(**kw) -> ModelConfig:
                                           (2.0, ">= 1")])  # fmt: skip
 def test_sizes_that_cannot_split_are_refused_with_the_reason(size, reason):
     with pytest.raises(ValueError, match=reason):
-        check_tp_size(_cfg(), size)
-    check_tp_size(_cfg(), 2)
-    check_tp_size(_cfg(num_key_value_heads=1), 6)  # one KV head, replicated
+        _cfg().check_tp_size(size)
+    _cfg().check_tp_size(2)
+    _cfg(num_key_value_heads=1).check_tp_size(6)  # one KV head, replicated
     with pytest.raises(ValueError, match="MLP width 100"):
-        check_tp_size(_cfg(intermediate_size=100, num_attention_heads=8), 8)
+        _cfg(intermediate_size=100, num_attention_heads=8).check_tp_size(8)
 
 
 def test_a_bad_size_is_refused_before_any_actor_starts(ray_cluster, tiny_model):

@@ -10,10 +10,10 @@ import threading
 import weakref
 from collections.abc import AsyncIterator
 
-from shoal.workers.config import EngineArgs
+from shoal.workers.engine_args import EngineArgs
 from shoal.workers.llm_engine import EngineStats, LLMEngine
-from shoal.workers.outputs import RequestOutput
-from shoal.workers.sampling_params import SamplingParams
+from shoal.workers.core.outputs import RequestOutput
+from shoal.workers.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _live: "weakref.WeakSet[AsyncEngine]" = weakref.WeakSet()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from shoal.workers.config import EngineArgs
+from shoal.workers.engine_args import EngineArgs
 from shoal.workers.llm_engine import LLMEngine
-from shoal.workers.outputs import CompletionOutput
-from shoal.workers.sampling_params import SamplingParams
+from shoal.workers.core.outputs import CompletionOutput
+from shoal.workers.core.sampling_params import SamplingParams
 
 
 class LLM:

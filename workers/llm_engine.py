@@ -12,20 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.block_manager import BlockManager
-from shoal.workers.config import EngineArgs
-from shoal.workers.cpu_memory import keep_freed_memory_mapped
-from shoal.workers.detokenizer import IncrementalDetokenizer
+from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
+from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.layers.parallel_state import check_tp_size
-from shoal.workers.model_loader import build_model, load_model_files
-from shoal.workers.model_runner import ModelRunner
-from shoal.workers.outputs import RequestOutput, TokenLogprob
-from shoal.workers.sampling_params import SamplingParams
-from shoal.workers.scheduler import Scheduler, SchedulerConfig
-from shoal.workers.sequence import RequestTimings, Sequence
-from shoal.workers.shard_group import ShardGroup
-from shoal.workers.step_input import StepInputEncoder
+from shoal.workers.model_executor.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.core.outputs import RequestOutput, TokenLogprob
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
+from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.distributed.shard_group import ShardGroup
+from shoal.workers.distributed.step_input import StepInputEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class LLMEngine:
 
         self.args = args
         tp = args.tensor_parallel_size
-        check_tp_size(cfg, tp)  # before any actor starts
+        cfg.check_tp_size(tp)  # before any actor starts
         self.shards: ShardGroup | None = None
         if tp > 1:
             self.shards = ShardGroup(args, tp, device)

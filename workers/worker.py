@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from shoal.workers.async_engine import AsyncEngine
-from shoal.workers.config import EngineArgs
+from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.outputs import RequestOutput
-from shoal.workers.sampling_params import SamplingParams
+from shoal.workers.core.outputs import RequestOutput
+from shoal.workers.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()

@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.workers.layers.attention import PagedAttention
-from shoal.workers.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
-from shoal.workers.layers.norm import RMSNorm
-from shoal.workers.layers.rotary import RotaryEmbedding
-from shoal.workers.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from shoal.workers.model_config import ModelConfig
+from shoal.workers.model_executor.layers.attention import PagedAttention
+from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shoal.workers.model_executor.layers.norm import RMSNorm
+from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
+from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.workers.model_executor.layers.weight_utils import default_weight_loader
+from shoal.workers.model_executor.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

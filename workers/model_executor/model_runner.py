@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from shoal.workers.layers.attention import (
+from shoal.workers.model_executor.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
     GatherWorkspace,
     PrefillChunk,
     set_forward_context,
 )
-from shoal.workers.layers.parallel_state import num_local_kv_heads
-from shoal.workers.layers.sampler import SampleResult, Sampler
-from shoal.workers.models.llama import LlamaForCausalLM
-from shoal.workers.scheduler import SchedulerOutput
-from shoal.workers.sequence import Sequence
+from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
+from shoal.workers.model_executor.layers.sampler import SampleResult, Sampler
+from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+from shoal.workers.core.scheduler import SchedulerOutput
+from shoal.workers.core.sequence import Sequence
 
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -44,7 +44,7 @@ class ModelRunner:
             raise ValueError(f"attention_backend must be auto, torch or cpu_kernel; got {attention_backend!r}")
         self.decode_kernel = None
         if attention_backend != "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
-            from shoal.workers.layers import cpu_decode_kernel
+            from shoal.workers.model_executor.layers import cpu_decode_kernel
 
             self.decode_kernel = cpu_decode_kernel.load()
         if attention_backend == "cpu_kernel" and self.decode_kernel is None:

@@ -30,6 +30,21 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
 
+    def check_tp_size(self, tp_size: int) -> None:
+        """Refuse, with the reason, a tensor-parallel size that cannot split this model."""
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
+        if tp_size == 1:
+            return
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} attention heads")
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(f"tensor_parallel_size {tp_size} neither divides the model's {kv} KV heads "
+                             "nor is a multiple of them")  # fmt: skip
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the MLP width {self.intermediate_size}")
+
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         model_type = d.get("model_type", "llama")

@@ -43,10 +43,10 @@ def stand_in_step(sched, budget_check: int | None = None) -> list:
 def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed: int = 0) -> float:
     """Mean ms per step with `num_running` sequences decoding, each
     replaced by a fresh one (prompt 32..512) when it ends (output 32..256)."""
-    from shoal.workers.block_manager import BlockManager
-    from shoal.workers.sampling_params import SamplingParams
-    from shoal.workers.scheduler import Scheduler, SchedulerConfig
-    from shoal.workers.sequence import RequestTimings, Sequence
+    from shoal.workers.core.block_manager import BlockManager
+    from shoal.workers.core.sampling_params import SamplingParams
+    from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
+    from shoal.workers.core.sequence import RequestTimings, Sequence
 
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size)

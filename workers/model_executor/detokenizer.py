@@ -7,7 +7,7 @@ the cost per token does not grow with the length of the reply.
 
 from __future__ import annotations
 
-from shoal.workers.tokenizer import Tokenizer
+from shoal.workers.model_executor.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

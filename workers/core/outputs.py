@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shoal.workers.sequence import RequestTimings
+from shoal.workers.core.sequence import RequestTimings
 
 
 @dataclass(slots=True)

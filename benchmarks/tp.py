@@ -31,18 +31,16 @@ def add_parser(sub, engine_flags) -> None:
 def _sizes(ns, cfg, device: str) -> list[int]:
     import torch
 
-    from shoal.workers.layers.parallel_state import check_tp_size
-
     if ns.sizes != "auto":
         sizes = [int(k) for k in ns.sizes.split(",")]
         for k in sizes:
-            check_tp_size(cfg, k)
+            cfg.check_tp_size(k)
         return sizes
     cards = torch.cuda.device_count() if device != "cpu" else 4
     sizes = [1]
     for k in range(2, cards + 1):
         try:
-            check_tp_size(cfg, k)
+            cfg.check_tp_size(k)
             sizes.append(k)
         except ValueError as e:
             print(f"K={k}: skipped ({e})")
@@ -55,7 +53,7 @@ def check_against_transformers(ns, prompts: list[list[int]]) -> dict:
     from transformers import AutoModelForCausalLM
 
     from shoal.workers import LLM, SamplingParams
-    from shoal.workers.model_loader import resolve_model
+    from shoal.workers.model_executor.model_loader import resolve_model
 
     device = "cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     with LLM(ns.model, dtype="float32", device=device, num_kv_blocks=1024) as llm:
@@ -110,7 +108,7 @@ def time_decode(ns, k: int, batch: int, vocab: int) -> float:
 def run(ns) -> int:
     import torch
 
-    from shoal.workers.model_loader import load_model_files
+    from shoal.workers.model_executor.model_loader import load_model_files
 
     t0 = time.perf_counter()
     cfg = load_model_files(ns.model).config

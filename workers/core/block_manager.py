@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shoal.workers.block_pool import BlockPool
-from shoal.workers.sequence import Sequence
+from shoal.workers.core.block_pool import BlockPool
+from shoal.workers.core.sequence import Sequence
 
 
 class BlockManager:

@@ -133,16 +133,14 @@ def run_hf_generate(model, work, batch: int) -> dict:
 def run(ns) -> int:
     import torch
 
-    from shoal.workers.model_loader import resolve_model
+    from shoal.workers.model_executor.model_loader import resolve_model
 
     peak = measure_matmul_flops()
     print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    from shoal.workers.model_loader import load_model_files
-
-    from shoal.workers.layers.parallel_state import check_tp_size
+    from shoal.workers.model_executor.model_loader import load_model_files
 
     cfg = load_model_files(ns.model).config
-    check_tp_size(cfg, ns.tensor_parallel_size)  # before anything runs
+    cfg.check_tp_size(ns.tensor_parallel_size)  # before anything runs
     vocab = cfg.vocab_size
     work = make_workload(ns.num_prompts, ns.seed, ns.input_len, ns.output_len, vocab)
     n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)

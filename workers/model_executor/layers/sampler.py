@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.sequence import Sequence
+from shoal.workers.core.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -11,11 +11,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shoal.workers.config import EngineArgs
-from shoal.workers.layers.parallel_state import get_tp_group, init_tp_group
-from shoal.workers.model_loader import build_model, load_model_files
-from shoal.workers.model_runner import ModelRunner
-from shoal.workers.step_input import StepInputDecoder
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
+from shoal.workers.model_executor.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.distributed.step_input import StepInputDecoder
 
 logger = logging.getLogger(__name__)
 

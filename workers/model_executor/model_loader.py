@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shoal.workers.model_config import ModelConfig
-from shoal.workers.tokenizer import Tokenizer
+from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.model_executor.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -114,7 +114,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    from shoal.workers.gguf_file import GGUFFile
+    from shoal.workers.model_executor.gguf_file import GGUFFile
 
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf_metadata(g.metadata, set(g.tensors))
@@ -151,7 +151,7 @@ def _load_gguf(path: str) -> LoadedModel:
 def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.device, dtype: torch.dtype):
     """The model (this rank's slice of it inside a tensor-parallel group)
     with the checkpoint's weights, ready for inference."""
-    from shoal.workers.models.llama import LlamaForCausalLM
+    from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions)

@@ -15,17 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.workers.layers.parallel_state import get_tp_group, num_local_kv_heads
-
-
-def _check(name: str, got: torch.Size, want: tuple) -> None:
-    if tuple(got) != tuple(want):
-        raise ValueError(f"{name}: checkpoint shape {tuple(got)} != expected {tuple(want)}")
-
-
-def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
-    _check("parameter", tensor.shape, param.shape)
-    param.data.copy_(tensor)
+from shoal.workers.model_executor.layers.parallel_state import get_tp_group, num_local_kv_heads
+from shoal.workers.model_executor.layers.weight_utils import check_shape, default_weight_loader
 
 
 class ColumnParallelLinear(nn.Module):
@@ -55,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
         shard_id = shard_id or 0
         full, local, start = self.shards[shard_id]
-        _check(f"shard {shard_id}", tensor.shape[:1], (full,))
+        check_shape(f"shard {shard_id}", tensor.shape[:1], (full,))
         offset = sum(n for _, n, _ in self.shards[:shard_id])
         param.data.narrow(0, offset, local).copy_(tensor.narrow(0, start, local))
 
@@ -99,7 +90,7 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = default_weight_loader
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
-        _check("row-parallel weight", tensor.shape, (param.shape[0], self.input_full))
+        check_shape("row-parallel weight", tensor.shape, (param.shape[0], self.input_full))
         param.data.copy_(tensor.narrow(1, self.input_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,19 +74,3 @@ def destroy_tp_group() -> None:
 def num_local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
     """KV heads per rank: split when they divide, else one replicated head."""
     return max(1, num_kv_heads // tp_size)
-
-
-def check_tp_size(cfg, tp_size: int) -> None:
-    """Refuse, with the reason, a size that cannot split this model."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
-    if tp_size == 1:
-        return
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} attention heads")
-    if kv % tp_size and tp_size % kv:
-        raise ValueError(f"tensor_parallel_size {tp_size} neither divides the model's {kv} KV heads "
-                         "nor is a multiple of them")  # fmt: skip
-    if cfg.intermediate_size % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the MLP width {cfg.intermediate_size}")

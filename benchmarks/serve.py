@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from shoal.cluster.svg_plot import cdf_plot
+from shoal.benchmarks.svg_plot import cdf_plot
 
 _WORDS = ("time year people way day man thing woman life child world school state family student group country "
           "problem hand part place case week company system program question work government number night point "

@@ -7,8 +7,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from shoal.workers.block_manager import BlockManager
-from shoal.workers.sequence import Sequence, SequenceStatus
+from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shoal.workers.config import EngineArgs
-from shoal.workers.layers.parallel_state import destroy_tp_group, init_tp_group
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.model_executor.layers.parallel_state import destroy_tp_group, init_tp_group
 
 logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
@@ -40,7 +40,7 @@ class ShardGroup:
         from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from shoal.workers.shard_worker import ShardWorker
+        from shoal.workers.distributed.shard_worker import ShardWorker
 
         self.size = tp_size
         self.actors: list = []

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.workers.layers.linear import _check
-from shoal.workers.layers.parallel_state import get_tp_group
+from shoal.workers.model_executor.layers.parallel_state import get_tp_group
+from shoal.workers.model_executor.layers.weight_utils import check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
-        _check("vocabulary weight", tensor.shape, (self.vocab_size, param.shape[1]))
+        check_shape("vocabulary weight", tensor.shape, (self.vocab_size, param.shape[1]))
         param.data.zero_()
         param.data[: self.end - self.start].copy_(tensor[self.start : self.end])
 

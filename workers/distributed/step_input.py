@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shoal.workers.scheduler import SchedulerOutput
-from shoal.workers.sequence import Sequence, SequenceStatus
+from shoal.workers.core.scheduler import SchedulerOutput
+from shoal.workers.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

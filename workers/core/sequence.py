@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.workers.sampling_params import SamplingParams
+from shoal.workers.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

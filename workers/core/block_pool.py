@@ -33,7 +33,6 @@ class BlockPool:
         # (a cached free block taken back by a hit).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block_hash -> block_id
-        self.num_hit_queries = 0
         self.num_hit_tokens = 0
         self.num_query_tokens = 0
 

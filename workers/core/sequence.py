@@ -65,10 +65,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def sort_key(self) -> tuple[int, int]:
         """Smaller goes first: lower priority value, then earlier arrival."""
         return (self.priority, self.arrival_order)

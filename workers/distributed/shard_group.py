@@ -27,7 +27,7 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 def tp_bundles(tp_size: int, gpu: bool, cpus: float = 1.0) -> list[dict]:
     """One bundle per rank. On GPUs the other ranks take no CPU, so they
-    schedule wherever the GPUs are (DESIGN: an actor in a GPU bundle needs
+    schedule wherever the GPUs are (Ray: an actor in a GPU bundle needs
     num_cpus=0 or a CPU in the bundle)."""
     if gpu:
         return [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1}] * (tp_size - 1)

@@ -62,3 +62,28 @@ def test_abort_frees_blocks_at_once_and_others_continue(tiny_model):
     assert free_mid == total - used_by_keep  # only the survivor holds blocks
     assert len(kept) == 200
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def test_a_process_that_never_shuts_the_engine_down_still_exits(tiny_model):
+    """The engine thread is not a daemon (one killed inside torch at exit
+    aborts the process); it must end by itself once the main thread is done,
+    here while a long request is still running on a loop nobody closed."""
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio
+from shoal.workers import AsyncEngine, SamplingParams
+
+async def start(engine):
+    stream = engine.generate("long", "The quick brown fox", SamplingParams(max_tokens=500, ignore_eos=True))
+    return await anext(stream), stream
+
+loop = asyncio.new_event_loop()
+engine = AsyncEngine.from_engine_args(model={tiny_model!r}, num_kv_blocks=128)
+first, stream = loop.run_until_complete(start(engine))
+print("streaming", len(first.new_token_ids), flush=True)
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("streaming 1")

@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import logging
 import threading
-import weakref
 from collections.abc import AsyncIterator
 
 from shoal.workers.engine_args import EngineArgs
@@ -16,20 +15,6 @@ from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-_live: "weakref.WeakSet[AsyncEngine]" = weakref.WeakSet()
-
-
-def _stop_engine_threads() -> None:
-    for engine in list(_live):
-        engine._stop = True
-        engine._wake.set()
-
-
-# The engine thread is not a daemon: a daemon thread still inside torch when
-# the interpreter finalizes (freeing tensors, say) is killed mid-C++ and takes
-# the process down with std::terminate. At exit it is told to stop, then
-# joined like any other thread, before finalization begins.
-threading._register_atexit(_stop_engine_threads)
 
 
 class AsyncEngine:
@@ -77,7 +62,6 @@ class AsyncEngine:
             self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="shoal-engine-core")
             self._thread.start()
-            _live.add(self)
 
     async def generate(self, request_id: str | None, prompt: str | list[int],
                        params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -145,8 +129,14 @@ class AsyncEngine:
         return delivered
 
     def _run(self) -> None:
+        # The thread is not a daemon: a daemon thread still inside torch when
+        # the interpreter finalizes (freeing tensors, say) is killed mid-C++
+        # and takes the process down. Instead it ends by itself once the main
+        # thread has finished (interpreter shutdown marks it stopped before
+        # joining the other threads), within one wait at most.
+        main = threading.main_thread()
         try:
-            while not self._stop:
+            while not self._stop and main.is_alive():
                 delivered = self._apply_pending()
                 if self.engine.has_unfinished_requests():
                     delivered += [(out.request_id, out) for out in self.engine.step()]
@@ -155,7 +145,7 @@ class AsyncEngine:
                         return
                     self._loop.call_soon_threadsafe(self._deliver, delivered)
                 elif not self.engine.has_unfinished_requests():
-                    self._wake.wait(1.0)  # wakes now and then to notice a closed loop
+                    self._wake.wait(0.25)  # wakes now and then to notice a closed loop or shutdown
                     self._wake.clear()
                     if self._loop.is_closed():
                         return

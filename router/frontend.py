@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
-import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.errors import InvalidRequestError
+from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 from shoal.workers.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# Bounded: a client's own request id goes into the log lines of its request.
+MAX_CLIENT_REQUEST_ID_LEN = 256
 
 
 class ServingError(Exception):
@@ -40,10 +42,15 @@ class ModelInfo:
     tensor_parallel_size: int
     num_workers: int
 
+    @classmethod
+    def from_worker_info(cls, info: WorkerInfo, num_workers: int) -> "ModelInfo":
+        return cls(info.model, info.max_model_len, info.vocab_size, info.block_size, info.tensor_parallel_size,
+                   num_workers)  # fmt: skip
+
 
 class Frontend:
-    """One per router replica. generate() yields the worker's delta dicts; the
-    last carries finish_reason, usage, worker and timings measured here."""
+    """One per router replica. generate() yields the worker's deltas; the
+    last one's `finished` gets the timings measured here."""
 
     def __init__(self, pool, tokenizer, info: ModelInfo, api_key: str | None = None):
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
@@ -52,8 +59,6 @@ class Frontend:
         self.num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._ids = itertools.count()
-        self._prefix = os.urandom(4).hex()
 
     # ---- checks -------------------------------------------------------------
 
@@ -67,6 +72,14 @@ class Frontend:
         if model is not None and model != self.info.model:
             raise ServingError("not_found", f"model {model!r} is not served here; this server serves "
                                             f"{self.info.model!r}", field="model")  # fmt: skip
+
+    def client_request_id(self, value: str, field: str) -> str | None:
+        """A client's own id for its request (None when it sent none): it is
+        echoed and logged beside the engine's id, never used as a key."""
+        if len(value) > MAX_CLIENT_REQUEST_ID_LEN:
+            raise ServingError("invalid", f"{field} has {len(value)} characters; at most "
+                                          f"{MAX_CLIENT_REQUEST_ID_LEN} are allowed", field=field)  # fmt: skip
+        return value or None
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         try:
@@ -101,37 +114,39 @@ class Frontend:
 
     # ---- requests -----------------------------------------------------------
 
-    def new_request_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
+    def new_request_id(self, prefix: str) -> str:
+        """The engine's id for a request, and the id its response carries
+        (vLLM's form: `cmpl-<random hex>`)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[dict]:  # fmt: skip
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       client_request_id: str | None = None, priority: int = 0,
+                       ) -> AsyncIterator[GenerateDelta]:  # fmt: skip
         """Stream one request. Raises ServingError before the first delta when
         the request is refused (draining, full, invalid)."""
         if self.draining:
             raise ServingError("unavailable", "the server is shutting down")
         arrival = time.time()
-        request = {"request_id": request_id or self.new_request_id(), "prompt_token_ids": prompt_ids,
-                   "params": params, "priority": priority}  # fmt: skip
+        request = GenerateRequest(request_id, prompt_ids, params, priority, client_request_id)
         self.num_in_flight += 1
         self._idle.clear()
         first_token = None
         try:
             async with aclosing(self.pool.generate(request)) as stream:
                 async for msg in stream:
-                    if "error" in msg:
-                        raise ServingError(msg["error"], msg["message"], msg.get("field"))
-                    if first_token is None and msg["token_ids"]:
+                    if isinstance(msg, WorkerError):
+                        raise ServingError(msg.kind, msg.message, msg.field)
+                    if first_token is None and msg.token_ids:
                         first_token = time.time()
-                    if "finish_reason" in msg:
+                    if msg.finished is not None:
                         now = time.time()
-                        msg["time_to_first_token_s"] = (first_token or now) - arrival
-                        msg["total_s"] = now - arrival
+                        msg.finished.time_to_first_token_s = (first_token or now) - arrival
+                        msg.finished.total_s = now - arrival
                     yield msg
         except (ServingError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # the worker died or its stream broke: say so, never hang
-            logger.warning("request %s failed in its worker: %r", request["request_id"], e)
+            logger.warning("%s failed in its worker: %r", request.log_name, e)
             raise ServingError("unavailable", f"the worker serving this request failed ({type(e).__name__}); "
                                               "retry", code="worker_failed") from None  # fmt: skip
         finally:
@@ -139,14 +154,14 @@ class Frontend:
             if self.num_in_flight == 0:
                 self._idle.set()
 
-    async def load(self) -> list[dict]:
+    async def load(self) -> list[WorkerLoad]:
         out = []
         for s in await self.pool.stats():
             if isinstance(s, BaseException):
                 logger.warning("a worker did not report its load: %r", s)
                 continue
             out.append(s)
-        return sorted(out, key=lambda s: s["worker"])
+        return sorted(out, key=lambda s: s.worker)
 
     async def ready(self) -> bool:
         """Every expected worker answers (and the router is not draining)."""

@@ -11,6 +11,7 @@ from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.frontend import Frontend, ServingError
 from shoal.router.prompt import Prompt
+from shoal.workers.messages import GenerateDelta
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shoal"].full_name
 _CODES = {
@@ -48,19 +49,20 @@ def _sampling(sp: pb.SamplingParams) -> dict:
     return out
 
 
-def _response(request_id: str, msg: dict) -> pb.GenerateResponse:
-    r = pb.GenerateResponse(request_id=request_id, token_ids=msg["token_ids"], text=msg["text"])
-    for t, lp, top in msg.get("logprobs") or ():
-        r.logprobs.append(pb.TokenLogprob(token_id=t, logprob=lp, top_logprobs=[
-            pb.TopLogprob(token_id=k, logprob=v) for k, v in top.items()]))  # fmt: skip
-    if "finish_reason" in msg:
-        sr = msg.get("stop_reason")
+def _response(request_id: str, client_request_id: str, msg: GenerateDelta) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(request_id=request_id, client_request_id=client_request_id, token_ids=msg.token_ids,
+                            text=msg.text)  # fmt: skip
+    for lp in msg.logprobs or ():
+        r.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
+            pb.TopLogprob(token_id=k, logprob=v) for k, v in lp.top_logprobs.items()]))  # fmt: skip
+    if (f := msg.finished) is not None:
         r.finished.CopyFrom(pb.Finished(
-            finish_reason=msg["finish_reason"], stop_reason="" if sr is None else str(sr), worker=msg["worker"],
-            usage=pb.Usage(prompt_tokens=msg["num_prompt_tokens"], completion_tokens=msg["num_output_tokens"],
-                           cached_tokens=msg["num_cached_tokens"]),
-            timings=pb.Timings(queue_s=msg["queue_s"], time_to_first_token_s=msg["time_to_first_token_s"],
-                               total_s=msg["total_s"])))  # fmt: skip
+            finish_reason=f.finish_reason, stop_reason="" if f.stop_reason is None else str(f.stop_reason),
+            worker=f.worker,
+            usage=pb.Usage(prompt_tokens=f.num_prompt_tokens, completion_tokens=f.num_output_tokens,
+                           cached_tokens=f.num_cached_tokens),
+            timings=pb.Timings(queue_s=f.queue_s, time_to_first_token_s=f.time_to_first_token_s,
+                               total_s=f.total_s)))  # fmt: skip
     return r
 
 
@@ -75,9 +77,10 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
         try:
             prompt = _prompt(request, request.WhichOneof("prompt"))
             ids, params = self.fe.prepare(prompt, _sampling(request.sampling))
-            rid = request.request_id or self.fe.new_request_id()
-            async for msg in self.fe.generate(ids, params, rid, request.priority):
-                yield _response(rid, msg)
+            client_id = self.fe.client_request_id(request.request_id, "request_id")
+            rid = self.fe.new_request_id("gen")
+            async for msg in self.fe.generate(ids, params, rid, client_id, request.priority):
+                yield _response(rid, request.request_id, msg)
         except ServingError as e:
             await self._abort(context, e)
 
@@ -88,9 +91,9 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                             num_workers=i.num_workers)  # fmt: skip
 
     async def GetLoad(self, request, context):
-        return pb.LoadReport(workers=[pb.WorkerLoad(worker=s["worker"], num_free_blocks=s["num_free_blocks"],
-                                                    num_total_blocks=s["num_total_blocks"],
-                                                    num_running=s["num_running"], num_waiting=s["num_waiting"])
+        return pb.LoadReport(workers=[pb.WorkerLoad(worker=s.worker, num_free_blocks=s.num_free_blocks,
+                                                    num_total_blocks=s.num_total_blocks,
+                                                    num_running=s.num_running, num_waiting=s.num_waiting)
                                       for s in await self.fe.load()])  # fmt: skip
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):

@@ -46,9 +46,8 @@ class Router:
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.get("model")).tokenizer
-        self.frontend = Frontend(pool, tokenizer, ModelInfo(info["model"], info["max_model_len"], info["vocab_size"],
-                                                            info["block_size"], info["tensor_parallel_size"],
-                                                            options["num_workers"]), options.get("api_key"))  # fmt: skip
+        self.frontend = Frontend(pool, tokenizer, ModelInfo.from_worker_info(info, options["num_workers"]),
+                                 options.get("api_key"))  # fmt: skip
         limit = options.get("max_request_bytes", 4 << 20)
         host = options.get("host", "127.0.0.1")
         self.grpc = GrpcServer(self.frontend, host, options["grpc_port"], limit)

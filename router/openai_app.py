@@ -16,6 +16,8 @@ from starlette.routing import Route
 from shoal.router.frontend import Frontend, ServingError
 from shoal.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
 from shoal.workers.errors import InvalidRequestError
+from shoal.workers.messages import GenerateDelta, RequestFinished
+from shoal.workers.core.outputs import TokenLogprob
 
 # kind -> (HTTP status, OpenAI error type, code)
 _ERRORS = {
@@ -29,10 +31,11 @@ _ERRORS = {
 }
 
 
-def error_response(e: ServingError) -> JSONResponse:
+def error_response(e: ServingError, headers: dict | None = None) -> JSONResponse:
     status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
     code = e.code or code
-    return JSONResponse({"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status)
+    return JSONResponse({"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status,
+                        headers)  # fmt: skip
 
 
 def _dumps(obj) -> str:
@@ -75,10 +78,13 @@ class OpenAIApp:
         except ValueError as e:
             raise ServingError("invalid", f"malformed JSON body: {e}") from None
 
-    async def _start(self, request: Request, parse) -> tuple[ParsedRequest, list[AsyncIterator[dict]], list[dict]]:
+    async def _start(self, request: Request, parse, rid: str, client_id: str,
+                     ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:  # fmt: skip
         """Read, check and dispatch; wait for each prompt's first delta so that a
-        refusal (full, invalid) still gets its own status code."""
+        refusal (full, invalid) still gets its own status code. One prompt's
+        engine id is `rid`; several prompts' are `rid-0`, `rid-1`, ..."""
         self._authenticate(request)
+        client_id = self.fe.client_request_id(client_id, "X-Request-Id")
         body = await self._read_json(request)
         try:
             parsed = parse(body)
@@ -86,7 +92,8 @@ class OpenAIApp:
             raise ServingError("invalid", str(e), e.field) from None
         self.fe.check_model(parsed.model)
         prepared = [self.fe.prepare(p, parsed.sampling) for p in parsed.prompts]
-        streams = [self.fe.generate(ids, params) for ids, params in prepared]
+        rids = [rid] if len(prepared) == 1 else [f"{rid}-{i}" for i in range(len(prepared))]
+        streams = [self.fe.generate(ids, params, r, client_id) for r, (ids, params) in zip(rids, prepared)]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         for f in firsts:
             if isinstance(f, BaseException):
@@ -103,28 +110,31 @@ class OpenAIApp:
         return await self._serve(request, parse_chat, chat=True)
 
     async def _serve(self, request: Request, parse, chat: bool) -> Response:
+        client_id = request.headers.get("x-request-id", "")
+        headers = {"X-Request-Id": client_id} if client_id else None  # the client's own id, echoed
+        rid = self.fe.new_request_id("chatcmpl" if chat else "cmpl")
         try:
-            parsed, streams, firsts = await self._start(request, parse)
+            parsed, streams, firsts = await self._start(request, parse, rid, client_id)
         except ServingError as e:
-            return error_response(e)
-        rid = ("chatcmpl-" if chat else "cmpl-") + self.fe.new_request_id()
+            return error_response(e, headers)
         want_lp = parsed.sampling.get("logprobs") is not None
         fmt = _ChunkFormat(self.fe, rid, chat, want_lp)
         if parsed.stream:
-            return StreamingResponse(self._events(fmt, parsed, streams, firsts), media_type="text/event-stream")
-        choices = [{"index": i, "text": "", "token_ids": [], "lps": [], "final": None} for i in range(len(streams))]
+            return StreamingResponse(self._events(fmt, parsed, streams, firsts), media_type="text/event-stream",
+                                     headers=headers)  # fmt: skip
+        choices = [{"index": i, "text": "", "lps": [], "final": None} for i in range(len(streams))]
         try:
             async for i, msg in _merge(streams, firsts):
                 c = choices[i]
-                c["text"] += msg["text"]
-                c["lps"].extend(msg.get("logprobs") or [])
-                if "finish_reason" in msg:
-                    c["final"] = msg
+                c["text"] += msg.text
+                c["lps"].extend(msg.logprobs or [])
+                if msg.finished is not None:
+                    c["final"] = msg.finished
         except ServingError as e:
-            return error_response(e)
+            return error_response(e, headers)
         finally:
             await _close(streams)
-        return JSONResponse(fmt.whole(choices))
+        return JSONResponse(fmt.whole(choices), headers=headers)
 
     async def _events(self, fmt: "_ChunkFormat", parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
         finals = []
@@ -133,12 +143,12 @@ class OpenAIApp:
                 yield "data: " + _dumps(fmt.chunk(0, {"role": "assistant", "content": ""}, None, None)) + "\n\n"
             async for i, msg in _merge(streams, firsts):
                 yield "data: " + _dumps(fmt.delta(i, msg)) + "\n\n"
-                if "finish_reason" in msg:
-                    finals.append(msg)
+                if msg.finished is not None:
+                    finals.append(msg.finished)
             if parsed.include_usage:
                 yield "data: " + _dumps(fmt.usage_chunk(finals)) + "\n\n"
         except ServingError as e:  # after the 200 went out: report in the stream, as vLLM does
-            status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
+            _, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
             yield "data: " + _dumps({"error": {"message": e.message, "type": etype, "code": e.code or code}}) + "\n\n"
         finally:
             await _close(streams)
@@ -171,7 +181,7 @@ class _ChunkFormat:
         tok = self.fe.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
-    def logprobs(self, lps: list) -> dict | None:
+    def logprobs(self, lps: list[TokenLogprob]) -> dict | None:
         if not self.want_lp:
             return None
         if self.chat:
@@ -179,10 +189,11 @@ class _ChunkFormat:
                 tok = self._tok(t)
                 return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
-            return {"content": [dict(entry(t, lp), top_logprobs=[entry(k, v) for k, v in top.items()])
-                                for t, lp, top in lps]}  # fmt: skip
-        return {"tokens": [self._tok(t) for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
-                "top_logprobs": [{self._tok(k): v for k, v in top.items()} for _, _, top in lps]}  # fmt: skip
+            return {"content": [dict(entry(lp.token_id, lp.logprob),
+                                     top_logprobs=[entry(k, v) for k, v in lp.top_logprobs.items()])
+                                for lp in lps]}  # fmt: skip
+        return {"tokens": [self._tok(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._tok(k): v for k, v in lp.top_logprobs.items()} for lp in lps]}  # fmt: skip
 
     def chunk(self, i: int, delta, finish_reason, lps) -> dict:
         choice = {"index": i, "finish_reason": finish_reason, "logprobs": lps}
@@ -193,19 +204,19 @@ class _ChunkFormat:
         obj = self.object + ".chunk" if self.chat else self.object
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model, "choices": [choice]}
 
-    def delta(self, i: int, msg: dict) -> dict:
-        text = msg["text"]
-        lps = self.logprobs(msg.get("logprobs") or [])
-        delta = ({"content": text} if text or "finish_reason" not in msg else {}) if self.chat else text
-        return self.chunk(i, delta, msg.get("finish_reason"), lps)
+    def delta(self, i: int, msg: GenerateDelta) -> dict:
+        text, finished = msg.text, msg.finished
+        lps = self.logprobs(msg.logprobs or [])
+        delta = ({"content": text} if text or finished is None else {}) if self.chat else text
+        return self.chunk(i, delta, None if finished is None else finished.finish_reason, lps)
 
-    def usage(self, finals: list[dict]) -> dict:
-        prompt = sum(m["num_prompt_tokens"] for m in finals)
-        completion = sum(m["num_output_tokens"] for m in finals)
+    def usage(self, finals: list[RequestFinished]) -> dict:
+        prompt = sum(f.num_prompt_tokens for f in finals)
+        completion = sum(f.num_output_tokens for f in finals)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(m["num_cached_tokens"] for m in finals)}}  # fmt: skip
+                "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}  # fmt: skip
 
-    def usage_chunk(self, finals: list[dict]) -> dict:
+    def usage_chunk(self, finals: list[RequestFinished]) -> dict:
         obj = self.object + ".chunk" if self.chat else self.object
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model, "choices": [],
                 "usage": self.usage(finals)}  # fmt: skip
@@ -214,7 +225,7 @@ class _ChunkFormat:
         out = []
         for c in choices:
             final = c["final"]
-            entry = {"index": c["index"], "finish_reason": final["finish_reason"], "logprobs": self.logprobs(c["lps"])}
+            entry = {"index": c["index"], "finish_reason": final.finish_reason, "logprobs": self.logprobs(c["lps"])}
             if self.chat:
                 entry["message"] = {"role": "assistant", "content": c["text"]}
             else:
@@ -224,11 +235,12 @@ class _ChunkFormat:
                 "choices": out, "usage": self.usage([c["final"] for c in choices])}  # fmt: skip
 
 
-async def _merge(streams: list[AsyncIterator[dict]], firsts: list[dict]) -> AsyncIterator[tuple[int, dict]]:
+async def _merge(streams: list[AsyncIterator[GenerateDelta]], firsts: list[GenerateDelta],
+                 ) -> AsyncIterator[tuple[int, GenerateDelta]]:  # fmt: skip
     """(index, delta) from several streams as they come; one stream needs no tasks."""
     if len(streams) == 1:
         yield 0, firsts[0]
-        if "finish_reason" not in firsts[0]:
+        if firsts[0].finished is None:
             async for msg in streams[0]:
                 yield 0, msg
         return
@@ -236,7 +248,7 @@ async def _merge(streams: list[AsyncIterator[dict]], firsts: list[dict]) -> Asyn
 
     async def pump(i: int) -> None:
         try:
-            if "finish_reason" not in firsts[i]:
+            if firsts[i].finished is None:
                 async for msg in streams[i]:
                     await queue.put((i, msg))
         except Exception as e:

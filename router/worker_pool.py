@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
+
 
 class ServeWorkerPool:
     """The worker deployment behind a Serve DeploymentHandle. Serve's default
@@ -17,7 +19,7 @@ class ServeWorkerPool:
         self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         gen = self._stream.remote(request)
         done = False
         try:
@@ -28,10 +30,10 @@ class ServeWorkerPool:
             if not done:  # the client went away: abort in the engine, free its blocks
                 gen.cancel()
 
-    async def info(self) -> dict:
+    async def info(self) -> WorkerInfo:
         return await self._handle.options(method_name="info").remote()
 
-    async def stats(self) -> list[dict | BaseException]:
+    async def stats(self) -> list[WorkerLoad | BaseException]:
         """Every live worker's stats, read now (a control-plane broadcast)."""
         resp = self._handle.broadcast("stats")
         return await resp.results_async(timeout_s=5.0, return_exceptions=True)
@@ -45,7 +47,7 @@ class LocalWorkerPool:
         self.workers = workers
         self._outstanding = [0] * len(workers)
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         i = min(range(len(self.workers)), key=self._outstanding.__getitem__)
         self._outstanding[i] += 1
         try:
@@ -55,9 +57,9 @@ class LocalWorkerPool:
         finally:
             self._outstanding[i] -= 1
 
-    async def info(self) -> dict:
+    async def info(self) -> WorkerInfo:
         return self.workers[0].info()
 
-    async def stats(self) -> list[dict | BaseException]:
+    async def stats(self) -> list[WorkerLoad | BaseException]:
         await asyncio.sleep(0)
         return [w.stats() for w in self.workers]

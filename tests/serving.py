@@ -11,6 +11,7 @@ from shoal.router.frontend import Frontend, ModelInfo
 from shoal.router.grpc_server import GrpcServer
 from shoal.router.openai_app import OpenAIApp
 from shoal.router.worker_pool import LocalWorkerPool
+from shoal.workers import EngineArgs
 from shoal.workers.worker import Worker
 
 
@@ -23,11 +24,9 @@ def free_port() -> int:
 def make_frontend(model: str, num_workers: int = 1, max_waiting: int = 64, api_key: str | None = None,
                   **engine) -> Frontend:  # fmt: skip
     engine.setdefault("num_kv_blocks", 256)
-    workers = [Worker(dict(model=model, **engine), max_waiting=max_waiting) for _ in range(num_workers)]
-    pool = LocalWorkerPool(workers)
-    i = workers[0].info()
-    info = ModelInfo(i["model"], i["max_model_len"], i["vocab_size"], i["block_size"], 1, num_workers)
-    return Frontend(pool, workers[0].engine.engine.tokenizer, info, api_key)
+    workers = [Worker(EngineArgs(model=model, **engine), max_waiting=max_waiting) for _ in range(num_workers)]
+    info = ModelInfo.from_worker_info(workers[0].info(), num_workers)
+    return Frontend(LocalWorkerPool(workers), workers[0].engine.engine.tokenizer, info, api_key)
 
 
 @asynccontextmanager

@@ -4,6 +4,7 @@ streaming, status codes, cancellation and deadlines, health, reflection."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 
@@ -16,6 +17,7 @@ from shoal.proto import generate as proto_generate
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams
+from shoal.workers.worker import logger as worker_logger
 from serving import grpc_server, make_frontend
 
 PROMPT = "The quick brown fox"
@@ -62,6 +64,32 @@ def test_generate_streams_what_the_engine_makes_plus_info_load_tokenize(tiny_mod
     assert list(tok.token_ids) == ref.prompt_token_ids and tok.count == len(ref.prompt_token_ids)
 
 
+def test_request_id_is_the_servers_and_a_client_id_is_echoed_never_shared(tiny_model, caplog):
+    sampling = pb.SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def main():
+        fe = make_frontend(tiny_model)
+        async with grpc_server(fe) as addr, grpc.aio.insecure_channel(addr) as a, grpc.aio.insecure_channel(addr) as b:
+            mine = pb.GenerateRequest(request_id="my-id", text=PROMPT, sampling=sampling)
+            return await asyncio.gather(_drain(shoal_pb2_grpc.ShoalStub(a).Generate(mine)),
+                                        _drain(shoal_pb2_grpc.ShoalStub(b).Generate(mine)),
+                                        _drain(shoal_pb2_grpc.ShoalStub(b).Generate(pb.GenerateRequest(
+                                            text=PROMPT, sampling=sampling))))  # fmt: skip
+
+    with caplog.at_level(logging.INFO, logger=worker_logger.name):
+        streams = asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == worker_logger.name]
+    assert all(s[-1].finished.finish_reason == "length" for s in streams)
+    ids = []
+    for stream, client_id in zip(streams, ("my-id", "my-id", "")):
+        assert {m.client_request_id for m in stream} == {client_id}
+        (rid,) = {m.request_id for m in stream}
+        ids.append(rid)
+        named = f"request {rid} (client id {client_id!r})" if client_id else f"request {rid}"
+        assert sum(ln.startswith(f"{named} finished: length, ") for ln in lines) == 1, lines
+    assert len(set(ids)) == 3 and "my-id" not in ids
+
+
 @pytest.mark.parametrize("request_kwargs,word", [
     ({}, "prompt"),
     ({"text": ""}, "empty"),
@@ -69,6 +97,7 @@ def test_generate_streams_what_the_engine_makes_plus_info_load_tokenize(tiny_mod
     ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=10**6)}, "max_tokens"),
     ({"token_ids": pb.TokenIds(ids=[10**6])}, "vocabulary"),
     ({"text": "hi", "sampling": pb.SamplingParams(top_k=0)}, "top_k"),
+    ({"text": "hi", "request_id": "x" * 300}, "request_id"),
 ])  # fmt: skip
 def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(tiny_model, request_kwargs, word):
     async def main():

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
 from shoal.workers import LLM, SamplingParams
+from shoal.workers.worker import logger as worker_logger
 from serving import http_client, make_frontend
 
 PROMPT = "The quick brown fox"
@@ -20,7 +22,7 @@ def _events(body: str) -> list:
     return [json.loads(ln) for ln in lines[:-1]]
 
 
-def test_completion_streamed_and_not_equal_offline_with_usage(tiny_model):
+def test_completion_streamed_and_whole_both_equal_offline_with_usage(tiny_model):
     ref = LLM(tiny_model, num_kv_blocks=256).generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
 
     async def main():
@@ -67,6 +69,38 @@ def test_chat_stop_string_logprobs_and_several_prompts(tiny_model):
     assert multi["usage"]["completion_tokens"] == 8
 
 
+def test_the_response_id_is_the_engine_id_and_a_client_id_is_echoed_never_shared(tiny_model, caplog):
+    body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    mine = {"X-Request-Id": "my-id"}
+
+    async def main():
+        fe = make_frontend(tiny_model)
+        async with http_client(fe) as c:
+            same = await asyncio.gather(
+                c.post("/v1/completions", json=body, headers=mine),
+                c.post("/v1/completions", json=dict(body, stream=True), headers=mine),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                       headers=mine))  # fmt: skip
+            multi = await c.post("/v1/completions", json=dict(body, prompt=[PROMPT, PROMPT]))
+        return same, multi
+
+    with caplog.at_level(logging.INFO, logger=worker_logger.name):
+        same, multi = asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == worker_logger.name]
+    whole, streamed, chat = same
+    assert all(r.status_code == 200 and r.headers["x-request-id"] == "my-id" for r in same)
+    chunk_ids = {c["id"] for c in _events(streamed.text)}
+    assert len(chunk_ids) == 1
+    ids = [whole.json()["id"], *chunk_ids, chat.json()["id"]]
+    assert ids[0].startswith("cmpl-") and ids[1].startswith("cmpl-") and ids[2].startswith("chatcmpl-")
+    assert len(set(ids)) == 3
+    for rid in ids:
+        assert sum(ln.startswith(f"request {rid} (client id 'my-id') finished: ") for ln in lines) == 1, lines
+    multi_id = multi.json()["id"]
+    assert "x-request-id" not in multi.headers
+    assert sorted(ln.split()[1] for ln in lines if multi_id in ln) == [f"{multi_id}-0", f"{multi_id}-1"]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
@@ -105,12 +139,14 @@ def test_malformed_json_oversize_unknown_model_and_chat_errors(tiny_model):
                     await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
                     await c.post("/v1/chat/completions", json={"messages": []}),
                     await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
-                    await c.post("/v1/completions", json=[1, 2])]  # fmt: skip
+                    await c.post("/v1/completions", json=[1, 2]),
+                    await c.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "x" * 300})]  # fmt: skip
 
     r = asyncio.run(main())
-    assert [x.status_code for x in r] == [400, 413, 404, 400, 400, 400]
+    assert [x.status_code for x in r] == [400, 413, 404, 400, 400, 400, 400]
     assert "malformed JSON" in r[0].json()["error"]["message"]
     assert r[2].json()["error"]["code"] == "model_not_found"
+    assert r[6].json()["error"]["param"] == "X-Request-Id"
 
 
 def test_api_key_models_and_health(tiny_model):
@@ -156,7 +192,7 @@ def test_flood_past_max_waiting_gets_429_and_admitted_requests_finish_right(tiny
             assert r.json()["choices"][0]["text"] == ref[p]
         else:
             assert r.json()["error"]["type"] == "rate_limit_error"
-    assert load[0]["num_free_blocks"] == load[0]["num_total_blocks"]
+    assert load[0].num_free_blocks == load[0].num_total_blocks
 
 
 def test_a_worker_failing_midstream_ends_the_request_with_503_not_a_hang(tiny_model):

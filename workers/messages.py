@@ -1,0 +1,88 @@
+"""The messages between the router and its workers.
+
+They are dataclasses that Ray pickles on their way between the router's and
+a worker's processes (a SamplingParams rides inside GenerateRequest the same
+way); in-process pools hand them over as they are. The router imports this
+module; the workers never import the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.workers.llm_engine import EngineStats
+from shoal.workers.core.outputs import TokenLogprob
+from shoal.workers.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """Router -> worker: one prompt to generate from."""
+
+    request_id: str  # the engine's id, made by the router; the response id clients see
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    client_request_id: str | None = None  # the client's own id: logged and echoed, never a key
+
+    @property
+    def log_name(self) -> str:
+        """How logs name the request: the engine's id, the client's beside it."""
+        if self.client_request_id is None:
+            return f"request {self.request_id}"
+        return f"request {self.request_id} (client id {self.client_request_id!r})"
+
+
+@dataclass(slots=True)
+class RequestFinished:
+    """On a request's last delta: why and how it ended."""
+
+    finish_reason: str  # "stop", "length" or "abort"
+    stop_reason: str | int | None  # the stop string or token id that ended it
+    worker: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    queue_s: float  # arrival at the worker -> first scheduled
+    # Filled in by the router, which sees the request arrive and end.
+    time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerateDelta:
+    """Worker -> router: what a request produced since its last delta."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
+    finished: RequestFinished | None = None  # set on the last delta only
+
+
+@dataclass(slots=True)
+class WorkerError:
+    """Worker -> router, instead of any delta: the request was refused."""
+
+    kind: str  # "full" (429 / RESOURCE_EXHAUSTED) or "invalid" (400 / INVALID_ARGUMENT)
+    message: str
+    field: str | None = None  # the request field at fault, for "invalid"
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What the router needs to know of the model a worker serves."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    tensor_parallel_size: int
+    worker: str
+
+
+@dataclass(slots=True)
+class WorkerLoad(EngineStats):
+    """A worker's engine stats (running, waiting, free blocks, ...), read at
+    the moment it is asked, and the worker's name."""
+
+    worker: str

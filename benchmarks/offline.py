@@ -1,33 +1,36 @@
 """`shoal bench offline`: one fixed workload through shoal and its peers,
 in one run, with the compute roofline of this machine.
 
-Workload: N requests (seed 0), prompts of random token ids with lengths
-uniform in 32..512, outputs uniform in 32..256, ignore_eos. Peers:
-transformers' continuous batching (ContinuousBatchingManager, each request
-with its own max_new_tokens) and plain batched generate in batches of 16.
+Workload: N requests (seeded by --seed, the engine's), prompts of random
+token ids with lengths uniform in 32..512, outputs uniform in 32..256,
+ignore_eos. Peers, in the dtype shoal resolves: transformers' continuous
+batching (ContinuousBatchingManager, each request with its own
+max_new_tokens) and plain batched generate in batches of 16.
 With --tensor-parallel-size K > 1, shoal also runs at K = 1 on the same
 cores, and the table gives both step times.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import time
 
+from shoal.workers.engine_args import EngineArgs
 
-def add_parser(sub, engine_flags) -> None:
+
+def add_parser(sub) -> None:
     p = sub.add_parser("offline", help="offline throughput against transformers")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
     p.add_argument("--peers", default="cb,generate", help="comma list of: cb, generate (or none)")
     p.add_argument("--generate-batch", type=int, default=16)
     p.add_argument("--output", default="bench_results/offline.json")
-    engine_flags(p)
-    p.set_defaults(func=run, dtype="float32")
+    EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
+    p.set_defaults(func=run)
 
 
 def make_workload(n: int, seed: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:
@@ -53,14 +56,10 @@ def measure_matmul_flops(seconds: float = 2.0) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
-def run_shoal(ns, work, tp: int | None = None) -> dict:
-    from shoal.cluster.cli import engine_args_from
+def run_shoal(args: EngineArgs, work) -> dict:
     from shoal.workers import LLM, SamplingParams
 
-    args = engine_args_from(ns)
-    if tp is not None:
-        args.tensor_parallel_size = tp
-    llm = LLM(**{k: getattr(args, k) for k in args.__slots__})
+    llm = LLM(**dataclasses.asdict(args))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:2]], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
     eng = llm.engine
@@ -72,7 +71,7 @@ def run_shoal(ns, work, tp: int | None = None) -> dict:
     stats = eng.stats()
     steps = eng.num_steps - steps0
     # Parameters of the whole model (each rank holds 1/K of most of them).
-    params = sum(p.numel() for p in eng.runner.model.parameters()) if tp in (None, 1) else None
+    params = sum(p.numel() for p in eng.runner.model.parameters()) if args.tensor_parallel_size == 1 else None
     result = {"seconds": dt, "preemptions": stats.num_preemptions, "load_s": eng.load_time_s, "steps": steps,
               "step_ms": 1000 * (eng.step_seconds - step_s0) / max(steps, 1), "params": params,
               "tensor_parallel_size": eng.args.tensor_parallel_size, "outputs": [o.token_ids for o in outs]}  # fmt: skip
@@ -80,14 +79,13 @@ def run_shoal(ns, work, tp: int | None = None) -> dict:
     return result
 
 
-def _hf_model(path: str):
-    import torch
+def _hf_model(path: str, dtype):
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=torch.float32).eval()  # fmt: skip
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+                                                    dtype=dtype).eval()  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def run_hf_cb(model, work) -> dict:
@@ -139,19 +137,20 @@ def run(ns) -> int:
     print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     from shoal.workers.model_executor.model_loader import load_model_files
 
-    cfg = load_model_files(ns.model).config
-    cfg.check_tp_size(ns.tensor_parallel_size)  # before anything runs
+    args = EngineArgs.from_cli_args(ns)
+    cfg = load_model_files(args.model).config
+    cfg.check_tp_size(args.tensor_parallel_size)  # before anything runs
     vocab = cfg.vocab_size
-    work = make_workload(ns.num_prompts, ns.seed, ns.input_len, ns.output_len, vocab)
+    work = make_workload(ns.num_prompts, args.seed, ns.input_len, ns.output_len, vocab)
     n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)
-    print(f"workload: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens (seed {ns.seed})")
+    print(f"workload: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens (seed {args.seed})")
 
     results = {}
-    tp = ns.tensor_parallel_size
+    tp = args.tensor_parallel_size
     if tp > 1:
-        one = run_shoal(ns, work, tp=1)
+        one = run_shoal(dataclasses.replace(args, tensor_parallel_size=1), work)
         print(f"shoal K=1: {one['seconds']:.1f} s, {one['step_ms']:.1f} ms/step", flush=True)
-    s = run_shoal(ns, work)
+    s = run_shoal(args, work)
     results["shoal" if tp == 1 else f"shoal K={tp}"] = s
     print(f"shoal{'' if tp == 1 else f' K={tp}'}: {s['seconds']:.1f} s, {s['step_ms']:.1f} ms/step "
           f"({s['preemptions']} preemptions)", flush=True)  # fmt: skip
@@ -164,7 +163,8 @@ def run(ns) -> int:
         r.pop("outputs")
     peers = [p for p in ns.peers.split(",") if p and p != "none"]
     if peers:
-        hf = _hf_model(resolve_model(ns.model))
+        # The peers compute in the dtype shoal resolved, so the comparison stays like for like.
+        hf = _hf_model(resolve_model(args.model), args.resolved_dtype(args.resolved_device()))
         if "cb" in peers:
             results["transformers continuous batching"] = run_hf_cb(hf, work)
             print(f"transformers CB: {results['transformers continuous batching']['seconds']:.1f} s", flush=True)
@@ -192,7 +192,7 @@ def run(ns) -> int:
           f"at {peak / 1e9:.1f} GFLOP/s = {flops / peak:.1f} s")  # fmt: skip
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
-        json.dump({"workload": {"num_prompts": len(work), "seed": ns.seed, "prompt_tokens": n_in,
+        json.dump({"workload": {"num_prompts": len(work), "seed": args.seed, "prompt_tokens": n_in,
                                 "output_tokens": n_out}, "matmul_flops": peak, "params": params,
                    "results": results}, f, indent=2)  # fmt: skip
     print(f"wrote {ns.output}")

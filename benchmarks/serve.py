@@ -12,6 +12,7 @@ HTTP and over gRPC, side by side.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.benchmarks.svg_plot import cdf_plot
+from shoal.workers.engine_args import EngineArgs
 
 _WORDS = ("time year people way day man thing woman life child world school state family student group country "
           "problem hand part place case week company system program question work government number night point "
@@ -29,7 +31,7 @@ _WORDS = ("time year people way day man thing woman life child world school stat
           "art war history party result change morning reason research girl guy moment air teacher force education").split()  # fmt: skip
 
 
-def add_parser(sub, engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="online latency/throughput: in-process vs the served cluster (HTTP, gRPC)")
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible base URL only (e.g. http://host:8000/v1)")
     p.add_argument("--grpc", default=None, help="measure this shoal gRPC address only (host:port)")
@@ -39,11 +41,10 @@ def add_parser(sub, engine_flags) -> None:
     p.add_argument("--input-len", type=int, default=128, help="words per prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf = all at once")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="alternate in-process / HTTP / gRPC this many times")
     p.add_argument("--output", default="bench_results/serve.json")
-    engine_flags(p)
+    EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
     p.set_defaults(func=run)
 
 
@@ -241,18 +242,19 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     runs, then the targets alternate for --rounds rounds (each round with its
     own prompt prefix), so that drift in the machine's speed hits all alike."""
     from shoal.cluster.options import ServeOptions
-    from shoal.cluster.serve_cmd import engine_options, launch, shut_down
+    from shoal.cluster.serve_cmd import launch, shut_down
     from shoal.workers import AsyncEngine
 
-    engine = engine_options(ns)
-    opts = ServeOptions(model=ns.model, http_port=_free_port(), grpc_port=_free_port(), num_workers=ns.num_workers,
-                        device=ns.device, api_key=ns.api_key, max_waiting=max(256, ns.num_prompts), engine=engine)  # fmt: skip
+    opts = ServeOptions(http_port=_free_port(), grpc_port=_free_port(), num_workers=ns.num_workers,
+                        api_key=ns.api_key, engine=EngineArgs.from_cli_args(ns))  # fmt: skip
+    # Every prompt may wait at once: the bench measures latency, not refusals.
+    opts = dataclasses.replace(opts, max_waiting=max(opts.max_waiting, ns.num_prompts))
     # The in-process engine gets what one worker gets: same engine, same threads.
-    local_args = dict(opts.engine_args(gpu=opts.uses_gpu()))
+    local_args = opts.worker_engine_args(gpu=opts.uses_gpu())
     launch(opts)
     try:
         async def main():
-            eng = AsyncEngine.from_engine_args(**local_args)
+            eng = AsyncEngine.from_engine_args(local_args)
             send = in_process_sender(eng)
             await _offer(_salted(work[:4], "warm"), send, "warm-up")
             await _measure_cluster(ns, opts, work[:4], ("warm", "warm2"))

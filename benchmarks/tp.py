@@ -9,13 +9,16 @@ in one command that prints a table (it runs on the CPU too, with gloo).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import time
 
+from shoal.workers.engine_args import EngineArgs
 
-def add_parser(sub, engine_flags) -> None:
+
+def add_parser(sub) -> None:
     p = sub.add_parser("tp", help="tensor parallelism: K=1 vs transformers, decode step time per K")
     p.add_argument("--sizes", default="auto", help="comma list of K; auto: 1 and every K the model and cards allow")
     p.add_argument("--batch-sizes", default="1,8,32")
@@ -24,7 +27,7 @@ def add_parser(sub, engine_flags) -> None:
     p.add_argument("--check-prompts", type=int, default=8)
     p.add_argument("--check-tokens", type=int, default=24)
     p.add_argument("--output", default="bench_results/tp.json")
-    engine_flags(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
 
@@ -83,13 +86,11 @@ def check_against_transformers(ns, prompts: list[list[int]]) -> dict:
 
 def time_decode(ns, k: int, batch: int, vocab: int) -> float:
     """Mean decode step (ms) of `batch` sequences after their prefill."""
-    from shoal.cluster.cli import engine_args_from
     from shoal.workers import LLM, SamplingParams
 
-    args = engine_args_from(ns)
-    args.tensor_parallel_size = k
+    args = dataclasses.replace(EngineArgs.from_cli_args(ns), tensor_parallel_size=k)
     rng = random.Random(k * 1000 + batch)
-    with LLM(**{f: getattr(args, f) for f in args.__slots__}) as llm:
+    with LLM(**dataclasses.asdict(args)) as llm:
         eng = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=ns.decode_steps + 8, ignore_eos=True)
         for i in range(batch):

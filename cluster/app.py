@@ -17,7 +17,7 @@ from shoal.workers.worker import Worker
 
 # Serve's own queue in front of a worker must never be what holds a request
 # back: the engine admits up to max_num_seqs and max_waiting, and refuses the rest.
-_HEADROOM = 64
+HEADROOM = 64
 # Every streamed delta crosses these replicas; running user code and the
 # handle's router on the replica's own event loop saves two thread hops per
 # delta (the engine has its own thread, so nothing blocks that loop).
@@ -25,34 +25,36 @@ _ONE_LOOP = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                           "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}  # fmt: skip
 
 
-def build_app(args: dict | ServeOptions | None = None) -> Application:
-    """The application for `serve run` / `serve deploy`; args are ServeOptions fields."""
-    opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
-    opts.check_cluster()
-    gpu = opts.uses_gpu()
-    engine_args = opts.engine_args(gpu)
-    max_num_seqs = engine_args.get("max_num_seqs", 256)
+def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
+    """The Worker deployment's `.options(...)`: replicas, resources, queue, health."""
     actor = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": opts.cpus_per_worker}
     actor["runtime_env"] = _ONE_LOOP
-    placement = {}
+    options = {
+        "num_replicas": opts.num_workers,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": opts.engine.max_num_seqs + opts.max_waiting + HEADROOM,
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 60.0,
+        "graceful_shutdown_timeout_s": opts.drain_timeout_s + 5.0,
+    }
     if opts.tp_size > 1:
         # One STRICT_PACK group per replica: the replica (rank 0) in bundle 0,
         # its other ranks in the rest; Serve replaces the group as a whole.
-        bundles = tp_bundles(opts.tp_size, gpu, actor["num_cpus"])
-        placement = {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
-    worker = serve.deployment(Worker, name="Worker").options(
-        **placement,
-        num_replicas=opts.num_workers,
-        ray_actor_options=actor,
-        max_ongoing_requests=max_num_seqs + opts.max_waiting + _HEADROOM,
-        health_check_period_s=5.0,
-        health_check_timeout_s=60.0,
-        graceful_shutdown_timeout_s=opts.drain_timeout_s + 5.0,
-    )
+        options["placement_group_bundles"] = tp_bundles(opts.tp_size, gpu, actor["num_cpus"])
+        options["placement_group_strategy"] = "STRICT_PACK"
+    return options
+
+
+def build_app(args: dict | ServeOptions | None = None) -> Application:
+    """The application for `serve run` / `serve deploy`; args are ServeOptions.to_dict()'s."""
+    opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
+    opts.check_cluster()
+    gpu = opts.uses_gpu()
+    worker = serve.deployment(Worker, name="Worker").options(**worker_deployment_options(opts, gpu))
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1,  # it binds the HTTP and gRPC ports itself
         ray_actor_options={"num_cpus": 0, "runtime_env": _ONE_LOOP},
         max_ongoing_requests=1000,
         graceful_shutdown_timeout_s=opts.drain_timeout_s + 10.0,
     )
-    return router.bind(worker.bind(engine_args, opts.max_waiting), opts.router_options())
+    return router.bind(worker.bind(opts.worker_engine_args(gpu), opts.max_waiting), opts.router_options())

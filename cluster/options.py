@@ -3,44 +3,64 @@ the `args` of a Serve config file (deploy/serve.yaml)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from shoal.workers.engine_args import EngineArgs
+from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
 
 
 @dataclass(slots=True)
 class ServeOptions:
-    model: str | None = None  # HF folder or .gguf file; None = SmolLM2-135M-Instruct
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 9000
-    num_workers: int = 1
-    device: str = "auto"  # auto: a GPU per worker where the cluster has GPUs, else CPU
-    api_key: str | None = None  # default: $SHOAL_API_KEY
-    max_waiting: int = 256  # per worker; past it a request gets 429 / RESOURCE_EXHAUSTED
-    max_request_bytes: int = 4 << 20
-    drain_timeout_s: float = 30.0
-    cpus_per_worker: float = 1.0  # Ray CPUs a CPU worker asks for
-    num_threads: int | None = None  # torch threads per CPU worker; default: cores / workers
-    engine: dict = field(default_factory=dict)  # any other EngineArgs field
+    host: str = cli_field("127.0.0.1", "interface both servers listen on; 0.0.0.0 in a pod")
+    http_port: int = cli_field(8000, "OpenAI HTTP port")
+    grpc_port: int = cli_field(9000, "gRPC port")
+    num_workers: int = cli_field(1, "worker replicas (each with --tensor-parallel-size GPUs on a GPU cluster)")
+    api_key: str | None = cli_field(None, "require this bearer key (default: $SHOAL_API_KEY)")
+    max_waiting: int = cli_field(256, "waiting requests per worker; past it 429 / RESOURCE_EXHAUSTED")
+    max_request_bytes: int = cli_field(4 << 20, "request body limit")
+    drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
+    cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
+    # model, device, num_threads (default: cores / (workers x ranks)), ...
+    engine: EngineArgs = field(default_factory=EngineArgs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        EngineArgs.add_cli_args(parser)
+        add_dataclass_args(parser, cls, "serving", skip=("engine",))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServeOptions":
+        opts = dataclass_from_cli_args(cls, ns, engine=EngineArgs.from_cli_args(ns))
+        opts.validate()
+        return opts
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "ServeOptions":
-        """From a Serve config's `args`; EngineArgs fields may sit at the top level."""
+        """From a Serve config's `args`: EngineArgs fields at the top level
+        or in an `engine` mapping."""
         d = dict(d or {})
-        own = {f.name for f in dataclasses.fields(cls)}
-        engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
         engine = dict(d.pop("engine", None) or {})
+        own = {f.name for f in dataclasses.fields(cls)}
         for key in list(d):
-            if key not in own:
-                if key not in engine_fields:
-                    raise ValueError(f"unknown option {key!r}")
+            if key in _ENGINE_FIELDS:
                 engine[key] = d.pop(key)
-        opts = cls(**d, engine=engine)
+            elif key not in own:
+                raise ValueError(f"unknown option {key!r}")
+        if bad := sorted(engine.keys() - _ENGINE_FIELDS):
+            raise ValueError(f"unknown engine option {bad[0]!r}")
+        opts = cls(**d, engine=EngineArgs(**engine))
         opts.validate()
         return opts
+
+    def to_dict(self) -> dict:
+        """The flat Serve config `args` that from_dict reads back."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        return {**dataclasses.asdict(self.engine), **own}
 
     def validate(self) -> None:
         if self.num_workers < 1:
@@ -50,21 +70,19 @@ class ServeOptions:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number")
-        bad = set(self.engine) - {f.name for f in dataclasses.fields(EngineArgs)}
-        if bad:
-            raise ValueError(f"unknown engine options: {sorted(bad)}")
 
     @property
     def tp_size(self) -> int:
-        return self.engine.get("tensor_parallel_size", 1)
+        return self.engine.tensor_parallel_size
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("SHOAL_API_KEY") or None
 
     def uses_gpu(self) -> bool:
-        if self.device.startswith("cuda"):
+        device = self.engine.device
+        if device.startswith("cuda"):
             return True
-        if self.device != "auto":
+        if device != "auto":
             return False
         import ray
 
@@ -74,21 +92,21 @@ class ServeOptions:
 
         return torch.cuda.is_available()
 
-    def engine_args(self, gpu: bool) -> dict:
-        args = dict(self.engine, model=self.model)
+    def worker_engine_args(self, gpu: bool) -> EngineArgs:
+        """What one worker replica gets: the engine, on its device and its share of the cores."""
         # On GPU workers "auto" is settled inside the worker, which sees its
         # own GPUs (logical GPUs of a test cluster have no CUDA behind them).
-        args["device"] = ("auto" if self.device == "auto" else self.device) if gpu else "cpu"
+        device = self.engine.device if gpu else "cpu"
         # Used wherever a rank runs on the CPU: the ranks share the cores.
-        args["num_threads"] = self.num_threads or max(1, (os.cpu_count() or 1) // (self.num_workers * self.tp_size))
-        return args
+        threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // (self.num_workers * self.tp_size))
+        return dataclasses.replace(self.engine, device=device, num_threads=threads)
 
     def check_cluster(self) -> None:
         """Refuse, before anything deploys, a tensor-parallel size the model
         cannot split or the cluster cannot place (Serve would wait forever)."""
         from shoal.workers.model_executor.model_loader import load_model_files
 
-        load_model_files(self.model).config.check_tp_size(self.tp_size)
+        load_model_files(self.engine.model).config.check_tp_size(self.tp_size)
         import ray
 
         if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu():
@@ -98,6 +116,6 @@ class ServeOptions:
                                  f"{need} GPUs; the cluster has {have:g}")  # fmt: skip
 
     def router_options(self) -> dict:
-        return {"model": self.model, "host": self.host, "http_port": self.http_port, "grpc_port": self.grpc_port,
-                "num_workers": self.num_workers, "api_key": self.resolved_api_key(),
+        return {"model": self.engine.model, "host": self.host, "http_port": self.http_port,
+                "grpc_port": self.grpc_port, "num_workers": self.num_workers, "api_key": self.resolved_api_key(),
                 "max_request_bytes": self.max_request_bytes, "drain_timeout_s": self.drain_timeout_s}  # fmt: skip

@@ -9,49 +9,19 @@ import signal
 import threading
 import time
 
+from shoal.cluster.options import ServeOptions
+
 APP_NAME = "shoal"
 
 
-def add_parser(sub, engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC on a Ray cluster")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=9000)
-    p.add_argument("--num-workers", type=int, default=1,
-                   help="worker replicas (each with --tensor-parallel-size GPUs on a GPU cluster)")  # fmt: skip
-    p.add_argument("--api-key", default=None, help="require this bearer key (default: $SHOAL_API_KEY)")
-    p.add_argument("--max-waiting", type=int, default=256, help="waiting requests per worker before 429")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20)
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on shutdown")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per CPU worker")
-    engine_flags(p)
+    ServeOptions.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
 
-def engine_options(ns: argparse.Namespace) -> dict:
-    """The engine flags a worker takes (model, device and threads come apart)."""
-    from shoal.cluster.cli import engine_args_from
-
-    ea = engine_args_from(ns)
-    return {k: getattr(ea, k) for k in ("dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
-                                        "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len",
-                                        "enable_prefix_caching", "tensor_parallel_size")}  # fmt: skip
-
-
-def options_from(ns: argparse.Namespace):
-    from shoal.cluster.options import ServeOptions
-
-    engine = engine_options(ns)
-    opts = ServeOptions(model=ns.model, host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
-                        num_workers=ns.num_workers, device=ns.device, api_key=ns.api_key,
-                        max_waiting=ns.max_waiting, max_request_bytes=ns.max_request_bytes,
-                        drain_timeout_s=ns.drain_timeout, num_threads=ns.num_threads, engine=engine)  # fmt: skip
-    opts.validate()
-    return opts
-
-
-def launch(opts, address: str | None = None):
+def launch(opts: ServeOptions, address: str | None = None):
     """Start (or join) Ray, deploy the application, return the Router's handle."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -62,7 +32,7 @@ def launch(opts, address: str | None = None):
     if address:
         ray.init(address=address, logging_level="WARNING")
     else:
-        gpus = None if opts.device in ("auto", "cuda") else 0
+        gpus = None if opts.engine.device in ("auto", "cuda") else 0
         # Logical CPUs: each rank of a CPU worker asks for one, whatever the core count.
         ranks = opts.num_workers * opts.tp_size
         ray.init(num_cpus=max(os.cpu_count() or 1, ranks * int(opts.cpus_per_worker + 0.999)),
@@ -88,7 +58,7 @@ def shut_down(address: str | None = None) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    opts = options_from(ns)
+    opts = ServeOptions.from_cli_args(ns)
     opts.check_cluster()  # a size that cannot split the model: refused before Ray starts
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

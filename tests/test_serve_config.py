@@ -9,12 +9,16 @@ import pytest
 import yaml
 
 from shoal.cluster.options import ServeOptions
+from shoal.workers.engine_args import EngineArgs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_serve_yaml_is_a_serve_config_whose_import_path_builds_the_app():
+    from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
+
+    from shoal.cluster.app import HEADROOM, worker_deployment_options
 
     with open(os.path.join(ROOT, "deploy", "serve.yaml")) as f:
         config = yaml.safe_load(f)
@@ -22,35 +26,40 @@ def test_serve_yaml_is_a_serve_config_whose_import_path_builds_the_app():
     app = schema.applications[0]
     module, _, attr = app.import_path.partition(":")
     builder = getattr(__import__(module, fromlist=[attr]), attr)
-    opts = ServeOptions.from_dict(dict(app.args, device="cpu"))
+    args = dict(app.args, device="cpu", max_num_seqs=8)
+    opts = ServeOptions.from_dict(args)
     assert (opts.http_port, opts.grpc_port, opts.host) == (8000, 9000, "0.0.0.0")
-    built = builder(dict(app.args, device="cpu", max_num_seqs=8))
-    assert type(built).__name__ == "Application"
+    worker = worker_deployment_options(opts, gpu=opts.uses_gpu())
+    assert worker["num_replicas"] == 1
+    assert worker["ray_actor_options"]["num_cpus"] == 1.0 and "num_gpus" not in worker["ray_actor_options"]
+    # max_num_seqs (as configured, no second default) + max_waiting + headroom
+    assert worker["max_ongoing_requests"] == 8 + app.args["max_waiting"] + HEADROOM
+    assert "placement_group_strategy" not in worker  # one rank: no placement group
+    assert isinstance(builder(args), Application)
 
 
 def test_options_route_engine_fields_and_refuse_unknown_ones():
     opts = ServeOptions.from_dict({"num_workers": 2, "max_num_seqs": 8, "block_size": 32})
-    assert opts.engine == {"max_num_seqs": 8, "block_size": 32}
-    args = opts.engine_args(gpu=False)
-    assert args["device"] == "cpu" and args["num_threads"] >= 1 and args["max_num_seqs"] == 8
+    assert opts.engine == EngineArgs(max_num_seqs=8, block_size=32)
+    args = opts.worker_engine_args(gpu=False)
+    assert args.device == "cpu" and args.max_num_seqs == 8 and args.block_size == 32
+    assert args.num_threads == max(1, (os.cpu_count() or 1) // 2)  # the cores shared by the two workers
+    assert opts.worker_engine_args(gpu=True).device == "auto"  # settled inside the worker, on its own GPU
     with pytest.raises(ValueError, match="unknown option 'num_wrokers'"):
         ServeOptions.from_dict({"num_wrokers": 2})
     with pytest.raises(ValueError, match="num_workers"):
         ServeOptions.from_dict({"num_workers": 0})
 
 
-def test_tensor_parallel_options_build_one_strict_pack_group_per_replica(tiny_model):
-    from shoal.cluster.app import build_app
+def test_tensor_parallel_options_build_one_strict_pack_group_per_replica():
+    from shoal.cluster.app import worker_deployment_options
 
-    opts = ServeOptions.from_dict({"model": tiny_model, "num_workers": 2, "tensor_parallel_size": 2, "device": "cpu"})
-    assert opts.tp_size == 2 and opts.engine_args(gpu=False)["tensor_parallel_size"] == 2
-    app = build_app(opts)
-    worker = app._bound_deployment.init_args[0]  # the Worker deployment bound into the Router
-    cfg = worker._bound_deployment._deployment_config if hasattr(worker, "_bound_deployment") else None
-    replica = worker._bound_deployment._replica_config
-    assert replica.placement_group_strategy == "STRICT_PACK"
-    assert replica.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
-    assert cfg is None or cfg.num_replicas == 2
+    opts = ServeOptions.from_dict({"num_workers": 2, "tensor_parallel_size": 2, "device": "cpu"})
+    assert opts.tp_size == 2 and opts.worker_engine_args(gpu=False).tensor_parallel_size == 2
+    worker = worker_deployment_options(opts, gpu=False)
+    assert worker["placement_group_strategy"] == "STRICT_PACK"
+    assert worker["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert worker["num_replicas"] == 2
 
 
 def test_shoal_serve_refuses_a_size_that_cannot_split_the_model_before_ray_starts(tiny_model):

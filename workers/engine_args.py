@@ -1,31 +1,83 @@
-"""Engine arguments, named as in vLLM where vLLM has the knob."""
+"""Engine arguments, named as in vLLM where vLLM has the knob, and their
+command-line flags, made from the fields as vLLM's arg_utils makes them."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cli_field(default: Any, help: str, **flag: Any) -> Any:
+    """A dataclass field that becomes the flag --field-name; `flag` takes
+    argparse's `choices` and `aliases` (more option strings)."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of cls, typed by its annotation; a bool field gets
+    --name / --no-name. The default is the field's, so it is written once."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        meta = dict(f.metadata)
+        names = [f"--{f.name.replace('_', '-')}", *meta.pop("aliases", ())]
+        help = meta.pop("help").replace("%", "%%") + ("" if f.default is None else " (default: %(default)s)")
+        kind = _flag_type(hints[f.name])
+        how = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        group.add_argument(*names, dest=f.name, default=f.default, help=help, **how, **meta)
+
+
+def _flag_type(hint: Any) -> type:
+    """int for `int | None`: None is what the flag's absence gives."""
+    if isinstance(hint, types.UnionType):
+        (hint,) = [t for t in typing.get_args(hint) if t is not type(None)]
+    return hint
+
+
+def dataclass_from_cli_args(cls: type, ns: argparse.Namespace, **given: Any) -> Any:
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.name not in given}, **given)
 
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str | None = None  # HF folder or .gguf file; None = the default model
-    dtype: str = "auto"  # float32, bfloat16, float16; auto = float32 on CPU, bfloat16 on GPU
-    device: str = "auto"  # cpu, cuda, cuda:N; auto = cuda when available
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory_bytes: int | None = None  # KV budget in bytes (default 2 GiB on CPU, 90% free on GPU)
-    num_kv_blocks: int | None = None  # KV budget in blocks (wins over bytes)
-    max_model_len: int | None = None  # prompt + output cap; default: the model's context length
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_prefix_caching: bool = True
-    seed: int = 0  # seeds the generators of requests that bring no seed
-    num_threads: int | None = None  # torch CPU threads; default: all cores
-    # auto: the compiled CPU decode kernel on CPU/float32 when it builds, else
-    # torch; "torch" forces the pure-torch reference backend.
-    attention_backend: str = "auto"
-    # Ranks (GPUs) one model is split across; ranks 1.. run as Ray actors.
-    tensor_parallel_size: int = 1
+    model: str | None = cli_field(None, "HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
+    device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
+    block_size: int = cli_field(16, "tokens per KV block")
+    kv_cache_memory_bytes: int | None = cli_field(None, "KV budget in bytes (default: 2 GiB on CPU, 90% free on GPU)")
+    num_kv_blocks: int | None = cli_field(None, "KV budget in blocks (wins over bytes)")
+    max_model_len: int | None = cli_field(None, "prompt + output cap (default: the model's context length)")
+    max_num_batched_tokens: int = cli_field(2048, "tokens one step computes (the prefill chunk size)")
+    max_num_seqs: int = cli_field(256, "sequences in one step")
+    # The alias also gives --no-prefix-caching, the flag's older spelling.
+    enable_prefix_caching: bool = cli_field(True, "share KV blocks of common prompt prefixes",
+                                            aliases=("--prefix-caching",))  # fmt: skip
+    seed: int = cli_field(0, "seeds the generators of requests that bring no seed")
+    num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
+    attention_backend: str = cli_field("auto", "auto: the compiled CPU decode kernel on CPU/float32 when it "
+                                               "builds, else torch (the reference)",
+                                       choices=("auto", "torch", "cpu_kernel"))  # fmt: skip
+    tensor_parallel_size: int = cli_field(1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors",
+                                          aliases=("-tp",))  # fmt: skip
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        add_dataclass_args(parser, cls, "engine")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return dataclass_from_cli_args(cls, ns)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -33,9 +85,8 @@ class EngineArgs:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype == "auto":
             return torch.float32 if device.type == "cpu" else torch.bfloat16
-        if self.dtype not in names:
-            raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {self.dtype!r}")
-        return names[self.dtype]
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]

@@ -1,7 +1,8 @@
 """`shoal bench scheduler`: the scheduler and block manager alone.
 
 A stand-in model returns a token at once, so the time per step is all
-bookkeeping: scheduling, block allocation, prefix hashing and freeing.
+bookkeeping: scheduling, block allocation, prefix hashing, the scheduler's
+update after the step, and freeing.
 """
 
 from __future__ import annotations
@@ -23,34 +24,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def stand_in_step(sched, budget_check: int | None = None) -> list:
-    """One engine step with a stand-in model that computes every scheduled
-    token and samples at once. Returns the sequences that finished."""
-    out = sched.schedule()
-    if budget_check is not None:
-        assert out.num_batched_tokens <= budget_check
-    done = []
-    for s, k in out.scheduled:
-        s.num_computed_tokens += k
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append((s.num_tokens * 13) % 50)
-            if s.num_output_tokens >= s.params.max_tokens:
-                sched.finish(s, "length")
-                done.append(s)
-    return done
-
-
 def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed: int = 0) -> float:
     """Mean ms per step with `num_running` sequences decoding, each
     replaced by a fresh one (prompt 32..512) when it ends (output 32..256)."""
     from shoal.workers.core.block_manager import BlockManager
+    from shoal.workers.core.outputs import ModelRunnerOutput
     from shoal.workers.core.sampling_params import SamplingParams
     from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
     from shoal.workers.core.sequence import RequestTimings, Sequence
 
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=num_running), bm)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=num_running), bm,
+                      max_model_len=1 << 20, eos_token_ids=[])  # fmt: skip
     # Prompts are drawn before the clock starts: making them is not the scheduler's work.
     prompts = [[rng.randrange(50_000) for _ in range(rng.randint(32, 512))] for _ in range(num_running * 4)]
     n = 0
@@ -64,7 +50,10 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
         sched.add(s)
 
     def step():
-        for _ in stand_in_step(sched):
+        out = sched.schedule()
+        seqs = out.seqs_due_token  # each gets a made-up token
+        tokens = [(s.num_tokens * 13) % 50 for s in seqs]
+        for _ in sched.update_from_output(out, ModelRunnerOutput(seqs, tokens, [None] * len(seqs))):
             add()  # keep the number running constant
 
     for _ in range(num_running):

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.benchmarks.scheduler import stand_in_step
+from stand_in import stand_in_step
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
@@ -26,6 +26,8 @@ def check(bm: BlockManager, live: list[Sequence]) -> None:
     for block_id, n in holders.items():
         assert pool.blocks[block_id].ref_cnt == n
     assert sum(b.ref_cnt for b in pool.blocks) == sum(holders.values())
+    # The scheduler's progress stays within the blocks (none once preempted).
+    assert all(s.num_computed_tokens <= min(s.num_tokens, len(s.block_table) * BS) for s in live)
     # A block held by two sequences must be the same prefix for both.
     where: dict[int, tuple[Sequence, int]] = {}
     for s in live:
@@ -48,7 +50,8 @@ op = st.one_of(
        caching=st.booleans())  # fmt: skip
 def test_pool_invariants(ops, num_blocks, budget, caching):
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8), bm)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8), bm, max_model_len=1 << 20,
+                      eos_token_ids=[])  # fmt: skip
     live: list[Sequence] = []
     n = 0
     shared = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]  # a common prefix for cache hits

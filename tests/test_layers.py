@@ -7,6 +7,7 @@ import torch
 
 from shoal.workers.model_executor.layers.rotary import rope_inv_freq
 from shoal.workers.model_executor.layers.sampler import Sampler
+from shoal.workers.model_executor.sampling_metadata_builder import build_sampling_metadata
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings, Sequence
 
@@ -40,12 +41,17 @@ def _seq(prompt, output, **params):
     return s
 
 
+def _metadata(seq, eos_token_ids=()):
+    return build_sampling_metadata([seq], list(eos_token_ids), 5, torch.device("cpu"))
+
+
 def test_penalties_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
     # tokens 0 and 1 in the prompt, 3 twice and 2 once in the output
     seq = _seq([0, 1], [3, 3, 2], temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    row = logits[0].clone()
-    Sampler._apply_penalties(row, seq)
+    penalized = logits.clone()
+    Sampler.apply_penalties(penalized, _metadata(seq))
+    row = penalized[0]
     # repetition (all seen tokens): positive / 2, negative * 2
     expected = torch.tensor([1.0, -2.0, 0.25, 1.5, 1.0])
     # presence and frequency (output tokens only)
@@ -55,9 +61,9 @@ def test_penalties_by_hand():
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
-    sampler = Sampler(eos_token_ids=[4])
+    sampler = Sampler()
     logits = torch.tensor([[0.0, 0.0, 9.0, 0.0, 10.0]])  # eos (4) best, stop id 2 next
     early = _seq([1], [0], temperature=0, min_tokens=3, stop_token_ids=[2])
-    assert sampler(logits, [early]).token_ids == [0]  # 4 and 2 banned, first of the ties
+    assert sampler(logits, _metadata(early, [4])).sampled_token_ids == [0]  # 4 and 2 banned, first of the ties
     late = _seq([1], [0, 0, 0], temperature=0, min_tokens=3, stop_token_ids=[2])
-    assert sampler(logits, [late]).token_ids == [4]
+    assert sampler(logits, _metadata(late, [4])).sampled_token_ids == [4]

@@ -16,9 +16,9 @@ class LogitRecorder:
     def __init__(self, sampler):
         self.sampler, self.steps = sampler, []
 
-    def __call__(self, logits, seqs):
+    def __call__(self, logits, sampling_metadata):
         self.steps.append(logits.clone())
-        return self.sampler(logits, seqs)
+        return self.sampler(logits, sampling_metadata)
 
 
 def tp_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:

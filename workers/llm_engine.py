@@ -90,9 +90,9 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"the KV budget holds no block of {per_block} bytes")
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-            self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-                                       self.block_manager)  # fmt: skip
             self.eos_token_ids = list(cfg.eos_token_ids)
+            self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+                                       self.block_manager, max_len, self.eos_token_ids)  # fmt: skip
             self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids, args.attention_backend)
             if self.shards:
                 self.shards.start(num_blocks, self.eos_token_ids)
@@ -162,7 +162,6 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
-        req.seq.timings.finished = time.time()
         return self._delta(req, [], None)
 
     def has_unfinished_requests(self) -> bool:
@@ -179,53 +178,36 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.shards is not None:
             self.shards.send(self.encoder.encode(sched))
-        seqs, result = self.runner.execute(sched)
+        out = self.runner.execute(sched)
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
-        if result is None:
-            return []
-        now = time.time()
-        outputs = []
-        for i, seq in enumerate(seqs):
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            if seq.timings.first_token is None:
-                seq.timings.first_token = now
-            req = self.requests[seq.request_id]
-            reason, stop_reason = self._check_stop(req, token)
-            lp = None
-            if result.logprobs[i] is not None:
-                lp = [TokenLogprob(token, *result.logprobs[i])]
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.timings.finished = now
-                del self.requests[seq.request_id]
-            out = self._delta(req, [token], lp)
-            out.stop_reason = stop_reason
-            outputs.append(out)
-        return outputs
+        tokens = out.sampled_token_ids
+        stop_strings = [self._detokenize(seq, token) for seq, token in zip(out.seqs, tokens)]
+        finished = self.scheduler.update_from_output(sched, out, stop_strings)
+        deltas = []
+        for seq, token, lp in zip(out.seqs, tokens, out.logprobs):
+            logprobs = None if lp is None else [TokenLogprob(token, *lp)]
+            deltas.append(self._delta(self.requests[seq.request_id], [token], logprobs))
+        for seq in finished:
+            del self.requests[seq.request_id]
+        return deltas
 
-    def _check_stop(self, req: _Request, token: int) -> tuple[str | None, str | int | None]:
-        seq, p = req.seq, req.seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
-        stop_str = req.detok.add(token, may_stop) if req.detok is not None else None
-        if may_stop:
-            if token in p.stop_token_ids:
-                return "stop", token
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if stop_str is not None:
-                return "stop", stop_str
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
+    def _detokenize(self, seq: Sequence, token: int) -> str | None:
+        """Adds the sampled token to the request's text; returns the stop
+        string the text now holds, if the token may stop it (min_tokens
+        counts the token itself, not yet appended)."""
+        detok = self.requests[seq.request_id].detok
+        if detok is None:
+            return None
+        return detok.add(token, seq.num_output_tokens + 1 >= seq.params.min_tokens)
 
     def _delta(self, req: _Request, tokens: list[int], lp) -> RequestOutput:
         seq = req.seq
         finished = seq.finish_reason is not None
         text = req.detok.take(finished) if req.detok is not None else ""
         return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens, seq.timings, lp)  # fmt: skip
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.timings, lp,
+                             stop_reason=seq.stop_reason)  # fmt: skip
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -1,4 +1,6 @@
-"""Hands KV blocks to sequences: prefix-cache lookup, growth and release."""
+"""Hands KV blocks to sequences: prefix-cache lookup, growth and release.
+It changes only a sequence's blocks (block_table, block_hashes, registered
+blocks); its progress is the scheduler's."""
 
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Give seq room for `num_new_tokens` more tokens after its computed
         ones (and after `computed_blocks`, prefix hits for a sequence that has
-        no blocks yet). Returns False, changing nothing, if blocks run short."""
+        no blocks yet, which the scheduler then counts as computed). Returns
+        False, changing nothing, if blocks run short."""
         bs = self.block_size
         if not computed_blocks:
             # The common case, a decode inside its last block: nothing to do.
@@ -76,7 +79,6 @@ class BlockManager:
         if computed_blocks:
             self.pool.touch(list(computed_blocks))
             seq.block_table.extend(computed_blocks)
-            seq.num_computed_tokens = num_computed
             seq.num_registered_blocks = len(seq.block_table)
         if num_new_blocks > 0:
             seq.block_table.extend(self.pool.get_new_blocks(num_new_blocks))
@@ -95,7 +97,6 @@ class BlockManager:
         """Return all of seq's blocks at once (finish, abort or preemption)."""
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
-        seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
     @property

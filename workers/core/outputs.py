@@ -1,11 +1,23 @@
-"""What the engine hands back: one delta per request per step, and the
-whole output for the offline front."""
+"""What a step hands back: the model runner's sampled tokens to the
+scheduler, and the engine's deltas (one per request per step) and whole
+outputs (for the offline front)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shoal.workers.core.sequence import RequestTimings
+from shoal.workers.core.sequence import RequestTimings, Sequence
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's sampling, a row per sequence due a token; the runner
+    changes no sequence (Scheduler.update_from_output does)."""
+
+    seqs: list[Sequence]
+    sampled_token_ids: list[int]
+    # per row: None, or (sampled token's logprob, {token_id: logprob} of the top n)
+    logprobs: list[tuple[float, dict[int, float]] | None]
 
 
 @dataclass(slots=True)

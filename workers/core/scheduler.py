@@ -1,5 +1,7 @@
 """Iteration-level scheduling: every step builds a new batch under one
-token budget, running sequences first, then waiting ones."""
+token budget, running sequences first, then waiting ones. After the step,
+update_from_output advances the sequences: the one place their progress
+and status change."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # the token budget of one step
-    max_num_seqs: int = 256  # sequences in one step at most
+    max_num_batched_tokens: int  # the token budget of one step
+    max_num_seqs: int  # sequences in one step at most
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -39,11 +42,25 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @staticmethod
+    def due_token(seq, num_new_tokens: int) -> bool:
+        """Whether the step computes seq's last token, so samples its next
+        (seq: a Sequence, or a tensor-parallel rank's mirror of one)."""
+        return seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
+
+    @property
+    def seqs_due_token(self) -> list[Sequence]:
+        """The scheduled sequences due a token, in the scheduler's order."""
+        return [seq for seq, n in self.scheduled if self.due_token(seq, n)]
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: list[int]):  # fmt: skip
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         # (priority, arrival_order, seq): arrival_order is unique, so the
         # Sequence itself is never compared. A preempted sequence keeps its
         # place, so it goes back ahead of later arrivals.
@@ -66,22 +83,27 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting, (seq.priority, seq.arrival_order, seq))
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """End seq (stop, length or abort) and free its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting = [w for w in self.waiting if w[2] is not seq]
             heapq.heapify(self.waiting)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.timings.finished = time.time()
+
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0  # none of its keys and values are cached for it now
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: drop the KV and prefill it again later (the
         # prefix cache often still holds most of it).
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.PREEMPTED
         heapq.heappush(self.waiting, (seq.priority, seq.arrival_order, seq))
         self.num_preemptions += 1
@@ -123,11 +145,51 @@ class Scheduler:
             if not bm.allocate_slots(seq, n, hits):
                 break
             heapq.heappop(self.waiting)
-            if seq.timings is not None and seq.timings.first_scheduled is None:
+            seq.num_computed_tokens = len(hits) * bm.block_size  # the prefix-cache hits
+            if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = time.time()
-                seq.num_cached_tokens = len(hits) * bm.block_size
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+                           stop_strings: list[str | None] | None = None) -> list[Sequence]:  # fmt: skip
+        """Advance the sequences by the step that ran: the scheduled tokens
+        are computed, each sampled token is appended, and a sequence that
+        reached a stop finishes. stop_strings[i]: the stop string that the
+        engine's detokenizer found in row i's text, if any. Returns the
+        sequences that finished, in order."""
+        for seq, n in scheduler_output.scheduled:
+            seq.num_computed_tokens += n
+        now = time.time()
+        out = model_runner_output
+        finished = []
+        for seq, token, stop_string in zip(out.seqs, out.sampled_token_ids, stop_strings or [None] * len(out.seqs)):
+            seq.token_ids.append(token)
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            reason, stop_reason = self._check_stop(seq, token, stop_string)
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int, stop_string: str | None) -> tuple[str | None, str | int | None]:
+        """(finish reason, stop reason) after token was appended: a stop
+        token, then eos, then a stop string, all from min_tokens on; then
+        the length caps."""
+        p = seq.params
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if stop_string is not None:
+                return "stop", stop_string
+        if num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length", None
+        return None, None

@@ -34,7 +34,8 @@ class Sequence:
     num_computed_tokens counts the tokens whose keys and values are in the KV
     cache; the scheduler's work for a sequence is always the tokens from there
     to the end, so a prefill, a prefill chunk, a decode and a recompute after
-    preemption are the same thing.
+    preemption are the same thing. Only the scheduler changes its progress
+    and status (Scheduler.update_from_output after each step).
     """
 
     request_id: str
@@ -42,8 +43,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_order: int
-    priority: int = 0
-    timings: RequestTimings | None = None
+    priority: int
+    timings: RequestTimings
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
@@ -51,6 +52,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks already in the prefix index
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     generator: torch.Generator | None = None
 
     @property

@@ -60,7 +60,9 @@ class ShardWorker:
             decoder = StepInputDecoder()
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:
-                runner.execute_model(decoder.decode(step))
+                scheduled = decoder.decode(step)
+                runner.execute_model(scheduled)
+                decoder.advance(scheduled)
         except BaseException as e:  # rank 0 gone (the usual end of a replica), or this rank failed
             first_line = (str(e).splitlines() or [""])[0]
             logger.warning("tensor-parallel rank %d stops: %s: %s", self.rank, type(e).__name__, first_line)

@@ -5,6 +5,7 @@ running sequence (tokens, computed count, block table) and are sent, per
 step, only what changed: a sequence seen for the first time (or again after
 preemption) comes whole; after that only its newly sampled tokens and newly
 allocated blocks, as in vLLM v1's NewRequestData / CachedRequestData.
+Each rank advances its mirrors' computed counts itself after the step.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class SeqMirror:
 
 
 class StepInputDecoder:
-    """The other ranks' side: applies each step to the mirrors."""
+    """The other ranks' side: applies each step to the mirrors, the one
+    owner of their state there."""
 
     def __init__(self):
         self.seqs: dict[int, SeqMirror] = {}
@@ -94,3 +96,8 @@ class StepInputDecoder:
         for sid, blocks in step.new_block_ids.items():
             self.seqs[sid].block_table.extend(blocks)
         return [(self.seqs[sid], n) for sid, n in step.scheduled]
+
+    def advance(self, scheduled: list[tuple[SeqMirror, int]]) -> None:
+        """The step decode() returned has run: its new tokens are computed."""
+        for mirror, n in scheduled:
+            mirror.num_computed_tokens += n

@@ -1,5 +1,6 @@
 """Owns the model and its KV cache; turns a scheduled batch into one flat
-forward pass and samples the next tokens.
+forward pass and samples the next tokens. It only computes: the scheduler
+applies what a step did to the sequences.
 
 Under tensor parallelism every rank runs one of these over its own slice
 of the model and cache; only rank 0 gets logits and samples.
@@ -17,8 +18,10 @@ from shoal.workers.model_executor.layers.attention import (
     set_forward_context,
 )
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
-from shoal.workers.model_executor.layers.sampler import SampleResult, Sampler
+from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+from shoal.workers.model_executor.sampling_metadata_builder import build_sampling_metadata
+from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.core.sequence import Sequence
 
@@ -31,7 +34,7 @@ class ModelRunner:
                  attention_backend: str = "auto"):  # fmt: skip
         self.model = model
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.eos_token_ids = eos_token_ids  # banned before min_tokens
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -54,7 +57,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.workspace = workspace
             attn.decode_kernel = self.decode_kernel
-        self.sampler = Sampler(eos_token_ids)
+        self.sampler = Sampler()
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -77,13 +80,15 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
-        """Runs one step. Returns the sequences that reached the end of their
-        tokens (so get a new one) and what was sampled for them, in order."""
-        sample_seqs, logits = self.execute_model(sched.scheduled)
-        if not sample_seqs:
-            return [], None
-        return sample_seqs, self.sampler(logits, sample_seqs)
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step: the sequences due a token and what was sampled for
+        them, in order."""
+        seqs, logits = self.execute_model(sched.scheduled)
+        if not seqs:
+            return ModelRunnerOutput([], [], [])
+        metadata = build_sampling_metadata(seqs, self.eos_token_ids, self.model.config.vocab_size, self.device)
+        out = self.sampler(logits, metadata)
+        return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
 
     @torch.inference_mode()
     def execute_model(self, scheduled: list) -> tuple[list, torch.Tensor | None]:
@@ -112,7 +117,7 @@ class ModelRunner:
                 if start > 0:
                     table = torch.tensor(seq.block_table[: -(-ctx_len // self.block_size)], device=self.device)
                 chunks.append(PrefillChunk(q_start, q_start + n, ctx_len, table))
-            if ctx_len == len(seq.token_ids):
+            if SchedulerOutput.due_token(seq, n):
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
@@ -128,8 +133,6 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=self.device),
                 torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             )
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
         return sample_seqs, logits
 
     def _decode_groups(self, seqs: list[Sequence], max_waste: float) -> list[DecodeGroup]:

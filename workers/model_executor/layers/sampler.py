@@ -1,6 +1,6 @@
 """Turns one step's logits into tokens, each row by its own request's
-SamplingParams: penalties, min_tokens, temperature, top-k/top-p/min-p,
-greedy or seeded sampling, and top-n logprobs."""
+settings in SamplingMetadata: penalties, min_tokens bans, temperature,
+top-k/top-p/min-p, greedy or seeded sampling, and top-n logprobs."""
 
 from __future__ import annotations
 
@@ -8,96 +8,85 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.core.sequence import Sequence
+from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
 
 
 @dataclass(slots=True)
-class SampleResult:
-    token_ids: list[int]
+class SamplerOutput:
+    sampled_token_ids: list[int]
     # per row: None, or (sampled token's logprob, {token_id: logprob} of the top n)
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int]):
-        self.eos_token_ids = list(eos_token_ids)
-
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [len(seqs), vocab] float32, one row per sequence."""
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [rows, vocab] float32, left unchanged."""
         raw = logits  # logprobs come from the unprocessed distribution
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            banned = []
-            if seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            if (penalized or banned) and logits is raw:
-                logits = logits.clone()  # only when some row is changed: a step's logits are megabytes
-            if penalized:
-                self._apply_penalties(logits[i], seq)
-            if banned:
-                logits[i, banned] = float("-inf")
+        if not metadata.no_penalties or metadata.banned_rows is not None:
+            logits = logits.clone()  # only when some row is changed: a step's logits are megabytes
+            self.apply_penalties(logits, metadata)
+            if metadata.banned_rows is not None:
+                logits[metadata.banned_rows, metadata.banned_token_ids] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            probs = self._filtered_probs(logits[rows], [seqs[i].params for i in sampled_rows])
-            for j, i in enumerate(sampled_rows):
+        if not metadata.all_greedy:
+            probs = self._probs(logits[metadata.random_rows], metadata)
+            for j, i in enumerate(metadata.random_rows):
                 # Exponential race: argmax(p / E), E ~ Exp(1) drawn from the
                 # request's own generator, so a seed gives the same tokens
                 # whatever else shares the batch.
-                e = torch.empty_like(probs[j]).exponential_(generator=seqs[i].generator)
+                e = torch.empty_like(probs[j]).exponential_(generator=metadata.generators.get(i))
                 tokens[i] = (probs[j] / e).argmax()
         token_ids = tokens.tolist()
-
-        logprobs: list = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
-            for j, i in enumerate(want):
-                n = seqs[i].params.logprobs
-                top = lp[j].topk(n) if n else None
-                top_dict = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-                logprobs[i] = (lp[j, token_ids[i]].item(), top_dict)
-        return SampleResult(token_ids, logprobs)
+        return SamplerOutput(token_ids, self._logprobs(raw, token_ids, metadata.num_logprobs))
 
     @staticmethod
-    def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            # transformers' / vLLM's rule over prompt and output tokens.
-            seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            # OpenAI's rule, over generated tokens only.
-            out = torch.tensor(seq.output_token_ids, device=row.device)
-            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-            row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+    def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        """In place, on the penalized rows only."""
+        if metadata.repetition_rows is not None:
+            rows, penalty = metadata.repetition_rows, metadata.repetition_penalties.unsqueeze(1)
+            x = logits[rows]
+            # The bits of the Python-float division this replaced: CUDA does
+            # that as a multiply by the reciprocal, the CPU as a division.
+            shrunk = x * penalty.reciprocal() if x.is_cuda else x / penalty
+            logits[rows] = torch.where(metadata.seen_mask, torch.where(x > 0, shrunk, x * penalty), x)
+        if metadata.frequency_rows is not None:
+            counts = metadata.output_token_counts.to(logits.dtype)
+            present = (counts > 0).to(logits.dtype)
+            logits[metadata.frequency_rows] -= (counts * metadata.frequency_penalties.unsqueeze(1)
+                                                + present * metadata.presence_penalties.unsqueeze(1))  # fmt: skip
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-        logits = logits / temps
-        top_ks = [p.top_k for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-            sorted_logits, idx = logits.sort(dim=-1, descending=True)
-            vocab = logits.shape[-1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).unsqueeze(1)
-            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-            drop = ranks >= ks
-            probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always the first).
-            cum_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-            drop |= cum_before >= torch.tensor(top_ps, device=logits.device).unsqueeze(1)
-            drop[:, 0] = False
-            logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    def _probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The random rows' distributions after temperature and the filters."""
+        logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.top_k is not None:
+            logits = _top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)
-        min_ps = [p.min_p for p in params]
-        if any(m > 0 for m in min_ps):
-            m = torch.tensor(min_ps, device=logits.device).unsqueeze(1)
-            probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+        if metadata.min_p is not None:
+            floor = metadata.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
         return probs
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, token_ids: list[int], num_logprobs: dict[int, int]) -> list:
+        out: list = [None] * len(token_ids)
+        if num_logprobs:
+            lp = torch.log_softmax(raw[list(num_logprobs)], dim=-1)
+            for j, (i, n) in enumerate(num_logprobs.items()):
+                top = lp[j].topk(n)
+                out[i] = (lp[j, token_ids[i]].item(), dict(zip(top.indices.tolist(), top.values.tolist())))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest prefix of them whose
+    mass reaches top_p (always the first); the rest become -inf."""
+    by_rank, order = logits.sort(dim=-1, descending=True)
+    drop = torch.arange(logits.shape[-1], device=logits.device) >= top_k.unsqueeze(1)
+    probs = by_rank.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return logits.scatter(1, order, by_rank.masked_fill(drop, float("-inf")))

@@ -1,0 +1,47 @@
+"""One step's sampling inputs as batch tensors, a row per sequence due a
+token, so the sampler needs nothing from the engine's sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Each step is given only the rows it changes; None (or empty) where no
+    row needs it, so a greedy batch without penalties does no extra work."""
+
+    # Rows with temperature > 0; a list, since each draws from its own generator.
+    random_rows: list[int]
+    temperature: torch.Tensor | None  # [len(random_rows)]
+    # [len(random_rows)] each, or None when no random row filters by top-k or top-p
+    top_k: torch.Tensor | None  # the vocabulary size where off
+    top_p: torch.Tensor | None  # 1.0 where off
+    min_p: torch.Tensor | None  # [len(random_rows)], or None when no random row uses it
+    generators: dict[int, torch.Generator]  # row -> its request's generator
+
+    # transformers' / vLLM's repetition penalty, over prompt and output tokens
+    repetition_rows: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None  # [len(repetition_rows)]
+    seen_mask: torch.Tensor | None  # [len(repetition_rows), vocab]: in the prompt or output
+    # OpenAI's presence and frequency penalties, over output tokens (rows with some)
+    frequency_rows: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None  # [len(frequency_rows)]
+    presence_penalties: torch.Tensor | None  # [len(frequency_rows)]
+    output_token_counts: torch.Tensor | None  # [len(frequency_rows), vocab]
+
+    # (row, token id) pairs set to -inf: stop tokens and eos before min_tokens
+    banned_rows: torch.Tensor | None
+    banned_token_ids: torch.Tensor | None
+
+    num_logprobs: dict[int, int]  # row -> how many top logprobs it returns (0: the sampled token's only)
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.random_rows
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_rows is None and self.frequency_rows is None

@@ -46,10 +46,31 @@ def hf_models(tiny_models):
 def test_greedy_matches_transformers(tiny_models, hf_models, variant, setting):
     hf = hf_models[variant]
     llm = LLM(tiny_models[variant], dtype="float32", **SETTINGS[setting])
+    chunks = record_prefill_chunks(llm.engine.scheduler)
     prompts = prompts_for(setting, hf.config.vocab_size)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
     refs = hf_greedy(hf, prompts, MAX_NEW, llm.engine.eos_token_ids)
     notes = [check_tokens(hf, p, o.token_ids, r) for p, o, r in zip(prompts, outs, refs)]
     if setting == "chunked":
-        assert max(len(p) for p in prompts) > SETTINGS["chunked"]["max_num_batched_tokens"]
+        # Prompts were split: some chunk ended before its prompt did, then
+        # the prompt went on from there in a later step.
+        budget = SETTINGS["chunked"]["max_num_batched_tokens"]
+        assert any(end < prompt_len for _, end, prompt_len in chunks)
+        assert any(0 < start < prompt_len for start, _, prompt_len in chunks)
+        assert all(end - start <= budget for start, end, _ in chunks)
     check_setting(llm.engine.stats(), setting, notes)
+
+
+def record_prefill_chunks(scheduler) -> list[tuple[int, int, int]]:
+    """(first, end, prompt length) of every prompt piece each step schedules."""
+    chunks, schedule = [], scheduler.schedule
+
+    def recording():
+        out = schedule()
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                chunks.append((seq.num_computed_tokens, seq.num_computed_tokens + n, seq.num_prompt_tokens))
+        return out
+
+    scheduler.schedule = recording
+    return chunks

@@ -1,0 +1,152 @@
+"""The package's import graph: no cycles, and dependencies point one way.
+
+Every import counts, including those inside functions (a lazy import is
+still a dependency). Top-level folders depend downwards only:
+benchmarks -> cluster -> router -> workers (proto beside workers); the one
+exception is the `shoal` command itself (cluster/cli.py), which hands
+`shoal bench ...` to the benchmarks. Inside workers/, layers and models take
+tensors and know nothing of the engine above them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"workers": "shoal.workers", "router": "shoal.router", "cluster": "shoal.cluster",
+            "benchmarks": "shoal.benchmarks", "proto": "shoal.proto"}  # fmt: skip
+RANK = {"shoal.workers": 0, "shoal.proto": 0, "shoal.router": 1, "shoal.cluster": 2, "shoal.benchmarks": 3}
+ENTRY_POINT = "shoal.cluster.cli"
+# Inside workers/: what each lower room may import from the package.
+ROOMS = {
+    "shoal.workers.model_executor.layers": ("shoal.workers.model_executor.layers",),
+    "shoal.workers.model_executor.models": ("shoal.workers.model_executor.models",
+                                            "shoal.workers.model_executor.layers"),  # fmt: skip
+    "shoal.workers.core": ("shoal.workers.core", "shoal.workers.errors"),
+}
+
+
+def module_files() -> dict[str, str]:
+    """Module name -> file, for every module of the package."""
+    out = {}
+    for folder, pkg in PACKAGES.items():
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
+            parts = [pkg] + ([] if rel == "." else rel.split(os.sep))
+            for f in files:
+                if f.endswith(".py"):
+                    name = ".".join(parts if f == "__init__.py" else parts + [f[:-3]])
+                    out[name] = os.path.join(dirpath, f)
+    return out
+
+
+def imports_of(name: str, path: str, modules: set[str]) -> set[str]:
+    """The package's modules that `name` imports (anywhere in the file)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    is_pkg = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` names a module when sub is one, else the package itself
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # `import shoal.workers.core.sequence.x` -> the module part
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imports_of(name, path, set(files)) for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path [a, b, ..., a], or None (iterative DFS)."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(child) == 1:
+                return path[path.index(child) :] + [child]
+            elif child not in state:
+                state[child] = 1
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+                path.append(child)
+    return None
+
+
+def _top(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            if RANK[_top(dst)] > RANK[_top(src)] and not (src == ENTRY_POINT and _top(dst) == "shoal.benchmarks"):
+                bad.append(f"{src} -> {dst} (upwards)")
+            for room, allowed in ROOMS.items():
+                if src.startswith(room) and dst.startswith("shoal.") and not dst.startswith(allowed):
+                    bad.append(f"{src} -> {dst} (out of {room.rsplit('.', 1)[-1]}/)")
+    return sorted(bad)
+
+
+def test_the_walk_sees_the_package():
+    graph = import_graph()
+    assert "shoal.workers.llm_engine" in graph and "shoal.cluster.cli" in graph
+    assert "shoal.workers.core.scheduler" in graph["shoal.workers.llm_engine"]
+    assert "shoal.benchmarks.offline" in graph[ENTRY_POINT]  # a lazy import inside a function counts
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_dependencies_point_downwards():
+    assert layering_violations(import_graph()) == []
+
+
+@pytest.mark.parametrize("graph, cycle", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b"}, "b": set(), "c": {"c2"}, "c2": {"c"}}, ["c", "c2", "c"]),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
+])  # fmt: skip
+def test_the_cycle_finder_finds_cycles(graph, cycle):
+    assert find_cycle(graph) == cycle
+
+
+def test_the_layering_check_flags_upward_imports():
+    graph = {"shoal.workers.worker": {"shoal.router.frontend"},
+             "shoal.workers.model_executor.layers.sampler": {"shoal.workers.core.sequence"},
+             "shoal.cluster.cli": {"shoal.benchmarks.offline"},
+             "shoal.cluster.app": {"shoal.benchmarks.serve"}}  # fmt: skip
+    assert layering_violations(graph) == [
+        "shoal.cluster.app -> shoal.benchmarks.serve (upwards)",
+        "shoal.workers.model_executor.layers.sampler -> shoal.workers.core.sequence (out of layers/)",
+        "shoal.workers.worker -> shoal.router.frontend (upwards)",
+    ]

@@ -8,6 +8,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from shoal.router.options import RouterOptions
 from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
@@ -115,7 +116,6 @@ class ServeOptions:
                 raise ValueError(f"{self.num_workers} worker(s) x tensor_parallel_size {self.tp_size} need "
                                  f"{need} GPUs; the cluster has {have:g}")  # fmt: skip
 
-    def router_options(self) -> dict:
-        return {"model": self.engine.model, "host": self.host, "http_port": self.http_port,
-                "grpc_port": self.grpc_port, "num_workers": self.num_workers, "api_key": self.resolved_api_key(),
-                "max_request_bytes": self.max_request_bytes, "drain_timeout_s": self.drain_timeout_s}  # fmt: skip
+    def router_options(self) -> RouterOptions:
+        return RouterOptions(self.engine.model, self.host, self.http_port, self.grpc_port, self.num_workers,
+                             self.resolved_api_key(), self.max_request_bytes, self.drain_timeout_s)  # fmt: skip

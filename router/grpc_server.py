@@ -139,7 +139,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """start() binds host:port; set_serving() flips the health status."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int = 4 << 20):
+    def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int):
         self.server = grpc.aio.server(interceptors=[_AuthInterceptor(frontend)], options=[
             ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 0)])  # fmt: skip
         shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend), self.server)

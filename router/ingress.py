@@ -15,6 +15,7 @@ import logging
 from shoal.router.frontend import Frontend, ModelInfo
 from shoal.router.grpc_server import GrpcServer
 from shoal.router.openai_app import OpenAIApp
+from shoal.router.options import RouterOptions
 from shoal.router.worker_pool import ServeWorkerPool
 
 logger = logging.getLogger(__name__)
@@ -36,25 +37,24 @@ async def start_http(app, host: str, port: int):
 
 
 class Router:
-    """One replica; options is the dict ServeOptions.router_options() makes."""
+    """One replica in front of the Worker deployment's handle."""
 
-    async def __init__(self, workers, options: dict):
+    async def __init__(self, workers, options: RouterOptions):
         from shoal.workers.model_executor.model_loader import load_model_files
 
         self.options = options
         pool = ServeWorkerPool(workers)
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
-        tokenizer = load_model_files(options.get("model")).tokenizer
-        self.frontend = Frontend(pool, tokenizer, ModelInfo.from_worker_info(info, options["num_workers"]),
-                                 options.get("api_key"))  # fmt: skip
-        limit = options.get("max_request_bytes", 4 << 20)
-        host = options.get("host", "127.0.0.1")
-        self.grpc = GrpcServer(self.frontend, host, options["grpc_port"], limit)
+        tokenizer = load_model_files(options.model).tokenizer
+        self.frontend = Frontend(pool, tokenizer, ModelInfo.from_worker_info(info, options.num_workers),
+                                 options.api_key)  # fmt: skip
+        limit = options.max_request_bytes
+        self.grpc = GrpcServer(self.frontend, options.host, options.grpc_port, limit)
         await self.grpc.start()
         try:
-            self.http, self._http_task = await start_http(OpenAIApp(self.frontend, limit).app, host,
-                                                          options["http_port"])  # fmt: skip
+            self.http, self._http_task = await start_http(OpenAIApp(self.frontend, limit).app, options.host,
+                                                          options.http_port)  # fmt: skip
         except BaseException:
             await self.grpc.stop()
             raise
@@ -62,8 +62,8 @@ class Router:
 
     def endpoints(self) -> dict:
         o = self.options
-        return {"http": f"http://{o.get('host', '127.0.0.1')}:{o['http_port']}",
-                "grpc": f"{o.get('host', '127.0.0.1')}:{self.grpc.port}", "model": self.frontend.info.model}  # fmt: skip
+        return {"http": f"http://{o.host}:{o.http_port}", "grpc": f"{o.host}:{self.grpc.port}",
+                "model": self.frontend.info.model}
 
     def check_health(self) -> None:
         if self._http_task.done() and not self._stopped:
@@ -74,7 +74,7 @@ class Router:
         timeout_s to finish; then both servers close. Returns how many were cut."""
         if self._stopped:
             return 0
-        timeout_s = self.options.get("drain_timeout_s", 30.0) if timeout_s is None else timeout_s
+        timeout_s = self.options.drain_timeout_s if timeout_s is None else timeout_s
         await self.grpc.set_serving(False)
         left = await self.frontend.drain(timeout_s)
         self._stopped = True

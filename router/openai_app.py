@@ -45,7 +45,7 @@ def _dumps(obj) -> str:
 class OpenAIApp:
     """Holds the Frontend; `app` is the ASGI application to serve."""
 
-    def __init__(self, frontend: Frontend, max_request_bytes: int = 4 << 20):
+    def __init__(self, frontend: Frontend, max_request_bytes: int):
         self.fe = frontend
         self.max_request_bytes = max_request_bytes
         self.app = Starlette(routes=[

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 
+from shoal.cluster.options import ServeOptions
 from shoal.router.frontend import Frontend, ModelInfo
 from shoal.router.grpc_server import GrpcServer
 from shoal.router.openai_app import OpenAIApp
@@ -31,6 +32,7 @@ def make_frontend(model: str, num_workers: int = 1, max_waiting: int = 64, api_k
 
 @asynccontextmanager
 async def http_client(fe: Frontend, **kw):
+    kw.setdefault("max_request_bytes", ServeOptions().max_request_bytes)
     app = OpenAIApp(fe, **kw).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://shoal") as client:
         yield client
@@ -38,7 +40,7 @@ async def http_client(fe: Frontend, **kw):
 
 @asynccontextmanager
 async def grpc_server(fe: Frontend):
-    server = GrpcServer(fe, "127.0.0.1", 0)
+    server = GrpcServer(fe, "127.0.0.1", 0, ServeOptions().max_request_bytes)
     await server.start()
     try:
         yield f"127.0.0.1:{server.port}"

@@ -75,8 +75,8 @@ def test_shoal_serve_refuses_a_size_that_cannot_split_the_model_before_ray_start
 
 def test_api_key_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHOAL_API_KEY", "from-env")
-    assert ServeOptions().router_options()["api_key"] == "from-env"
-    assert ServeOptions(api_key="flag").router_options()["api_key"] == "flag"
+    assert ServeOptions().router_options().api_key == "from-env"
+    assert ServeOptions(api_key="flag").router_options().api_key == "flag"
 
 
 @pytest.mark.slow

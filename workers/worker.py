@@ -37,7 +37,7 @@ class Worker:
     the worker. A request past `max_waiting` waiting ones is refused at once
     (the router answers 429) so that admitted ones keep their pace."""
 
-    def __init__(self, engine_args: EngineArgs, max_waiting: int = 256):
+    def __init__(self, engine_args: EngineArgs, max_waiting: int):
         self.name = _worker_name()
         self.engine = AsyncEngine.from_engine_args(engine_args)
         self.max_waiting = max_waiting

@@ -1,0 +1,19 @@
+"""A router replica's settings, as the cluster's options hand them over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RouterOptions:
+    """What a router replica needs; the cluster's options fill every field."""
+
+    model: str | None  # where the tokenizer comes from (the weights stay unread here)
+    host: str
+    http_port: int
+    grpc_port: int
+    num_workers: int
+    api_key: str | None
+    max_request_bytes: int
+    drain_timeout_s: float

@@ -12,12 +12,14 @@ import os
 import random
 import time
 
+from shoal.workers.engine_args import EngineArgs
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("scheduler", help="ms per step of the scheduler alone")
     p.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=EngineArgs().block_size)
     p.add_argument("--num-blocks", type=int, nargs="+", default=[50_000, 200_000],
                    help="pool sizes; the time per step should not depend on them")  # fmt: skip
     p.add_argument("--output", default="bench_results/scheduler.json")
@@ -34,7 +36,7 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
     from shoal.workers.core.sequence import RequestTimings, Sequence
 
     rng = random.Random(seed)
-    bm = BlockManager(num_blocks, block_size)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)  # unique prompts: no hits, full cost
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=num_running), bm,
                       max_model_len=1 << 20, eos_token_ids=[])  # fmt: skip
     # Prompts are drawn before the clock starts: making them is not the scheduler's work.

@@ -15,7 +15,7 @@ class BlockManager:
     equal hashes mean equal prefixes; a hit also compares the tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
 

@@ -31,7 +31,7 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int],
-                 attention_backend: str = "auto"):  # fmt: skip
+                 attention_backend: str):  # fmt: skip
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # banned before min_tokens

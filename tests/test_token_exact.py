@@ -55,6 +55,7 @@ def test_greedy_matches_transformers(tiny_models, hf_models, variant, setting):
         # Prompts were split: some chunk ended before its prompt did, then
         # the prompt went on from there in a later step.
         budget = SETTINGS["chunked"]["max_num_batched_tokens"]
+        assert max(len(p) for p in prompts) > budget
         assert any(end < prompt_len for _, end, prompt_len in chunks)
         assert any(0 < start < prompt_len for start, _, prompt_len in chunks)
         assert all(end - start <= budget for start, end, _ in chunks)

@@ -51,6 +51,9 @@ def dataclass_from_cli_args(cls: type, ns: argparse.Namespace, **given: Any) -> 
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = cli_field(None, "HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    load_format: str = cli_field("auto", "auto = the checkpoint's weights; dummy = random ones from the config alone "
+                                         "(a folder with only config.json will do), for benchmarks",
+                                 choices=("auto", "dummy"))  # fmt: skip
     dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")

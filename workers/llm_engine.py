@@ -17,7 +17,7 @@ from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.model_executor.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
 from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
@@ -80,7 +80,7 @@ class LLMEngine:
         try:
             if self.shards:
                 self.shards.load(max_len)  # the other ranks load while this one does
-            model = build_model(cfg, loaded.weights, max_len, device, dtype)
+            model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype)
             # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
             per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
             capacities = [ModelRunner.kv_budget_bytes(args, device) // per_block]

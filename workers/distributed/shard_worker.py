@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
-from shoal.workers.model_executor.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
 from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.distributed.step_input import StepInputDecoder
 
@@ -42,7 +42,8 @@ class ShardWorker:
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype(self.device)
         loaded = load_model_files(args.model)
-        self.model = build_model(loaded.config, loaded.weights, max_model_len, self.device, self.dtype)
+        weights = model_weights(loaded, args.load_format, self.device)
+        self.model = build_model(loaded.config, weights, max_model_len, self.device, self.dtype)
         per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
         return ModelRunner.kv_budget_bytes(args, self.device) // per_block
 

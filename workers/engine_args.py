@@ -67,9 +67,9 @@ class EngineArgs:
                                             aliases=("--prefix-caching",))  # fmt: skip
     seed: int = cli_field(0, "seeds the generators of requests that bring no seed")
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
-    attention_backend: str = cli_field("auto", "auto: the compiled CPU decode kernel on CPU/float32 when it "
-                                               "builds, else torch (the reference)",
-                                       choices=("auto", "torch", "cpu_kernel"))  # fmt: skip
+    attention_backend: str = cli_field("auto", "auto: triton on CUDA; on the CPU in float32 the compiled decode "
+                                               "kernel when it builds, else torch (the reference)",
+                                       choices=("auto", "torch", "cpu_kernel", "triton"))  # fmt: skip
     tensor_parallel_size: int = cli_field(1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors",
                                           aliases=("-tp",))  # fmt: skip
 

@@ -15,6 +15,7 @@ from shoal.workers.model_executor.layers.attention import (
     DecodeGroup,
     GatherWorkspace,
     PrefillChunk,
+    TritonAttentionMetadata,
     set_forward_context,
 )
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
@@ -43,10 +44,17 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # On the CPU in float32, decodes read the paged cache through the
         # compiled kernel when it builds; the torch path is the fallback.
-        if attention_backend not in ("auto", "torch", "cpu_kernel"):
-            raise ValueError(f"attention_backend must be auto, torch or cpu_kernel; got {attention_backend!r}")
+        if attention_backend not in ("auto", "torch", "cpu_kernel", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu_kernel or triton; got {attention_backend!r}")
+        self.triton_kernel = None
+        # On CUDA, "auto" is the Triton kernel: torch's masked SDPA there builds
+        # a new cuDNN plan for every new shape.
+        if attention_backend == "triton" or (attention_backend == "auto" and self.device.type == "cuda"):
+            from shoal.workers.model_executor.layers import triton_attention
+
+            self.triton_kernel = triton_attention.load(self.device, block_size)
         self.decode_kernel = None
-        if attention_backend != "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
+        if attention_backend in ("auto", "cpu_kernel") and self.device.type == "cpu" and self.dtype == torch.float32:
             from shoal.workers.model_executor.layers import cpu_decode_kernel
 
             self.decode_kernel = cpu_decode_kernel.load()
@@ -57,6 +65,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.workspace = workspace
             attn.decode_kernel = self.decode_kernel
+            attn.triton_kernel = self.triton_kernel
         self.sampler = Sampler()
 
     @staticmethod
@@ -112,7 +121,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:ctx_len])
             positions.extend(range(start, ctx_len))
             slot_mapping.extend(self._slots(seq, start, ctx_len))
-            if n > 1:
+            if n > 1 and self.triton_kernel is None:
                 table = None
                 if start > 0:
                     table = torch.tensor(seq.block_table[: -(-ctx_len // self.block_size)], device=self.device)
@@ -123,7 +132,9 @@ class ModelRunner:
 
         slots = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=slots, prefills=chunks)
-        if decodes:
+        if self.triton_kernel is not None:
+            meta.triton = self._triton_metadata(decodes + prefills)
+        elif decodes:
             # The kernel reads each context at its own length: no padding, one group.
             meta.decodes = self._decode_groups([s for s, _ in decodes], 1.0 if self.decode_kernel else 0.25)
 
@@ -153,8 +164,7 @@ class ModelRunner:
                 end += 1
             group = seqs[start:end]
             max_blocks = -(-max(s.num_computed_tokens + 1 for s in group) // bs)
-            tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                                   for s in group], dtype=torch.long, device=self.device)  # fmt: skip
+            tables = self._padded_block_tables(group, max_blocks)
             lens = torch.tensor([s.num_computed_tokens + 1 for s in group], dtype=torch.long, device=self.device)
             mask = None
             if self.decode_kernel is None:
@@ -162,3 +172,23 @@ class ModelRunner:
             groups.append(DecodeGroup(start, end, tables, lens, mask))
             start = end
         return groups
+
+    def _padded_block_tables(self, seqs: list[Sequence], max_blocks: int) -> torch.Tensor:
+        """[len(seqs), max_blocks]: each sequence's first blocks, padded with 0."""
+        rows = [s.block_table[:max_blocks] for s in seqs]
+        padded = [r + [0] * (max_blocks - len(r)) for r in rows]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    def _triton_metadata(self, scheduled: list) -> TritonAttentionMetadata:
+        """One row per (sequence, new tokens) pair, in the flat batch's order."""
+        seq_lens = [s.num_computed_tokens + n for s, n in scheduled]
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        query_start_loc = [0]
+        for _, n in scheduled:
+            query_start_loc.append(query_start_loc[-1] + n)
+        return TritonAttentionMetadata(
+            block_tables=self._padded_block_tables([s for s, _ in scheduled], max_blocks),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
+            max_query_len=max(n for _, n in scheduled),
+        )

@@ -41,10 +41,23 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class TritonAttentionMetadata:
+    """The whole step for the Triton kernel: sequence i owns queries
+    query_start_loc[i]:query_start_loc[i + 1] of the flat batch, the last of
+    its seq_lens[i] positions."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], padded
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    max_query_len: int  # sizes the launch grid without reading the device
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new key/value goes
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    triton: TritonAttentionMetadata | None = None  # set instead of decodes/prefills
 
 
 # Per thread: two engines in one process (an AsyncEngine's thread and an
@@ -98,6 +111,7 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
         self.workspace = GatherWorkspace()  # the model runner shares one across layers
         self.decode_kernel = None  # the compiled CPU kernel, when the runner has one
+        self.triton_kernel = None  # triton_attention.paged_attention, when the runner's backend is triton
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
@@ -105,6 +119,11 @@ class PagedAttention(nn.Module):
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
         self.k_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, v)
+        if self.triton_kernel is not None:
+            t = ctx.triton
+            out = self.triton_kernel(q, self.k_cache, self.v_cache, t.block_tables, t.seq_lens, t.query_start_loc,
+                                     t.max_query_len, self.scale)  # fmt: skip
+            return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
         for g in ctx.decodes:
             if self.decode_kernel is not None:

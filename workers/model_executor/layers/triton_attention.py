@@ -33,6 +33,7 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,7 +69,7 @@ def _paged_attention_kernel(
         key_ok = key_pos < num_keys
         k_off = block * stride_kb + offsets[None, :] * stride_ks + kv_head * stride_kh + dims[:, None]
         k = tl.load(k_cache_ptr + k_off, mask=dim_ok[:, None] & key_ok[None, :], other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, k, input_precision="ieee") * scale  # [rows, BLOCK_SIZE]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [rows, BLOCK_SIZE]
         s = tl.where(key_pos[None, :] < visible[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -76,7 +77,7 @@ def _paged_attention_kernel(
         v_off = block * stride_vb + offsets[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
         v = tl.load(v_cache_ptr + v_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_off = (q_start + q_pos).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -139,6 +140,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        DOT_DTYPE=dot_dtype,
+        # float32 exactly (not TF32) where the inputs are float32; Triton's
+        # default for 16-bit inputs, where the precision setting does not apply.
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
     )  # fmt: skip
     return out

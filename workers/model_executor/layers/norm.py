@@ -1,5 +1,11 @@
 """RMSNorm, computed in float32 as transformers does, so float32 runs match
-it bit for bit and half-precision runs match its rounding."""
+it bit for bit and half-precision runs match its rounding. On CUDA (or
+with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel does the residual
+add and the norm."""
+
+from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -11,7 +17,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """norm(x); given a residual, (norm(residual + x), residual + x) as
+        vLLM's, the fused kernel updating residual in place."""
+        if x.is_cuda or os.environ.get("SHOAL_FUSED_OPS") == "1":
+            from shoal.workers.model_executor.layers import fused_ops
+
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

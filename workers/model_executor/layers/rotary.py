@@ -4,6 +4,7 @@ Qwen2 and long-context configs: default, linear, llama3 and yarn."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -80,7 +81,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cached", emb.sin() * attn_scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA (or
+        with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel for both."""
+        if q.is_cuda or os.environ.get("SHOAL_FUSED_OPS") == "1":
+            from shoal.workers.model_executor.layers import fused_ops
+
+            return fused_ops.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
         cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from shoal.workers.model_executor.layers.activation import SiluAndMul
 from shoal.workers.model_executor.layers.attention import PagedAttention
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.workers.model_executor.layers.norm import RMSNorm
@@ -52,12 +52,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         n = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size, [n, n], cfg.mlp_bias)
-        self.intermediate_size = self.gate_up_proj.output_size // 2  # this rank's
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,9 +67,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """vLLM's threading: returns the MLP output and the running sum
+        before it, and each norm adds the pending output into the sum
+        (fused on CUDA); the adds are the same, in the same order."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # checkpoint name piece -> (fused parameter piece, index of the shard)
@@ -102,10 +111,11 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Logits (float32) only at `logits_indices` of the flat batch; on
         ranks other than 0 of a tensor-parallel group, None."""
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.lm_head(self.norm(h[logits_indices]))
+            h, residual = layer(positions, h, residual)
+        out, _ = self.norm(h[logits_indices], residual[logits_indices])
+        return self.lm_head(out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters,

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp
+.PHONY: install serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-serve: $(STAMP)
 # On a GPU machine: K=1 against transformers, then decode step time per K.
 bench-tp: $(STAMP)
 	$(VENV)/bin/shoal bench tp
+
+# On a GPU machine, its one command (sized for 6 minutes on an H200): greedy tokens
+# vs transformers, decode ms/step vs the bandwidth floor, offline vs transformers CB.
+bench-gpu: $(STAMP)
+	$(VENV)/bin/shoal bench gpu
 
 # Regenerate the gRPC stubs from proto/v1/shoal.proto (a test fails when they are stale).
 proto: $(STAMP)

@@ -67,43 +67,74 @@ def check_against_transformers(ns, prompts: list[list[int]]) -> dict:
     if path.endswith(".gguf"):
         path, kw["gguf_file"] = os.path.dirname(path), os.path.basename(path)
     hf = AutoModelForCausalLM.from_pretrained(path, **kw).to(device).eval()
+    refs = hf_greedy(hf, prompts, ns.check_tokens)
     equal, notes = 0, []
-    for p, got in zip(prompts, ours):
-        x = torch.tensor([p], device=device)
-        with torch.no_grad():
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=ns.check_tokens,
-                              min_new_tokens=ns.check_tokens, pad_token_id=0)[0, len(p) :].tolist()  # fmt: skip
-        if ref == got:
+    for p, got, ref in zip(prompts, ours, refs):
+        diff = first_difference(hf, p, got, ref)
+        if diff is None:
             equal += 1
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
-        with torch.no_grad():
-            top2 = hf(torch.tensor([p + ref[:i]], device=device)).logits[0, -1].float().topk(2).values
-        notes.append(f"differs at token {i}; transformers' top-2 gap there {float(top2[0] - top2[1]):.2e}")
+        else:
+            notes.append(f"differs at token {diff[0]}; transformers' top-2 gap there {diff[1]:.2e}")
     del hf
     return {"prompts": len(prompts), "equal": equal, "notes": notes}
 
 
+def hf_greedy(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time (no padding), exactly `tokens` each."""
+    import torch
+
+    device, refs = hf.device, []
+    for p in prompts:
+        x = torch.tensor([p], device=device)
+        with torch.no_grad():
+            refs.append(hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=tokens,
+                                    min_new_tokens=tokens, pad_token_id=0)[0, len(p) :].tolist())  # fmt: skip
+    return refs
+
+
+def first_difference(hf, prompt: list[int], ours: list[int], ref: list[int]) -> tuple[int, float] | None:
+    """None when equal; else the first differing token and transformers'
+    top-2 logit gap there (a near-tie, where summation order decides, when small)."""
+    import torch
+
+    if ours == ref:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    with torch.no_grad():
+        top2 = hf(torch.tensor([prompt + ref[:i]], device=hf.device)).logits[0, -1].float().topk(2).values
+    return i, float(top2[0] - top2[1])
+
+
 def time_decode(ns, k: int, batch: int, vocab: int) -> float:
     """Mean decode step (ms) of `batch` sequences after their prefill."""
-    from shoal.workers import LLM, SamplingParams
+    from shoal.workers import LLM
 
     args = dataclasses.replace(EngineArgs.from_cli_args(ns), tensor_parallel_size=k)
-    rng = random.Random(k * 1000 + batch)
     with LLM(**dataclasses.asdict(args)) as llm:
-        eng = llm.engine
-        sp = SamplingParams(temperature=0, max_tokens=ns.decode_steps + 8, ignore_eos=True)
-        for i in range(batch):
-            eng.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(ns.prompt_len)], sp)
-        while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                                for s in eng.scheduler.running):  # fmt: skip
-            eng.step()  # prefill (and a few first decodes)
-        for _ in range(4):
-            eng.step()  # warm-up
-        steps0, sec0 = eng.num_steps, eng.step_seconds
-        for _ in range(ns.decode_steps):
-            eng.step()
-        return 1000 * (eng.step_seconds - sec0) / (eng.num_steps - steps0)
+        return decode_step_ms(llm.engine, batch, ns.prompt_len, ns.decode_steps, vocab, seed=k * 1000 + batch)
+
+
+def decode_step_ms(eng, batch: int, prompt_len: int, steps: int, vocab: int, seed: int) -> float:
+    """Mean decode step (ms) of `batch` random prompts after their prefill;
+    the requests are run to the end, so the engine is idle again after."""
+    from shoal.workers import SamplingParams
+
+    rng = random.Random(seed)
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"decode-{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], sp)
+    while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                            for s in eng.scheduler.running):  # fmt: skip
+        eng.step()  # prefill (and a few first decodes)
+    for _ in range(4):
+        eng.step()  # warm-up
+    steps0, sec0 = eng.num_steps, eng.step_seconds
+    for _ in range(steps):
+        eng.step()
+    ms = 1000 * (eng.step_seconds - sec0) / (eng.num_steps - steps0)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return ms
 
 
 def run(ns) -> int:

@@ -71,7 +71,7 @@ def test_old_spellings_still_parse():
     assert EngineArgs.from_cli_args(ns).enable_prefix_caching is True
 
 
-@pytest.mark.parametrize("command", [["serve"], ["bench", "offline"], ["bench", "serve"], ["bench", "tp"],
+@pytest.mark.parametrize("command", [["serve"], ["bench", "offline"], ["bench", "serve"], ["bench", "tp"], ["bench", "gpu"],
                                      ["generate", "hi"]])  # fmt: skip
 def test_every_engine_field_is_a_flag_of_each_command_and_a_serve_config_arg(command):
     args = _non_default(EngineArgs)

@@ -1,0 +1,87 @@
+"""`shoal bench gpu` end to end on the CPU, on the tiny shape, and without Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+NO_RAY = "\nassert 'ray' not in sys.modules, 'ray was imported'"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_imports_no_ray():
+    code = "\n".join(["import sys", "from shoal.cluster.cli import build_parser", "try:",
+                      "    build_parser().parse_args(['bench', 'gpu', '--help'])", "except SystemExit:", "    pass"])
+    done = _python(code + NO_RAY)
+    assert done.returncode == 0, done.stderr
+    assert "--shapes" in done.stdout and "--skip" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model, tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench-gpu") / "gpu.json"
+    argv = ["bench", "gpu", "--device", "cpu", "--shapes", "tiny", "--model", tiny_model, "--output", str(out),
+            "--batch-sizes", "1,4", "--decode-steps", "4", "--prompt-len", "64",
+            "--num-prompts", "2", "--input-len", "16", "64", "--output-len", "8", "16",
+            "--check-prompts", "4", "--check-tokens", "8",
+            "--num-threads", "1", "--kv-cache-memory-bytes", str(64 << 20)]  # fmt: skip
+    code = f"import sys\nfrom shoal.cluster.cli import main\nrc = main({argv!r})"
+    done = _python(code + NO_RAY + "\nsys.exit(rc)")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_tokens_are_checked_in_three_regimes(tiny_run):
+    report, _ = tiny_run
+    tokens = report["tokens"]
+    assert list(tokens) == ["plain", "chunked prefill", "preempting"]
+    assert all(r["prompts"] == 4 and r["ok"] for r in tokens.values()), tokens
+    assert tokens["preempting"]["preemptions"] > 0
+    assert report["ok"]
+
+
+def test_decode_and_offline_are_timed_against_their_baselines(tiny_run):
+    report, stdout = tiny_run
+    assert report["copy_bytes_per_s"] > 0
+    tiny = report["shapes"]["tiny"]
+    decode = tiny["decode"]
+    assert decode["weight_bytes"] > 0 and decode["floor_ms"] > 0
+    assert list(decode["batches"]) == ["1", "4"]
+    assert all(b["ms"] > 0 and b["x_floor"] > 0 for b in decode["batches"].values())
+    offline = tiny["offline"]
+    assert offline["requests"] == 2
+    assert offline["shoal"]["output_tok_s"] > 0 and offline["transformers_cb"]["output_tok_s"] > 0
+    assert offline["shoal_vs_cb"] > 0
+    # one table at the end, a row per result, none an error
+    table = stdout[stdout.index("\npart ") :]
+    assert len(report["rows"]) == 3 + 2 + 1 and "error" not in table
+
+
+@pytest.mark.parametrize("flags, why", [(["--skip", "tokens,warmup"], "--skip takes"),
+                                        (["--shapes", "tiny,llama-9b"], "unknown shape")])  # fmt: skip
+def test_bad_parts_and_shapes_are_refused_before_anything_runs(flags, why, capsys):
+    from shoal.cluster.cli import main
+
+    assert main(["bench", "gpu", "--device", "cpu", *flags]) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_a_changed_token_is_found_with_the_reference_gap(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shoal.benchmarks.tp import first_difference, hf_greedy
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 8]
+    (ref,) = hf_greedy(hf, [prompt], 6)
+    assert len(ref) == 6 and first_difference(hf, prompt, ref, ref) is None
+    ours = ref[:3] + [(ref[3] + 1) % 512] + ref[4:]
+    i, gap = first_difference(hf, prompt, ours, ref)
+    assert i == 3 and gap > 0

@@ -36,13 +36,13 @@ def check_regimes(args: EngineArgs, n_prompts: int, tokens: int, tie_tol: float,
     (transformers' top-2 logit gap under tie_tol, where summation order decides)."""
     import torch
 
-    from shoal.benchmarks.offline import _hf_model
+    from shoal.benchmarks.offline import hf_model
     from shoal.benchmarks.tp import first_difference, hf_greedy
     from shoal.workers import LLM, SamplingParams
     from shoal.workers.model_executor.model_loader import resolve_model
 
     device = args.resolved_device()
-    hf = _hf_model(resolve_model(args.model), torch.float32).to(device)
+    hf = hf_model(resolve_model(args.model), torch.float32).to(device)
     prompts = check_prompts(n_prompts, hf.config.vocab_size)
     refs = hf_greedy(hf, prompts, tokens)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)

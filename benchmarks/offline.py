@@ -79,7 +79,8 @@ def run_shoal(args: EngineArgs, work) -> dict:
     return result
 
 
-def _hf_model(path: str, dtype):
+def hf_model(path: str, dtype):
+    """transformers' model of an HF folder or a GGUF file, for comparison."""
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
@@ -164,7 +165,7 @@ def run(ns) -> int:
     peers = [p for p in ns.peers.split(",") if p and p != "none"]
     if peers:
         # The peers compute in the dtype shoal resolved, so the comparison stays like for like.
-        hf = _hf_model(resolve_model(args.model), args.resolved_dtype(args.resolved_device()))
+        hf = hf_model(resolve_model(args.model), args.resolved_dtype(args.resolved_device()))
         if "cb" in peers:
             results["transformers continuous batching"] = run_hf_cb(hf, work)
             print(f"transformers CB: {results['transformers continuous batching']['seconds']:.1f} s", flush=True)

@@ -53,8 +53,8 @@ def _sizes(ns, cfg, device: str) -> list[int]:
 def check_against_transformers(ns, prompts: list[list[int]]) -> dict:
     """K = 1 greedy tokens against transformers, one prompt at a time."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from shoal.benchmarks.offline import hf_model
     from shoal.workers import LLM, SamplingParams
     from shoal.workers.model_executor.model_loader import resolve_model
 
@@ -62,11 +62,7 @@ def check_against_transformers(ns, prompts: list[list[int]]) -> dict:
     with LLM(ns.model, dtype="float32", device=device, num_kv_blocks=1024) as llm:
         sp = SamplingParams(temperature=0, max_tokens=ns.check_tokens, ignore_eos=True)
         ours = [o.token_ids for o in llm.generate(prompts, sp)]
-    path = resolve_model(ns.model)
-    kw = dict(dtype=torch.float32)
-    if path.endswith(".gguf"):
-        path, kw["gguf_file"] = os.path.dirname(path), os.path.basename(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, **kw).to(device).eval()
+    hf = hf_model(resolve_model(ns.model), torch.float32).to(device)
     refs = hf_greedy(hf, prompts, ns.check_tokens)
     equal, notes = 0, []
     for p, got, ref in zip(prompts, ours, refs):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.benchmarks.tp import first_difference
+
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> list[list[int]]:
     """transformers' generate(do_sample=False), one prompt at a time (no
@@ -23,13 +25,10 @@ def check_tokens(model, prompt: list[int], ours: list[int], ref: list[int], tie_
     decides); returns a note saying so, else raises AssertionError."""
     if ours == ref:
         return None
-    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
-    if i == min(len(ours), len(ref)):
-        raise AssertionError(f"lengths differ ({len(ours)} vs {len(ref)}) with equal tokens up to {i}")
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    gap = (top2[0] - top2[1]).item()
+    n = min(len(ours), len(ref))
+    if ours[:n] == ref[:n]:
+        raise AssertionError(f"lengths differ ({len(ours)} vs {len(ref)}) with equal tokens up to {n}")
+    i, gap = first_difference(model, prompt, ours, ref)
     assert gap < tie_tol, f"token {i} differs ({ours[i]} vs {ref[i]}) and the reference's top-2 gap is {gap:.3g}"
     return f"near-tie at token {i}: top-2 gap {gap:.2e}"
 

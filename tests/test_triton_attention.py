@@ -19,7 +19,8 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernel tests need the triton package")
 
 from shoal.workers.model_executor.layers import triton_attention
-from shoal.workers.model_executor.layers.triton_attention import paged_attention, write_to_paged_cache
+from shoal.workers.model_executor.layers.attention import write_to_paged_cache
+from shoal.workers.model_executor.layers.triton_attention import paged_attention
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64

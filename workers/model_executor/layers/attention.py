@@ -96,6 +96,14 @@ class GatherWorkspace:
         return buf[:numel]
 
 
+def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    """key/value [T, kv_heads, dim] go to flat slots `slot_mapping` of the
+    caches [num_blocks, block_size, kv_heads, dim]; every backend reads them there."""
+    k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+
+
 class PagedAttention(nn.Module):
     """Writes the step's keys/values into the cache, then attends.
 
@@ -116,9 +124,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
         ctx = get_forward_context()
-        kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, k)
-        self.v_cache.view(kv_shape).index_copy_(0, ctx.slot_mapping, v)
+        write_to_paged_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if self.triton_kernel is not None:
             t = ctx.triton
             out = self.triton_kernel(q, self.k_cache, self.v_cache, t.block_tables, t.seq_lens, t.query_start_loc,

@@ -85,13 +85,6 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_off, out, mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:  # fmt: skip
-    """key/value [T, kv_heads, dim] go to flat slots `slot_mapping` of the caches."""
-    k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
-
-
 def load(device: torch.device, block_size: int) -> Callable[..., torch.Tensor]:
     """paged_attention for an engine on `device`; raises when it cannot run there."""
     _check_runs_on(device)

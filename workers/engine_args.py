@@ -57,7 +57,11 @@ class EngineArgs:
     dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")
-    kv_cache_memory_bytes: int | None = cli_field(None, "KV budget in bytes (default: 2 GiB on CPU, 90% free on GPU)")
+    kv_cache_memory_bytes: int | None = cli_field(None, "KV budget in bytes (default: 2 GiB on CPU; on GPU what "
+                                                        "--gpu-memory-utilization leaves)")  # fmt: skip
+    gpu_memory_utilization: float = cli_field(0.9, "share of the GPU's total memory this engine may use: weights, "
+                                                   "the activation peak of one profiling forward, and the KV cache "
+                                                   "in what is left")  # fmt: skip
     num_kv_blocks: int | None = cli_field(None, "KV budget in blocks (wins over bytes)")
     max_model_len: int | None = cli_field(None, "prompt + output cap (default: the model's context length)")
     max_num_batched_tokens: int = cli_field(2048, "tokens one step computes (the prefill chunk size)")
@@ -67,9 +71,11 @@ class EngineArgs:
                                             aliases=("--prefix-caching",))  # fmt: skip
     seed: int = cli_field(0, "seeds the generators of requests that bring no seed")
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
-    attention_backend: str = cli_field("auto", "auto: triton on CUDA; on the CPU in float32 the compiled decode "
+    attention_backend: str = cli_field("auto", "auto: triton on CUDA (flash_attn where installed is opt-in); on the CPU in float32 the compiled decode "
                                                "kernel when it builds, else torch (the reference)",
-                                       choices=("auto", "torch", "cpu_kernel", "triton"))  # fmt: skip
+                                       choices=("auto", "torch", "cpu_kernel", "triton", "flash_attn"))  # fmt: skip
+    enforce_eager: bool = cli_field(False, "never replay CUDA graphs: every step runs eagerly (graphs capture "
+                                           "decode-only steps at bucketed batch sizes on CUDA)")  # fmt: skip
     tensor_parallel_size: int = cli_field(1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors",
                                           aliases=("-tp",))  # fmt: skip
 

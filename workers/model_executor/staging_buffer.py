@@ -1,0 +1,89 @@
+"""A step's small inputs, gathered on the host and sent in one copy.
+
+Every step has a dozen little tensors (token ids, positions, slots, block
+tables, sequence lengths, sampling settings). Made one by one with
+torch.tensor(..., device="cuda") each is its own pageable copy and sync;
+here they are packed into one pinned host buffer, copied with one
+non-blocking transfer, and handed out as views of the device buffer.
+
+The pinned buffer is reused from step to step. That is safe because every
+step ends by fetching its sampled tokens, which waits for the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_ALIGN = 16  # bytes: every view starts aligned for any dtype used here
+
+
+class StagingBuffer:
+    """One per model runner. Use: batch = buf.begin(); batch.add(...) for
+    each input; tensors = batch.upload()."""
+
+    def __init__(self, device: torch.device, initial_bytes: int = 1 << 16):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._host = self._new_host(initial_bytes)
+        self._dev = torch.empty(initial_bytes, dtype=torch.uint8, device=device) if self.pinned else None
+        self.num_uploads = 0  # host-to-device copies made: one per step (tests count them)
+
+    def _new_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def begin(self) -> "StagedBatch":
+        return StagedBatch(self)
+
+    def _reserve(self, nbytes: int) -> None:
+        if self._host.numel() < nbytes:
+            size = max(nbytes, 2 * self._host.numel())
+            self._host = self._new_host(size)
+            if self.pinned:
+                self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+
+
+class StagedBatch:
+    """The named arrays of one step, laid out back to back."""
+
+    def __init__(self, buffer: StagingBuffer):
+        self._buffer = buffer
+        self._arrays: dict[str, tuple[np.ndarray, torch.dtype, tuple[int, ...]]] = {}
+
+    def add(self, name: str, values: Sequence | np.ndarray, dtype: torch.dtype, shape: tuple[int, ...] | None = None
+            ) -> None:  # fmt: skip
+        """values: a flat list (or array) of numbers; shape, when given,
+        reshapes the device view (a block table's [rows, width])."""
+        assert name not in self._arrays, f"{name!r} staged twice"
+        arr = np.asarray(values, dtype=torch.empty(0, dtype=dtype).numpy().dtype).reshape(-1)
+        self._arrays[name] = (arr, dtype, shape if shape is not None else (arr.size,))
+
+    def upload(self) -> dict[str, torch.Tensor]:
+        """Device tensors by name, after one host-to-device copy (none on the CPU)."""
+        buf = self._buffer
+        offsets, end = [], 0
+        for arr, _, _ in self._arrays.values():
+            offsets.append(end)
+            end += -(-arr.nbytes // _ALIGN) * _ALIGN
+        if buf.pinned:
+            buf._reserve(end)
+            host = buf._host
+        else:
+            # On the CPU the views are the step's tensors themselves: a fresh
+            # buffer per step, so nothing a step still holds is overwritten.
+            host = torch.empty(max(end, _ALIGN), dtype=torch.uint8)
+        host_np = host.numpy()
+        for (arr, _, _), off in zip(self._arrays.values(), offsets):
+            host_np[off : off + arr.nbytes] = arr.view(np.uint8)
+        if buf.pinned:
+            dev = buf._dev
+            dev[:end].copy_(host[:end], non_blocking=True)
+            buf.num_uploads += 1
+        else:
+            dev = host
+        out = {}
+        for (name, (arr, dtype, shape)), off in zip(self._arrays.items(), offsets):
+            out[name] = dev[off : off + arr.nbytes].view(dtype).view(shape)
+        return out

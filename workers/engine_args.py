@@ -69,10 +69,11 @@ class EngineArgs:
     # The alias also gives --no-prefix-caching, the flag's older spelling.
     enable_prefix_caching: bool = cli_field(True, "share KV blocks of common prompt prefixes",
                                             aliases=("--prefix-caching",))  # fmt: skip
-    seed: int = cli_field(0, "seeds the generators of requests that bring no seed")
+    seed: int = cli_field(0, "draws the sampling seeds of requests that bring none")
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
-    attention_backend: str = cli_field("auto", "auto: triton on CUDA (flash_attn where installed is opt-in); on the CPU in float32 the compiled decode "
-                                               "kernel when it builds, else torch (the reference)",
+    attention_backend: str = cli_field("auto", "auto: triton on CUDA (flash_attn, where installed, on request); "
+                                               "on the CPU in float32 the compiled decode kernel when it builds, "
+                                               "else torch (the reference)",
                                        choices=("auto", "torch", "cpu_kernel", "triton", "flash_attn"))  # fmt: skip
     enforce_eager: bool = cli_field(False, "never replay CUDA graphs: every step runs eagerly (graphs capture "
                                            "decode-only steps at bucketed batch sizes on CUDA)")  # fmt: skip

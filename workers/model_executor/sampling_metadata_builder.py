@@ -10,6 +10,7 @@ import torch
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
+from shoal.workers.model_executor.staging_buffer import StagedBatch
 
 
 def build_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
@@ -73,3 +74,21 @@ def _token_counts(lists: list[list[int]], vocab_size: int, device: torch.device)
     """[len(lists), vocab_size]: how often each list holds each token."""
     flat = torch.cat([torch.tensor(ids, dtype=torch.long) + j * vocab_size for j, ids in enumerate(lists)])
     return torch.bincount(flat.to(device), minlength=len(lists) * vocab_size).view(len(lists), vocab_size)
+
+
+class PendingSamplingMetadata:
+    """A step's sampling inputs, staged with the step's other inputs; the
+    metadata exists once the batch is uploaded."""
+
+    def __init__(self, seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int):
+        self._args = (seqs, eos_token_ids, vocab_size)
+
+    def resolve(self, tensors: dict[str, torch.Tensor], device: torch.device) -> SamplingMetadata:
+        return build_sampling_metadata(*self._args, device)
+
+
+def stage_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
+                            batch: StagedBatch) -> PendingSamplingMetadata:  # fmt: skip
+    """Adds the rows' sampling inputs to `batch` (names prefixed "sampling.");
+    resolve the result with batch.upload()'s tensors."""
+    return PendingSamplingMetadata(seqs, eos_token_ids, vocab_size)

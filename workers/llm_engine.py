@@ -18,6 +18,12 @@ from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
+from shoal.workers.model_executor.memory_profiler import (
+    check_weights_fit,
+    estimate_weight_bytes,
+    plan_kv_cache_blocks,
+    profile_memory,
+)
 from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
@@ -80,20 +86,29 @@ class LLMEngine:
         try:
             if self.shards:
                 self.shards.load(max_len)  # the other ranks load while this one does
+            if device.type == "cuda":
+                # Refuse a model too big for the card before allocating any of it.
+                check_weights_fit(estimate_weight_bytes(cfg, dtype, tp), torch.cuda.mem_get_info(device)[1],
+                                  args.gpu_memory_utilization)  # fmt: skip
             model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype)
+            self.eos_token_ids = list(cfg.eos_token_ids)
+            self.runner = ModelRunner(model, args.block_size, self.eos_token_ids, args.attention_backend, max_len,
+                                      args.max_num_seqs, enforce_eager=args.enforce_eager or tp > 1)  # fmt: skip
             # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
             per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
-            capacities = [ModelRunner.kv_budget_bytes(args, device) // per_block]
+            capacities = [self._kv_capacity(args, device, per_block, max_len)]
             if self.shards:
                 capacities += self.shards.wait_loaded()
             num_blocks = min(capacities) if args.num_kv_blocks is None else args.num_kv_blocks
             if num_blocks < 1:
                 raise ValueError(f"the KV budget holds no block of {per_block} bytes")
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-            self.eos_token_ids = list(cfg.eos_token_ids)
             self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
                                        self.block_manager, max_len, self.eos_token_ids)  # fmt: skip
-            self.runner = ModelRunner(model, num_blocks, args.block_size, self.eos_token_ids, args.attention_backend)
+            self.runner.initialize_kv_cache(num_blocks)
+            self.cuda_graphs = None
+            if device.type == "cuda" and self.runner.varlen and not args.enforce_eager and tp == 1:
+                self.cuda_graphs = self.runner.capture_cudagraphs()
             if self.shards:
                 self.shards.start(num_blocks, self.eos_token_ids)
         except BaseException:
@@ -106,6 +121,25 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
         self.load_time_s = time.perf_counter() - t0
+
+    def _kv_capacity(self, args: EngineArgs, device: torch.device, per_block: int, max_len: int) -> int:
+        """Blocks this rank's budget holds. On one GPU, vLLM's way: the
+        utilization share of the card, less the weights and the activation
+        peak of one profiling forward at the largest step."""
+        if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None or device.type != "cuda" \
+                or self.shards is not None:  # fmt: skip
+            # Ranks cannot profile one at a time: each forward waits on the others.
+            return ModelRunner.kv_budget_bytes(args, device) // per_block
+        runner = self.runner
+        runner.initialize_kv_cache(runner.profile_num_blocks(args.max_num_batched_tokens))
+        try:
+            profile = profile_memory(device, lambda: runner.profile_run(args.max_num_batched_tokens,
+                                                                        args.max_num_seqs))  # fmt: skip
+        finally:
+            runner.release_kv_cache()
+        logger.info("memory: %s", profile.describe())
+        # At least one request of max_model_len must fit.
+        return plan_kv_cache_blocks(profile, args.gpu_memory_utilization, per_block, -(-max_len // args.block_size))
 
     # ---- requests -------------------------------------------------------
 
@@ -148,8 +182,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, next(self._arrivals), priority,
                        RequestTimings(arrival_time or time.time()))  # fmt: skip
         if not params.greedy:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+            seq.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)

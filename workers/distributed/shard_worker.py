@@ -44,13 +44,17 @@ class ShardWorker:
         loaded = load_model_files(args.model)
         weights = model_weights(loaded, args.load_format, self.device)
         self.model = build_model(loaded.config, weights, max_model_len, self.device, self.dtype)
+        self.model_max_len = max_model_len
         per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
         return ModelRunner.kv_budget_bytes(args, self.device) // per_block
 
     def init_cache(self, num_blocks: int, eos_token_ids: list[int]) -> None:
         """Allocate this rank's KV cache (and load its attention kernel)."""
-        self.runner = ModelRunner(self.model, num_blocks, self.args.block_size, eos_token_ids,
-                                  self.args.attention_backend)  # fmt: skip
+        args = self.args
+        # No CUDA graphs under tensor parallelism: rank 0 runs every step eagerly too.
+        self.runner = ModelRunner(self.model, args.block_size, eos_token_ids, args.attention_backend,
+                                  self.model_max_len, args.max_num_seqs, enforce_eager=True)  # fmt: skip
+        self.runner.initialize_kv_cache(num_blocks)
 
     def run(self) -> None:
         """Run every step rank 0 broadcasts until it sends None. A failure

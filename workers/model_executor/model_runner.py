@@ -8,6 +8,10 @@ of the model and cache; only rank 0 gets logits and samples.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from shoal.workers.model_executor.layers.attention import (
@@ -21,52 +25,104 @@ from shoal.workers.model_executor.layers.attention import (
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
 from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
-from shoal.workers.model_executor.sampling_metadata_builder import build_sampling_metadata
+from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
+from shoal.workers.model_executor.sampling_metadata_builder import stage_sampling_metadata
+from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
-from shoal.workers.core.sequence import Sequence
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.sequence import RequestTimings, Sequence
 
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
+_PAD_INPUT = 0  # a padding row's token id and position
+
+
+@dataclass(slots=True)
+class _Row:
+    """One (sequence, new tokens) pair of the flat batch."""
+
+    seq: Sequence
+    num_new: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.seq.num_computed_tokens + self.num_new
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int],
-                 attention_backend: str):  # fmt: skip
+    def __init__(self, model: LlamaForCausalLM, block_size: int, eos_token_ids: list[int], attention_backend: str,
+                 max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False):  # fmt: skip
+        """Call initialize_kv_cache before the first step."""
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # banned before min_tokens
-        cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        kv_heads = model.attention_layers()[0].num_kv_heads  # this rank's
-        shape = (2, cfg.num_hidden_layers, num_blocks, block_size, kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # On the CPU in float32, decodes read the paged cache through the
-        # compiled kernel when it builds; the torch path is the fallback.
-        if attention_backend not in ("auto", "torch", "cpu_kernel", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch, cpu_kernel or triton; got {attention_backend!r}")
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
+        self.kv_cache: torch.Tensor | None = None
+        self.pad_block: int | None = None  # the spare block CUDA-graph padding rows write to
+        self.graphs: DecodeGraphs | None = None
+        self.staging = StagingBuffer(self.device)
+        self.sampler = Sampler()
+        self._choose_attention_backend(attention_backend)
+
+    def _choose_attention_backend(self, backend: str) -> None:
+        if backend not in ("auto", "torch", "cpu_kernel", "triton", "flash_attn"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu_kernel, triton or flash_attn; got {backend!r}")
+        # The varlen kernels (triton, flash_attn) read the whole step from one
+        # set of flat tensors; on CUDA, "auto" is Triton: torch's masked SDPA
+        # there builds a new cuDNN plan for every new shape.
         self.triton_kernel = None
-        # On CUDA, "auto" is the Triton kernel: torch's masked SDPA there builds
-        # a new cuDNN plan for every new shape.
-        if attention_backend == "triton" or (attention_backend == "auto" and self.device.type == "cuda"):
+        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
             from shoal.workers.model_executor.layers import triton_attention
 
-            self.triton_kernel = triton_attention.load(self.device, block_size)
+            self.triton_kernel = triton_attention.load(self.device, self.block_size)
+        elif backend == "flash_attn":
+            from shoal.workers.model_executor.layers import flash_attention
+
+            self.triton_kernel = flash_attention.load(self.device, self.block_size)
+        # On the CPU in float32, decodes read the paged cache through the
+        # compiled kernel when it builds; the torch path is the fallback.
         self.decode_kernel = None
-        if attention_backend in ("auto", "cpu_kernel") and self.device.type == "cpu" and self.dtype == torch.float32:
+        if backend in ("auto", "cpu_kernel") and self.device.type == "cpu" and self.dtype == torch.float32:
             from shoal.workers.model_executor.layers import cpu_decode_kernel
 
             self.decode_kernel = cpu_decode_kernel.load()
-        if attention_backend == "cpu_kernel" and self.decode_kernel is None:
+        if backend == "cpu_kernel" and self.decode_kernel is None:
             raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32 and a C++ compiler")
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the step's attention is one varlen kernel call per layer."""
+        return self.triton_kernel is not None
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the cache (freeing any earlier one) and binds each
+        layer to its slice. A varlen backend gets one spare block past
+        num_blocks for CUDA-graph padding rows."""
+        self.kv_cache = None
+        cfg = self.model.config
+        kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+        self.pad_block = num_blocks if self.varlen else None
+        total = num_blocks + (1 if self.varlen else 0)
+        shape = (2, cfg.num_hidden_layers, total, self.block_size, kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         workspace = GatherWorkspace()
-        for i, attn in enumerate(model.attention_layers()):
+        for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.workspace = workspace
             attn.decode_kernel = self.decode_kernel
             attn.triton_kernel = self.triton_kernel
-        self.sampler = Sampler()
+
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -77,74 +133,200 @@ class ModelRunner:
 
     @staticmethod
     def kv_budget_bytes(args, device: torch.device) -> int:
-        """This rank's KV budget: as asked, else 90% of free GPU memory (after
-        the weights are loaded) or a fixed amount of RAM."""
+        """This rank's KV budget where no profiling forward sizes it: as
+        asked, else what the GPU memory utilization cap leaves beside what
+        is in use now (weights loaded), or a fixed amount of RAM."""
         if args.kv_cache_memory_bytes is not None:
             return args.kv_cache_memory_bytes
         if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0] * 0.9)
+            free, total = torch.cuda.mem_get_info(device)
+            return int(total * args.gpu_memory_utilization) - (total - free)
         return DEFAULT_CPU_KV_BYTES
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+    # ---- memory profiling ----------------------------------------------
+
+    def _profile_lengths(self, num_tokens: int) -> list[int]:
+        cap = self.max_blocks_per_seq * self.block_size
+        return [min(cap, num_tokens - start) for start in range(0, num_tokens, cap)]
+
+    def profile_num_blocks(self, num_tokens: int) -> int:
+        """The KV blocks profile_run writes."""
+        return sum(-(-n // self.block_size) for n in self._profile_lengths(num_tokens))
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """The largest activations a step can need: a prefill of num_tokens
+        (in prompts no longer than max_model_len), then the sampler over
+        num_seqs rows with top-k and top-p (a sort of the whole vocabulary).
+        Needs a KV cache of at least profile_num_blocks(num_tokens) blocks."""
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        scheduled, next_block = [], 0
+        for i, n in enumerate(self._profile_lengths(num_tokens)):
+            seq = Sequence(f"profile-{i}", [0] * n, n, params, i, 0, RequestTimings(0.0))
+            num_blocks = -(-n // self.block_size)
+            seq.block_table = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+            scheduled.append((seq, n))
+        self._run(scheduled, sample=False)
+        seqs = [Sequence(f"profile-s{i}", [0], 1, params, i, 0, RequestTimings(0.0)) for i in range(num_seqs)]
+        logits = torch.zeros(num_seqs, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        batch = self.staging.begin()
+        pending = stage_sampling_metadata(seqs, self.eos_token_ids, self.model.config.vocab_size, batch)
+        self.sampler(logits, pending.resolve(batch.upload(), self.device))
+
+    # ---- CUDA graphs ---------------------------------------------------
+
+    def capture_cudagraphs(self) -> CaptureStats:
+        """Capture decode steps at every bucket size (replayed eagerly off
+        CUDA, where only the padding and the static buffer are exercised)."""
+        assert self.varlen and self.kv_cache is not None, "graphs need a varlen backend and the KV cache"
+        self.graphs = DecodeGraphs(capture_sizes(self.max_num_seqs), self.device)
+        with torch.inference_mode():
+            stats = self.graphs.capture(lambda size: self._stage_varlen([], size, self.staging.begin()),
+                                        self._forward_decode)  # fmt: skip
+        logger.info("%s", stats.describe())
+        return stats
+
+    def _forward_decode(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=t["slot_mapping"], triton=self._varlen_metadata(t, max_query_len=1))
+        with set_forward_context(meta):
+            return self.model(t["input_ids"], t["positions"], t["logits_indices"])
+
+    # ---- one step ------------------------------------------------------
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step: the sequences due a token and what was sampled for
         them, in order."""
-        seqs, logits = self.execute_model(sched.scheduled)
+        seqs, logits, metadata = self._run(sched.scheduled, sample=True)
         if not seqs:
             return ModelRunnerOutput([], [], [])
-        metadata = build_sampling_metadata(seqs, self.eos_token_ids, self.model.config.vocab_size, self.device)
         out = self.sampler(logits, metadata)
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
 
-    @torch.inference_mode()
     def execute_model(self, scheduled: list) -> tuple[list, torch.Tensor | None]:
-        """The forward pass of one step over (sequence, new tokens) pairs;
-        a sequence is anything with token_ids, num_computed_tokens and
-        block_table. Returns the sequences due a token and their logits
-        (None on ranks other than 0)."""
-        # Decodes first, longest context first, so the attention backend can
+        """The forward pass alone (tensor-parallel ranks other than 0): the
+        sequences due a token and their logits (None on those ranks)."""
+        seqs, logits, _ = self._run(scheduled, sample=False)
+        return seqs, logits
+
+    @torch.inference_mode()
+    def _run(self, scheduled: list, sample: bool):
+        """scheduled: (sequence, new tokens) pairs; a sequence is anything
+        with token_ids, num_computed_tokens and block_table (a rank's
+        mirror will do when sample is False)."""
+        # Decodes first, longest context first, so the torch backend can
         # batch them in a few groups of similar length.
-        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda x: -x[0].num_computed_tokens)
-        prefills = [(s, n) for s, n in scheduled if n > 1]
+        decodes = sorted((_Row(s, n) for s, n in scheduled if n == 1), key=lambda r: -r.seq.num_computed_tokens)
+        rows = decodes + [_Row(s, n) for s, n in scheduled if n > 1]
+        due = [r.seq for r in rows if SchedulerOutput.due_token(r.seq, r.num_new)]
+        graph_size = None
+        if self.graphs is not None and len(decodes) == len(rows):
+            graph_size = self.graphs.padded_size(len(rows))
+
+        batch = self.staging.begin()
+        if self.varlen:
+            self._stage_varlen(rows, graph_size, batch)
+        else:
+            self._stage_flat(rows, batch)
+        pending = None
+        if sample and due:
+            pending = stage_sampling_metadata(due, self.eos_token_ids, self.model.config.vocab_size, batch)
+        t = batch.upload()  # the step's one host-to-device copy
+        metadata = pending.resolve(t, self.device) if pending is not None else None
+
+        if graph_size is not None:
+            logits = self.graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
+            return due, logits, metadata
+        if self.varlen:
+            max_query_len = max(r.num_new for r in rows)
+            meta = AttentionMetadata(slot_mapping=t["slot_mapping"],
+                                     triton=self._varlen_metadata(t, max_query_len))  # fmt: skip
+        else:
+            meta = self._torch_metadata(rows, t["slot_mapping"])
+        with set_forward_context(meta):
+            logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
+        return due, logits, metadata
+
+    def _token_lists(self, rows: list[_Row]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """input_ids, positions, slot_mapping and logits_indices of the flat batch."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        slots: list[int] = []
         logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
-        chunks: list[PrefillChunk] = []
-        for seq, n in decodes + prefills:
-            start, ctx_len = seq.num_computed_tokens, seq.num_computed_tokens + n
-            q_start = len(input_ids)
-            input_ids.extend(seq.token_ids[start:ctx_len])
-            positions.extend(range(start, ctx_len))
-            slot_mapping.extend(self._slots(seq, start, ctx_len))
-            if n > 1 and self.triton_kernel is None:
+        bs = self.block_size
+        for r in rows:
+            seq, start, end = r.seq, r.seq.num_computed_tokens, r.seq_len
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            if SchedulerOutput.due_token(seq, r.num_new):
+                logits_indices.append(len(input_ids) - 1)
+        return input_ids, positions, slots, logits_indices
+
+    def _stage_flat(self, rows: list[_Row], batch: StagedBatch) -> None:
+        self._stage_flat_lists(batch, *self._token_lists(rows))
+
+    def _stage_varlen(self, rows: list[_Row], pad_to: int | None, batch: StagedBatch) -> StagedBatch:
+        """The flat inputs plus block tables, sequence lengths and query
+        offsets. pad_to: a CUDA graph's batch size; rows past the real ones
+        are one-token sequences in the spare block, and every block table
+        is as wide as max_model_len needs, so the layout is the graph's."""
+        input_ids, positions, slots, logits_indices = self._token_lists(rows)
+        seq_lens = [r.seq_len for r in rows]
+        query_lens = [r.num_new for r in rows]
+        if pad_to is None:
+            width = -(-max(seq_lens) // self.block_size)
+            num_rows = len(rows)
+        else:
+            width, num_rows = self.max_blocks_per_seq, pad_to
+            pad = pad_to - len(rows)
+            input_ids += [_PAD_INPUT] * pad
+            positions += [_PAD_INPUT] * pad
+            slots += [self.pad_block * self.block_size] * pad
+            logits_indices += range(len(logits_indices), pad_to)
+            seq_lens += [1] * pad
+            query_lens += [1] * pad
+        tables = np.full((num_rows, width), self.pad_block if self.pad_block is not None else 0, dtype=np.int32)
+        for i, r in enumerate(rows):
+            table = r.seq.block_table[:width]
+            tables[i, : len(table)] = table
+        self._stage_flat_lists(batch, input_ids, positions, slots, logits_indices)
+        batch.add("block_tables", tables, torch.int32, tables.shape)
+        batch.add("seq_lens", seq_lens, torch.int32)
+        batch.add("query_start_loc", np.concatenate(([0], np.cumsum(query_lens))), torch.int32)
+        return batch
+
+    @staticmethod
+    def _stage_flat_lists(batch: StagedBatch, input_ids, positions, slots, logits_indices) -> None:
+        batch.add("input_ids", input_ids, torch.long)
+        batch.add("positions", positions, torch.long)
+        batch.add("slot_mapping", slots, torch.long)
+        batch.add("logits_indices", logits_indices, torch.long)
+
+    @staticmethod
+    def _varlen_metadata(t: dict[str, torch.Tensor], max_query_len: int) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(block_tables=t["block_tables"], seq_lens=t["seq_lens"],
+                                       query_start_loc=t["query_start_loc"], max_query_len=max_query_len)  # fmt: skip
+
+    def _torch_metadata(self, rows: list[_Row], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Per-chunk tables and per-group masks for the torch backend and
+        the CPU kernel (the reference path; on the CPU these are no copies)."""
+        chunks = []
+        q_start = 0
+        for r in rows:
+            start, n = r.seq.num_computed_tokens, r.num_new
+            if n > 1:
                 table = None
                 if start > 0:
-                    table = torch.tensor(seq.block_table[: -(-ctx_len // self.block_size)], device=self.device)
-                chunks.append(PrefillChunk(q_start, q_start + n, ctx_len, table))
-            if SchedulerOutput.due_token(seq, n):
-                logits_indices.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-
-        slots = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(slot_mapping=slots, prefills=chunks)
-        if self.triton_kernel is not None:
-            meta.triton = self._triton_metadata(decodes + prefills)
-        elif decodes:
+                    table = torch.tensor(r.seq.block_table[: -(-r.seq_len // self.block_size)], device=self.device)
+                chunks.append(PrefillChunk(q_start, q_start + n, r.seq_len, table))
+            q_start += n
+        decodes = [r.seq for r in rows if r.num_new == 1]
+        meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=chunks)
+        if decodes:
             # The kernel reads each context at its own length: no padding, one group.
-            meta.decodes = self._decode_groups([s for s, _ in decodes], 1.0 if self.decode_kernel else 0.25)
-
-        with set_forward_context(meta):
-            logits = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
-                torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-            )
-        return sample_seqs, logits
+            meta.decodes = self._decode_groups(decodes, 1.0 if self.decode_kernel else 0.25)
+        return meta
 
     def _decode_groups(self, seqs: list[Sequence], max_waste: float) -> list[DecodeGroup]:
         """Split decodes (sorted longest first) into groups, starting a new
@@ -178,17 +360,3 @@ class ModelRunner:
         rows = [s.block_table[:max_blocks] for s in seqs]
         padded = [r + [0] * (max_blocks - len(r)) for r in rows]
         return torch.tensor(padded, dtype=torch.long, device=self.device)
-
-    def _triton_metadata(self, scheduled: list) -> TritonAttentionMetadata:
-        """One row per (sequence, new tokens) pair, in the flat batch's order."""
-        seq_lens = [s.num_computed_tokens + n for s, n in scheduled]
-        max_blocks = -(-max(seq_lens) // self.block_size)
-        query_start_loc = [0]
-        for _, n in scheduled:
-            query_start_loc.append(query_start_loc[-1] + n)
-        return TritonAttentionMetadata(
-            block_tables=self._padded_block_tables([s for s, _ in scheduled], max_blocks),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
-            max_query_len=max(n for _, n in scheduled),
-        )

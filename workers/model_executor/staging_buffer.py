@@ -51,6 +51,7 @@ class StagedBatch:
     def __init__(self, buffer: StagingBuffer):
         self._buffer = buffer
         self._arrays: dict[str, tuple[np.ndarray, torch.dtype, tuple[int, ...]]] = {}
+        self.device_bytes: torch.Tensor | None = None  # set by upload()
 
     def add(self, name: str, values: Sequence | np.ndarray, dtype: torch.dtype, shape: tuple[int, ...] | None = None
             ) -> None:  # fmt: skip
@@ -60,13 +61,32 @@ class StagedBatch:
         arr = np.asarray(values, dtype=torch.empty(0, dtype=dtype).numpy().dtype).reshape(-1)
         self._arrays[name] = (arr, dtype, shape if shape is not None else (arr.size,))
 
-    def upload(self) -> dict[str, torch.Tensor]:
-        """Device tensors by name, after one host-to-device copy (none on the CPU)."""
-        buf = self._buffer
+    @property
+    def nbytes(self) -> int:
+        """The layout's size so far: the arrays added up to now fill [0, nbytes)."""
+        return self._layout()[1]
+
+    def _layout(self) -> tuple[list[int], int]:
         offsets, end = [], 0
         for arr, _, _ in self._arrays.values():
             offsets.append(end)
             end += -(-arr.nbytes // _ALIGN) * _ALIGN
+        return offsets, end
+
+    def views(self, device_bytes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The arrays' places in another uint8 buffer laid out like this batch
+        (a CUDA graph's static inputs)."""
+        offsets, _ = self._layout()
+        out = {}
+        for (name, (arr, dtype, shape)), off in zip(self._arrays.items(), offsets):
+            out[name] = device_bytes[off : off + arr.nbytes].view(dtype).view(shape)
+        return out
+
+    def upload(self) -> dict[str, torch.Tensor]:
+        """Device tensors by name, after one host-to-device copy (none on the
+        CPU). The whole uploaded buffer stays in `device_bytes`."""
+        buf = self._buffer
+        offsets, end = self._layout()
         if buf.pinned:
             buf._reserve(end)
             host = buf._host
@@ -83,7 +103,5 @@ class StagedBatch:
             buf.num_uploads += 1
         else:
             dev = host
-        out = {}
-        for (name, (arr, dtype, shape)), off in zip(self._arrays.items(), offsets):
-            out[name] = dev[off : off + arr.nbytes].view(dtype).view(shape)
-        return out
+        self.device_bytes = dev
+        return self.views(dev)

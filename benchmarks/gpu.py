@@ -126,6 +126,13 @@ def run_decode(args: EngineArgs, ns, batches: list[int], rate: float, name: str,
         eng = llm.engine
         out["weight_bytes"] = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
         out["floor_ms"] = 1000 * out["weight_bytes"] / rate  # every weight read once per step
+        bm, graphs = eng.block_manager, eng.cuda_graphs
+        out["start"] = {"load_s": eng.load_time_s, "kv_blocks": bm.num_total_blocks,
+                        "cuda_graphs": None if graphs is None else dataclasses.asdict(graphs)}  # fmt: skip
+        kv_gb = bm.num_total_blocks * eng.runner.kv_bytes_per_block(eng.model_config, bm.block_size,
+                                                                    eng.runner.dtype) / 1e9  # fmt: skip
+        table.add("start", name, "engine", f"{eng.load_time_s:.1f} s; KV cache {bm.num_total_blocks} blocks "
+                  f"({kv_gb:.1f} GB); " + ("eager" if graphs is None else graphs.describe()))  # fmt: skip
         vocab = eng.model_config.vocab_size
         for b in batches:
             try:

@@ -58,9 +58,10 @@ def test_decode_and_offline_are_timed_against_their_baselines(tiny_run):
     assert offline["requests"] == 2
     assert offline["shoal"]["output_tok_s"] > 0 and offline["transformers_cb"]["output_tok_s"] > 0
     assert offline["shoal_vs_cb"] > 0
+    assert decode["start"]["kv_blocks"] > 0 and decode["start"]["cuda_graphs"] is None  # no CUDA here
     # one table at the end, a row per result, none an error
     table = stdout[stdout.index("\npart ") :]
-    assert len(report["rows"]) == 3 + 2 + 1 and "error" not in table
+    assert len(report["rows"]) == 3 + 1 + 2 + 1 and "error" not in table
 
 
 @pytest.mark.parametrize("flags, why", [(["--skip", "tokens,warmup"], "--skip takes"),

@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.entries: dict[int, _Entry] = {}
         self.static: torch.Tensor | None = None
+        self.num_replays = 0  # decode steps served from the static buffer
 
     def capture(self, make_inputs: Callable[[int], StagedBatch],
                 forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> CaptureStats:  # fmt: skip
@@ -112,6 +113,7 @@ class DecodeGraphs:
                ) -> torch.Tensor:  # fmt: skip
         """Logits of every row of an uploaded batch padded to `size`."""
         e = self.entries[size]
+        self.num_replays += 1
         # One device-to-device copy of the step's model inputs into the graph's.
         self.static[: e.nbytes].copy_(batch.device_bytes[: e.nbytes])
         if e.graph is None:

@@ -1,0 +1,105 @@
+"""CUDA graphs for decode steps: the bucket sizes, the padding, and the
+static input buffer a step is copied into.
+
+Off CUDA the graphs replay eagerly over the same padded static buffer, so
+everything but the capture itself runs here: the engine's greedy tokens
+with decode steps padded to buckets must equal those of plain steps. On a
+GPU, a replayed graph must equal the eager step.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The Triton kernel runs interpreted on the CPU; set before it is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the padded decode path runs the Triton kernel")
+
+from shoal.workers import LLM, SamplingParams
+from shoal.workers.model_executor.cuda_graph import capture_sizes, padded_batch_size
+from shoal.workers.model_executor.staging_buffer import StagingBuffer
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, sizes",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (256, [1, 2, 4, *range(8, 257, 8)]),
+    ],
+)
+def test_capture_sizes(max_num_seqs, sizes):
+    assert capture_sizes(max_num_seqs) == sizes
+
+
+def test_capture_sizes_refuses_an_empty_batch():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_sizes(0)
+
+
+def test_a_batch_pads_to_the_smallest_bucket_that_holds_it():
+    sizes = capture_sizes(256)
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 255, 256)] == [1, 2, 4, 8, 8, 16, 24, 256, 256]
+    assert padded_batch_size(257, sizes) is None  # eager
+
+
+def test_staged_views_keep_their_layout_in_another_buffer():
+    batch = StagingBuffer(torch.device("cpu")).begin()
+    batch.add("ids", [5, 6, 7], torch.long)
+    batch.add("table", [[1, 2], [3, 4]], torch.int32, (2, 2))
+    batch.add("lens", [9, 10], torch.int32)
+    got = batch.upload()
+    other = torch.zeros(batch.nbytes, dtype=torch.uint8)
+    other.copy_(batch.device_bytes[: batch.nbytes])
+    views = batch.views(other)
+    for name in got:
+        assert torch.equal(views[name], got[name]) and views[name].data_ptr() != got[name].data_ptr()
+    assert got["table"].tolist() == [[1, 2], [3, 4]] and got["ids"].dtype == torch.long
+
+
+def _generate(tiny_model: str, padded: bool):
+    llm = LLM(tiny_model, dtype="float32", attention_backend="triton", max_num_batched_tokens=64,
+              num_kv_blocks=48, max_num_seqs=4)  # fmt: skip
+    if padded:
+        stats = llm.engine.runner.capture_cudagraphs()
+        assert stats.num_graphs == 0  # no CUDA: replayed eagerly
+    rng = random.Random(7)
+    # Ragged prompts and outputs: decode batches of 4, 3, 2 and 1 rows, the 3 padded to 4.
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 30, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 2, 4, 5)]
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    return tokens, llm.engine.runner
+
+
+def test_decode_steps_padded_to_buckets_give_the_plain_steps_tokens(tiny_model):
+    plain, runner = _generate(tiny_model, padded=False)
+    assert runner.graphs is None
+    padded, runner = _generate(tiny_model, padded=True)
+    assert runner.graphs.num_replays > 0
+    assert padded == plain
+    # The padding rows wrote only to the spare block past the block manager's.
+    assert runner.pad_block == 48 and runner.kv_cache.shape[2] == 49
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replaying a captured graph needs CUDA")
+def test_a_replayed_graph_equals_the_eager_step(tiny_model):
+    eager, _ = _generate_cuda(tiny_model, enforce_eager=True)
+    graphed, runner = _generate_cuda(tiny_model, enforce_eager=False)
+    assert runner.graphs is not None and runner.graphs.num_replays > 0
+    assert graphed == eager
+
+
+def _generate_cuda(tiny_model: str, enforce_eager: bool):
+    llm = LLM(tiny_model, device="cuda", dtype="float32", max_num_seqs=6, enforce_eager=enforce_eager)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 30, 5, 41, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)], llm.engine.runner

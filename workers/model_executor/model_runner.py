@@ -83,6 +83,8 @@ class ModelRunner:
 
             self.triton_kernel = triton_attention.load(self.device, self.block_size)
         elif backend == "flash_attn":
+            if self.dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(f"attention_backend='flash_attn' needs float16 or bfloat16; got {self.dtype}")
             from shoal.workers.model_executor.layers import flash_attention
 
             self.triton_kernel = flash_attention.load(self.device, self.block_size)

@@ -1,11 +1,15 @@
 """The sampler as it was before it took SamplingMetadata: one row per
-Sequence, read from the Sequence itself. Kept unchanged as the reference
-that test_sampling_metadata.py holds the tensor sampler to, token for token."""
+Sequence, read from the Sequence itself. Kept as the reference that
+test_sampling_metadata.py holds the tensor sampler to, token for token;
+only its random draw changed, to the counter-based one, written here again
+in plain Python integers so the two implementations check each other."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shoal.workers.core.sequence import Sequence
@@ -45,11 +49,8 @@ class ReferenceSampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [seqs[i].params for i in sampled_rows])
             for j, i in enumerate(sampled_rows):
-                # Exponential race: argmax(p / E), E ~ Exp(1) drawn from the
-                # request's own generator, so a seed gives the same tokens
-                # whatever else shares the batch.
-                e = torch.empty_like(probs[j]).exponential_(generator=seqs[i].generator)
-                tokens[i] = (probs[j] / e).argmax()
+                u = reference_uniform(seqs[i].sampling_seed, seqs[i].num_output_tokens)
+                tokens[i] = inverse_cdf_token(probs[j], u)
         token_ids = tokens.tolist()
 
         logprobs: list = [None] * len(seqs)
@@ -101,3 +102,32 @@ class ReferenceSampler:
             m = torch.tensor(min_ps, device=logits.device).unsqueeze(1)
             probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
+
+
+def reference_hash(seed: int, index: int) -> int:
+    """The draw's 32-bit hash of (seed's low word, seed's high word, index),
+    in Python integers: each word is folded in, offset by the golden ratio,
+    then mixed by hash-prospector's low-bias mixer."""
+    mask = (1 << 32) - 1
+    h = 0
+    for word in (seed & mask, (seed >> 32) & mask, index & mask):
+        h = ((h ^ word) + 0x9E3779B9) & mask
+        for shift, mul in ((16, 0x21F0AAAD), (15, 0x735A2D97), (15, None)):
+            h ^= h >> shift
+            if mul is not None:
+                h = (h * mul) & mask
+    return h
+
+
+def reference_uniform(seed: int, index: int) -> float:
+    """In (0, 1): the hash's top 24 bits, centred in their bin."""
+    return ((reference_hash(seed, index) >> 8) + 0.5) / (1 << 24)
+
+
+def inverse_cdf_token(probs: torch.Tensor, u: float) -> int:
+    """One row: the first token whose cumulative mass exceeds u times the
+    total, the target kept strictly below the total."""
+    cdf = probs.cumsum(dim=0).tolist()
+    total = np.float32(cdf[-1])
+    target = min(np.float32(u * float(total)), np.nextafter(total, np.float32(0)))
+    return bisect.bisect_right(cdf, float(target))

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from shoal.workers.core.sampling_params import SamplingParams
 
 
@@ -53,7 +51,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already in the prefix index
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    generator: torch.Generator | None = None
+    sampling_seed: int | None = None  # set for sampled requests: with the output index, fixes each draw
 
     @property
     def num_tokens(self) -> int:

@@ -1,94 +1,169 @@
 """A step's SamplingMetadata, built from the sequences due a token: the
-per-request settings become per-row tensors for the sampler."""
+per-request settings are staged with the step's other inputs (names
+prefixed "sampling."), ride in its one host-to-device copy, and become the
+sampler's per-row tensors on the device."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
+from itertools import chain
 
+import numpy as np
 import torch
 
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
-from shoal.workers.model_executor.staging_buffer import StagedBatch
+from shoal.workers.model_executor.layers.sampling_noise import as_int64_seed
+from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
 
-
-def build_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
-                            device: torch.device) -> SamplingMetadata:  # fmt: skip
-    random_rows: list[int] = []
-    repetition_rows: list[int] = []
-    frequency_rows: list[int] = []
-    banned: list[tuple[int, int]] = []
-    num_logprobs: dict[int, int] = {}
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if not p.greedy:
-            random_rows.append(i)
-        if p.repetition_penalty != 1.0:
-            repetition_rows.append(i)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            frequency_rows.append(i)  # nothing to count before the first output token
-        if seq.num_output_tokens < p.min_tokens:
-            banned += [(i, t) for t in p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)]
-        if p.logprobs is not None:
-            num_logprobs[i] = p.logprobs
-
-    def per_row(rows: list[int], value: Callable[[SamplingParams], float | int]) -> torch.Tensor | None:
-        return as_tensor([value(seqs[i].params) for i in rows])
-
-    def as_tensor(values: list) -> torch.Tensor | None:
-        return torch.tensor(values, device=device) if values else None
-
-    def counts(lists: list[list[int]]) -> torch.Tensor | None:
-        return _token_counts(lists, vocab_size, device) if lists else None
-
-    def if_any(uses: Callable[[SamplingParams], bool]) -> list[int]:
-        # A filter that one random row uses runs on them all, the others
-        # with their "off" value (top_p 1.0 can still cut the tail where
-        # rounding takes the mass to 1: kept, for the same tokens).
-        return random_rows if any(uses(seqs[i].params) for i in random_rows) else []
-
-    filtered = if_any(lambda p: p.top_k > 0 or p.top_p < 1.0)
-    seen = counts([seqs[i].token_ids for i in repetition_rows])
-    return SamplingMetadata(
-        random_rows=random_rows,
-        temperature=per_row(random_rows, lambda p: p.temperature),
-        top_k=per_row(filtered, lambda p: p.top_k if p.top_k > 0 else vocab_size),
-        top_p=per_row(filtered, lambda p: p.top_p),
-        min_p=per_row(if_any(lambda p: p.min_p > 0), lambda p: p.min_p),
-        generators={i: seqs[i].generator for i in random_rows if seqs[i].generator is not None},
-        repetition_rows=as_tensor(repetition_rows),
-        repetition_penalties=per_row(repetition_rows, lambda p: p.repetition_penalty),
-        seen_mask=None if seen is None else seen > 0,
-        frequency_rows=as_tensor(frequency_rows),
-        frequency_penalties=per_row(frequency_rows, lambda p: p.frequency_penalty),
-        presence_penalties=per_row(frequency_rows, lambda p: p.presence_penalty),
-        output_token_counts=counts([seqs[i].output_token_ids for i in frequency_rows]),
-        banned_rows=as_tensor([i for i, _ in banned]),
-        banned_token_ids=as_tensor([t for _, t in banned]),
-        num_logprobs=num_logprobs,
-    )
-
-
-def _token_counts(lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[len(lists), vocab_size]: how often each list holds each token."""
-    flat = torch.cat([torch.tensor(ids, dtype=torch.long) + j * vocab_size for j, ids in enumerate(lists)])
-    return torch.bincount(flat.to(device), minlength=len(lists) * vocab_size).view(len(lists), vocab_size)
+_PREFIX = "sampling."
 
 
 class PendingSamplingMetadata:
     """A step's sampling inputs, staged with the step's other inputs; the
-    metadata exists once the batch is uploaded."""
+    metadata exists once the batch is uploaded. Holds what the host must
+    know: row counts, and the logprob counts it trims the results by."""
 
-    def __init__(self, seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int):
-        self._args = (seqs, eos_token_ids, vocab_size)
+    def __init__(self, vocab_size: int, num_random: int, num_tokens: dict[str, int], num_logprobs: dict[int, int]):
+        self.vocab_size, self.num_random, self.num_logprobs = vocab_size, num_random, num_logprobs
+        self._num_tokens = num_tokens  # "seen" / "output" -> how many token ids were staged
 
     def resolve(self, tensors: dict[str, torch.Tensor], device: torch.device) -> SamplingMetadata:
-        return build_sampling_metadata(*self._args, device)
+        def get(name: str) -> torch.Tensor | None:
+            return tensors.get(_PREFIX + name)
+
+        return SamplingMetadata(
+            random_rows=get("random_rows"),
+            num_random=self.num_random,
+            temperature=get("temperature"),
+            top_k=get("top_k"),
+            top_p=get("top_p"),
+            min_p=get("min_p"),
+            seeds=get("seeds"),
+            output_index=get("output_index"),
+            repetition_rows=get("repetition_rows"),
+            repetition_penalties=get("repetition_penalties"),
+            seen_mask=self._token_counts("seen", get, torch.bool),
+            frequency_rows=get("frequency_rows"),
+            frequency_penalties=get("frequency_penalties"),
+            presence_penalties=get("presence_penalties"),
+            output_token_counts=self._token_counts("output", get, torch.int64),
+            banned_rows=get("banned_rows"),
+            banned_token_ids=get("banned_token_ids"),
+            logprob_rows=get("logprob_rows"),
+            num_logprobs=self.num_logprobs,
+        )
+
+    def _token_counts(self, kind: str, get: Callable, dtype: torch.dtype) -> torch.Tensor | None:
+        """[rows, vocab]: per row, how often (bool: whether) its staged list
+        holds each token. index_add_ rather than bincount: CUDA's bincount
+        reads the max back to the host."""
+        lengths = get(kind + "_lengths")
+        if lengths is None:
+            return None
+        ids, rows, vocab = get(kind + "_token_ids"), lengths.shape[0], self.vocab_size
+        offsets = torch.arange(rows, device=ids.device) * vocab
+        flat = ids + torch.repeat_interleave(offsets, lengths, output_size=self._num_tokens[kind])
+        out = torch.zeros(rows * vocab, dtype=dtype, device=ids.device)
+        if dtype == torch.bool:
+            return out.index_fill_(0, flat, True).view(rows, vocab)
+        return out.index_add_(0, flat, torch.ones_like(flat)).view(rows, vocab)
+
+
+class _RowKinds:
+    """Which rows need what, from one pass over the sequences."""
+
+    def __init__(self, seqs: list[Sequence], eos_token_ids: list[int]):
+        self.random_rows: list[int] = []
+        self.repetition_rows: list[int] = []
+        self.frequency_rows: list[int] = []
+        self.banned: list[tuple[int, int]] = []
+        self.num_logprobs: dict[int, int] = {}
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if not p.greedy:
+                self.random_rows.append(i)
+            if p.repetition_penalty != 1.0:
+                self.repetition_rows.append(i)
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                self.frequency_rows.append(i)  # nothing to count before the first output token
+            if seq.num_output_tokens < p.min_tokens:
+                self.banned += [(i, t) for t in p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)]
+            if p.logprobs is not None:
+                self.num_logprobs[i] = p.logprobs
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax alone: nothing to stage."""
+        return not (self.random_rows or self.repetition_rows or self.frequency_rows or self.banned
+                    or self.num_logprobs)  # fmt: skip
 
 
 def stage_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
                             batch: StagedBatch) -> PendingSamplingMetadata:  # fmt: skip
     """Adds the rows' sampling inputs to `batch` (names prefixed "sampling.");
-    resolve the result with batch.upload()'s tensors."""
-    return PendingSamplingMetadata(seqs, eos_token_ids, vocab_size)
+    resolve the result with batch.upload()'s tensors. Only what some row
+    uses is staged: a plain greedy batch stages nothing."""
+    return _stage(_RowKinds(seqs, eos_token_ids), seqs, vocab_size, batch)
+
+
+def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: StagedBatch) -> PendingSamplingMetadata:
+    num_tokens: dict[str, int] = {}  # "seen" / "output" -> how many token ids were staged
+    f32, i64 = torch.float32, torch.int64
+
+    def add(name: str, values, dtype: torch.dtype) -> None:
+        batch.add(_PREFIX + name, values, dtype)
+
+    def add_tokens(kind: str, lists: list[list[int]]) -> None:
+        num_tokens[kind] = n = sum(map(len, lists))
+        add(kind + "_lengths", [len(ids) for ids in lists], i64)
+        add(kind + "_token_ids", np.fromiter(chain.from_iterable(lists), np.int64, n), i64)
+
+    if rows := kinds.random_rows:
+        params = [seqs[i].params for i in rows]
+        add("random_rows", rows, i64)
+        add("temperature", [p.temperature for p in params], f32)
+        # A filter that one random row uses runs on them all, the others
+        # with their "off" value (top_p 1.0 can still cut the tail where
+        # rounding takes the mass to 1: kept, for the same tokens).
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            add("top_k", [p.top_k if p.top_k > 0 else vocab_size for p in params], i64)
+            add("top_p", [p.top_p for p in params], f32)
+        if any(p.min_p > 0 for p in params):
+            add("min_p", [p.min_p for p in params], f32)
+        add("seeds", [as_int64_seed(_seed_of(seqs[i])) for i in rows], i64)
+        add("output_index", [seqs[i].num_output_tokens for i in rows], i64)
+    if rows := kinds.repetition_rows:
+        add("repetition_rows", rows, i64)
+        add("repetition_penalties", [seqs[i].params.repetition_penalty for i in rows], f32)
+        add_tokens("seen", [seqs[i].token_ids for i in rows])
+    if rows := kinds.frequency_rows:
+        add("frequency_rows", rows, i64)
+        add("frequency_penalties", [seqs[i].params.frequency_penalty for i in rows], f32)
+        add("presence_penalties", [seqs[i].params.presence_penalty for i in rows], f32)
+        add_tokens("output", [seqs[i].output_token_ids for i in rows])
+    if kinds.banned:
+        add("banned_rows", [i for i, _ in kinds.banned], i64)
+        add("banned_token_ids", [t for _, t in kinds.banned], i64)
+    if kinds.num_logprobs:
+        add("logprob_rows", list(kinds.num_logprobs), i64)
+    return PendingSamplingMetadata(vocab_size, len(kinds.random_rows), num_tokens, kinds.num_logprobs)
+
+
+def _seed_of(seq: Sequence) -> int:
+    # The engine gives every sampled request a seed; a sequence made
+    # elsewhere without one samples unseeded, a fresh seed each step.
+    return seq.sampling_seed if seq.sampling_seed is not None else random.getrandbits(63)
+
+
+def build_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
+                            device: torch.device) -> SamplingMetadata:  # fmt: skip
+    """Stage, upload and resolve in one go, in a batch of its own (none
+    for a plain greedy batch: nothing to copy)."""
+    kinds = _RowKinds(seqs, eos_token_ids)
+    if kinds.plain_greedy:
+        return PendingSamplingMetadata(vocab_size, 0, {}, {}).resolve({}, device)
+    batch = StagingBuffer(device, initial_bytes=0).begin()
+    pending = _stage(kinds, seqs, vocab_size, batch)
+    return pending.resolve(batch.upload(), device)

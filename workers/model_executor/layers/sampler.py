@@ -1,6 +1,7 @@
 """Turns one step's logits into tokens, each row by its own request's
 settings in SamplingMetadata: penalties, min_tokens bans, temperature,
-top-k/top-p/min-p, greedy or seeded sampling, and top-n logprobs."""
+top-k/top-p/min-p, greedy or seeded sampling, and top-n logprobs. All on
+whole-batch tensors, ending in one fetch of the step's results."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
+from shoal.workers.model_executor.layers.sampling_noise import uniforms
 
 
 @dataclass(slots=True)
@@ -31,15 +33,12 @@ class Sampler:
 
         tokens = logits.argmax(dim=-1)
         if not metadata.all_greedy:
-            probs = self._probs(logits[metadata.random_rows], metadata)
-            for j, i in enumerate(metadata.random_rows):
-                # Exponential race: argmax(p / E), E ~ Exp(1) drawn from the
-                # request's own generator, so a seed gives the same tokens
-                # whatever else shares the batch.
-                e = torch.empty_like(probs[j]).exponential_(generator=metadata.generators.get(i))
-                tokens[i] = (probs[j] / e).argmax()
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, token_ids, metadata.num_logprobs))
+            rows = metadata.random_rows
+            u = uniforms(metadata.seeds, metadata.output_index)
+            tokens[rows] = sample_inverse_cdf(self._probs(logits[rows], metadata), u)
+        if not metadata.num_logprobs:
+            return SamplerOutput(tokens.tolist(), [None] * tokens.shape[0])
+        return self._with_logprobs(raw, tokens, metadata)
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -70,14 +69,41 @@ class Sampler:
         return probs
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, token_ids: list[int], num_logprobs: dict[int, int]) -> list:
-        out: list = [None] * len(token_ids)
-        if num_logprobs:
-            lp = torch.log_softmax(raw[list(num_logprobs)], dim=-1)
-            for j, (i, n) in enumerate(num_logprobs.items()):
-                top = lp[j].topk(n)
-                out[i] = (lp[j, token_ids[i]].item(), dict(zip(top.indices.tolist(), top.values.tolist())))
-        return out
+    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """The tokens and the wanted rows' logprobs, in one fetch: token ids
+        ride as float64 (exact below 2**53), float32 logprobs too."""
+        rows, k = metadata.logprob_rows, metadata.max_num_logprobs
+        lp = torch.log_softmax(raw[rows], dim=-1)  # from the unprocessed distribution
+        parts = [tokens.double(), lp.gather(1, tokens[rows].unsqueeze(1)).double().flatten()]
+        if k:
+            top = lp.topk(k)  # the largest n asked for; each row keeps its first n below
+            parts += [top.indices.double().flatten(), top.values.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        num_rows, m = tokens.shape[0], len(metadata.num_logprobs)
+        head = num_rows + m
+        token_ids = [int(t) for t in flat[:num_rows]]
+        sampled, top_ids, top_values = flat[num_rows:head], flat[head : head + m * k], flat[head + m * k :]
+        out: list = [None] * num_rows
+        for j, (i, n) in enumerate(metadata.num_logprobs.items()):
+            ids = top_ids[j * k : j * k + n]
+            out[i] = (sampled[j], dict(zip(map(int, ids), top_values[j * k : j * k + n])))
+        return SamplerOutput(token_ids, out)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[rows] token ids: per row, the first token whose cumulative mass
+    exceeds u * total. Never a zero-probability token: its cdf equals the
+    one before it, so the search stops earlier."""
+    cdf = probs.cumsum(dim=-1)
+    if cdf.is_cuda:
+        # A parallel scan may add in another order from token to token: make
+        # zero-mass tokens repeat their predecessor and the cdf monotone, as
+        # the CPU's sequential sum is by construction.
+        cdf = torch.where(probs > 0, cdf, 0.0).cummax(dim=-1).values
+    total = cdf[:, -1:]
+    v = (u.unsqueeze(1) * total.double()).to(cdf.dtype)  # the product is exact in float64: one rounding
+    v = torch.minimum(v, torch.nextafter(total, torch.zeros_like(total)))  # below the total, whatever u rounds to
+    return torch.searchsorted(cdf, v, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # NaN rows stay in range
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,17 @@ class SamplingMetadata:
     """Each step is given only the rows it changes; None (or empty) where no
     row needs it, so a greedy batch without penalties does no extra work."""
 
-    # Rows with temperature > 0; a list, since each draws from its own generator.
-    random_rows: list[int]
-    temperature: torch.Tensor | None  # [len(random_rows)]
-    # [len(random_rows)] each, or None when no random row filters by top-k or top-p
+    # Rows with temperature > 0, on the device; their count on the host.
+    random_rows: torch.Tensor | None
+    num_random: int
+    temperature: torch.Tensor | None  # [num_random]
+    # [num_random] each, or None when no random row filters by top-k or top-p
     top_k: torch.Tensor | None  # the vocabulary size where off
     top_p: torch.Tensor | None  # 1.0 where off
-    min_p: torch.Tensor | None  # [len(random_rows)], or None when no random row uses it
-    generators: dict[int, torch.Generator]  # row -> its request's generator
+    min_p: torch.Tensor | None  # [num_random], or None when no random row uses it
+    # [num_random] int64 each: a row's token draws its uniform from (seed, output index) alone
+    seeds: torch.Tensor | None  # the request's seed mod 2**64, as signed
+    output_index: torch.Tensor | None  # the index among the request's output tokens of the one sampled now
 
     # transformers' / vLLM's repetition penalty, over prompt and output tokens
     repetition_rows: torch.Tensor | None
@@ -36,11 +39,16 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None
     banned_token_ids: torch.Tensor | None
 
+    logprob_rows: torch.Tensor | None  # the rows of num_logprobs, in its order, on the device
     num_logprobs: dict[int, int]  # row -> how many top logprobs it returns (0: the sampled token's only)
 
     @property
     def all_greedy(self) -> bool:
-        return not self.random_rows
+        return self.num_random == 0
+
+    @property
+    def max_num_logprobs(self) -> int:
+        return max(self.num_logprobs.values(), default=0)
 
     @property
     def no_penalties(self) -> bool:

@@ -24,6 +24,9 @@ class GenerateRequest:
     params: SamplingParams
     priority: int = 0
     client_request_id: str | None = None  # the client's own id: logged and echoed, never a key
+    # The prompt's prefix-cache chain (block_hash.chain_hashes), computed once
+    # by the router, which scores replicas by it.
+    block_hashes: list[int] | None = None
 
     @property
     def log_name(self) -> str:
@@ -57,6 +60,9 @@ class GenerateDelta:
     text: str
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
     finished: RequestFinished | None = None  # set on the last delta only
+    # The worker's load after the step that made this delta: the router's
+    # freshest view of it (the same object rides on every delta of a step).
+    load: "WorkerLoad | None" = None
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ blocks); its progress is the scheduler's."""
 
 from __future__ import annotations
 
+from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sequence import Sequence
 
@@ -33,11 +34,8 @@ class BlockManager:
     def _block_hash(self, seq: Sequence, i: int) -> int:
         """Hash of seq's i-th full block, computed once per sequence."""
         hashes = seq.block_hashes
-        bs = self.block_size
-        while len(hashes) <= i:
-            j = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(seq.token_ids[j * bs : (j + 1) * bs]))))
+        if len(hashes) <= i:
+            chain_hashes(seq.token_ids[: (i + 1) * self.block_size], self.block_size, hashes)
         return hashes[i]
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:

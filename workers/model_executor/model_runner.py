@@ -221,7 +221,9 @@ class ModelRunner:
         rows = decodes + [_Row(s, n) for s, n in scheduled if n > 1]
         due = [r.seq for r in rows if SchedulerOutput.due_token(r.seq, r.num_new)]
         graph_size = None
-        if self.graphs is not None and len(decodes) == len(rows):
+        # A graph holds a step of one-token rows that are all due a token (a
+        # one-token prefill chunk mid-prompt is not, and runs eagerly).
+        if self.graphs is not None and len(decodes) == len(rows) == len(due):
             graph_size = self.graphs.padded_size(len(rows))
 
         batch = self.staging.begin()

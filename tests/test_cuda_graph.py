@@ -65,8 +65,8 @@ def test_staged_views_keep_their_layout_in_another_buffer():
     assert got["table"].tolist() == [[1, 2], [3, 4]] and got["ids"].dtype == torch.long
 
 
-def _generate(tiny_model: str, padded: bool):
-    llm = LLM(tiny_model, dtype="float32", attention_backend="triton", max_num_batched_tokens=64,
+def _generate(tiny_model: str, padded: bool, budget: int = 64):
+    llm = LLM(tiny_model, dtype="float32", attention_backend="triton", max_num_batched_tokens=budget,
               num_kv_blocks=48, max_num_seqs=4)  # fmt: skip
     if padded:
         stats = llm.engine.runner.capture_cudagraphs()
@@ -79,10 +79,13 @@ def _generate(tiny_model: str, padded: bool):
     return tokens, llm.engine.runner
 
 
-def test_decode_steps_padded_to_buckets_give_the_plain_steps_tokens(tiny_model):
-    plain, runner = _generate(tiny_model, padded=False)
+# A budget of 5 tokens makes steps of decodes beside a one-token chunk of a
+# prompt: one-token rows that are not due a token, which must run eagerly.
+@pytest.mark.parametrize("budget", [64, 5])
+def test_decode_steps_padded_to_buckets_give_the_plain_steps_tokens(tiny_model, budget):
+    plain, runner = _generate(tiny_model, padded=False, budget=budget)
     assert runner.graphs is None
-    padded, runner = _generate(tiny_model, padded=True)
+    padded, runner = _generate(tiny_model, padded=True, budget=budget)
     assert runner.graphs.num_replays > 0
     assert padded == plain
     # The padding rows wrote only to the spare block past the block manager's.

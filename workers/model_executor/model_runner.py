@@ -221,9 +221,9 @@ class ModelRunner:
         rows = decodes + [_Row(s, n) for s, n in scheduled if n > 1]
         due = [r.seq for r in rows if SchedulerOutput.due_token(r.seq, r.num_new)]
         graph_size = None
-        # A graph holds a step of one-token rows that are all due a token (a
-        # one-token prefill chunk mid-prompt is not, and runs eagerly).
-        if self.graphs is not None and len(decodes) == len(rows) == len(due):
+        # Any step of one-token rows fits a graph: a one-token prompt chunk not
+        # due a token only leaves its logits row unread (logits_indices pads on).
+        if self.graphs is not None and len(decodes) == len(rows):
             graph_size = self.graphs.padded_size(len(rows))
 
         batch = self.staging.begin()

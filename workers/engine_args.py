@@ -52,8 +52,14 @@ def dataclass_from_cli_args(cls: type, ns: argparse.Namespace, **given: Any) -> 
 class EngineArgs:
     model: str | None = cli_field(None, "HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     load_format: str = cli_field("auto", "auto = the checkpoint's weights; dummy = random ones from the config alone "
-                                         "(a folder with only config.json will do), for benchmarks",
-                                 choices=("auto", "dummy"))  # fmt: skip
+                                         "(a folder with only config.json will do), for benchmarks; simulated = "
+                                         "no weights: the real scheduler and KV block accounting over a stand-in "
+                                         "model whose steps take --simulated-cost-model's time, for studying the "
+                                         "router with more replicas than the machine can serve",
+                                 choices=("auto", "dummy", "simulated"))  # fmt: skip
+    simulated_cost_model: str | None = cli_field(None, "load_format simulated: the step cost model, a JSON file "
+                                                       "written by `shoal bench calibrate` (default: coefficients "
+                                                       "measured on the development machine's CPU)")  # fmt: skip
     dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")

@@ -12,6 +12,7 @@ from ray.serve import Application
 
 from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
+from shoal.router.request_router import request_router_config
 from shoal.workers.distributed.shard_group import tp_bundles
 from shoal.workers.worker import Worker
 
@@ -36,6 +37,8 @@ def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 60.0,
         "graceful_shutdown_timeout_s": opts.drain_timeout_s + 5.0,
+        # --routing: how every handle to the workers picks a replica.
+        "request_router_config": request_router_config(opts.routing),
     }
     if opts.tp_size > 1:
         # One STRICT_PACK group per replica: the replica (rank 0) in bundle 0,
@@ -57,4 +60,5 @@ def build_app(args: dict | ServeOptions | None = None) -> Application:
         max_ongoing_requests=1000,
         graceful_shutdown_timeout_s=opts.drain_timeout_s + 10.0,
     )
-    return router.bind(worker.bind(opts.worker_engine_args(gpu), opts.max_waiting), opts.router_options())
+    workers = worker.bind(opts.worker_engine_args(gpu), opts.max_waiting, stall_timeout_s=opts.stall_timeout_s)
+    return router.bind(workers, opts.router_options())

@@ -12,6 +12,8 @@ from shoal.router.options import RouterOptions
 from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
+# --routing: the Worker deployment's request router (router/request_router.py).
+ROUTING_POLICIES = ("kv", "least-requests", "pow2", "round-robin")
 
 
 @dataclass(slots=True)
@@ -25,6 +27,14 @@ class ServeOptions:
     max_request_bytes: int = cli_field(4 << 20, "request body limit")
     drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
     cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
+    max_retries: int = cli_field(3, "times one request is sent on to another worker after its worker is lost; "
+                                    "past it the client gets 503 / UNAVAILABLE")  # fmt: skip
+    stall_timeout_s: float = cli_field(60.0, "a worker whose engine makes no progress this many seconds while it has "
+                                             "work fails its health check and its requests move on; 0 = never",
+                                       aliases=("--stall-timeout",))  # fmt: skip
+    routing: str = cli_field("kv", "how the router picks a worker: kv = free KV blocks, prefix-cache affinity and "
+                                   "queue depth; least-requests; pow2 = Serve's power of two choices; round-robin",
+                             choices=ROUTING_POLICIES)  # fmt: skip
     # model, device, num_threads (default: cores / (workers x ranks)), ...
     engine: EngineArgs = field(default_factory=EngineArgs)
 
@@ -68,9 +78,15 @@ class ServeOptions:
             raise ValueError("num_workers must be >= 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        if self.stall_timeout_s < 0:
+            raise ValueError("stall_timeout_s must be >= 0 (0: never)")
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
 
     @property
     def tp_size(self) -> int:
@@ -118,4 +134,5 @@ class ServeOptions:
 
     def router_options(self) -> RouterOptions:
         return RouterOptions(self.engine.model, self.host, self.http_port, self.grpc_port, self.num_workers,
-                             self.resolved_api_key(), self.max_request_bytes, self.drain_timeout_s)  # fmt: skip
+                             self.resolved_api_key(), self.max_request_bytes, self.drain_timeout_s,
+                             self.max_retries)  # fmt: skip

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from shoal.router.prompt import Prompt, tokenize
+from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 from shoal.workers.core.sampling_params import SamplingParams
@@ -127,7 +128,9 @@ class Frontend:
         if self.draining:
             raise ServingError("unavailable", "the server is shutting down")
         arrival = time.time()
-        request = GenerateRequest(request_id, prompt_ids, params, priority, client_request_id)
+        # The prompt's prefix-cache chain, hashed once here: the request router ranks replicas by it.
+        request = GenerateRequest(request_id, prompt_ids, params, priority, client_request_id,
+                                  chain_hashes(prompt_ids, self.info.block_size))  # fmt: skip
         self.num_in_flight += 1
         self._idle.clear()
         first_token = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from shoal.router.failover import FailoverPool
 from shoal.router.frontend import Frontend, ModelInfo
 from shoal.router.grpc_server import GrpcServer
 from shoal.router.openai_app import OpenAIApp
@@ -43,7 +44,8 @@ class Router:
         from shoal.workers.model_executor.model_loader import load_model_files
 
         self.options = options
-        pool = ServeWorkerPool(workers)
+        # A stream whose worker is lost goes on on another one.
+        pool = FailoverPool(ServeWorkerPool(workers), options.max_retries)
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.model).tokenizer

@@ -17,3 +17,4 @@ class RouterOptions:
     api_key: str | None
     max_request_bytes: int
     drain_timeout_s: float
+    max_retries: int = 3  # re-sends of one request after its worker is lost (router/failover.py)

@@ -4,29 +4,47 @@ Worker objects in this process (tests, benchmarks of the router itself)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from shoal.router import replica_stats, routing
+from shoal.router.replica_stats import ReplicaStats
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 
+def _take_in(stats: ReplicaStats, request_id: str, msg, first: bool) -> None:
+    """What a worker's message tells the router: the worker has the request
+    (its first message), and the worker's load as of its latest step."""
+    if first:
+        stats.ack(request_id)
+    load = getattr(msg, "load", None)  # a WorkerError has none
+    if load is not None:
+        stats.observe_worker_load(load)
+
+
 class ServeWorkerPool:
-    """The worker deployment behind a Serve DeploymentHandle. Serve's default
-    request router sends each request to the replica with fewer requests in
-    flight (power of two choices); routing on free KV blocks comes later."""
+    """The worker deployment behind a Serve DeploymentHandle. The deployment's
+    request router (router/request_router.py, --routing) picks the replica;
+    the load riding on each delta feeds its figures (replica_stats.REGISTRY),
+    the freshest it has under load."""
 
     def __init__(self, handle):
         self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
+        stats = replica_stats.REGISTRY
         gen = self._stream.remote(request)
-        done = False
+        done, first = False, True
         try:
             async for msg in gen:
+                _take_in(stats, request.request_id, msg, first)
+                first = False
                 yield msg
             done = True
         finally:
+            stats.done(request.request_id)  # the router reserved it when it chose the replica
             if not done:  # the client went away: abort in the engine, free its blocks
                 gen.cancel()
 
@@ -40,22 +58,47 @@ class ServeWorkerPool:
 
 
 class LocalWorkerPool:
-    """Workers in this process; each request goes to the one with the fewest
-    requests in flight."""
+    """Workers in this process, chosen as the cluster's request router would
+    (routing.py's policies, `kv` by default) over figures of their own: the
+    loads on their deltas, and their routing stats read every POLL_S."""
 
-    def __init__(self, workers: list):
+    POLL_S = 0.2
+
+    def __init__(self, workers: list, policy: str = "kv"):
         self.workers = workers
-        self._outstanding = [0] * len(workers)
+        self.policy = policy
+        self.replica_stats = ReplicaStats()  # this pool's own, not the process's
+        self._polled = -self.POLL_S
+        self._turn = 0
+
+    def _names(self) -> list[str]:
+        # A test's stand-in for a worker may have no name (nor routing stats).
+        return [getattr(w, "name", f"worker-{i}") for i, w in enumerate(self.workers)]
+
+    def _poll(self, names: list[str]) -> None:
+        now = time.monotonic()
+        if now - self._polled >= self.POLL_S:
+            self._polled = now
+            for name, w in zip(names, self.workers):
+                if hasattr(w, "record_routing_stats"):
+                    self.replica_stats.observe_poll(name, w.record_routing_stats())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
-        i = min(range(len(self.workers)), key=self._outstanding.__getitem__)
-        self._outstanding[i] += 1
+        stats, names = self.replica_stats, self._names()
+        self._poll(names)
+        order, blocks = routing.choose(self.policy, request, [stats.get(n) for n in names], self._turn)
+        self._turn += 1
+        worker = self.workers[order[0]]
+        stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or ())
+        first = True
         try:
-            async with aclosing(self.workers[i].generate(request)) as stream:
+            async with aclosing(worker.generate(request)) as stream:
                 async for msg in stream:
+                    _take_in(stats, request.request_id, msg, first)
+                    first = False
                     yield msg
         finally:
-            self._outstanding[i] -= 1
+            stats.done(request.request_id)
 
     async def info(self) -> WorkerInfo:
         return self.workers[0].info()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import httpx
 
@@ -28,6 +28,27 @@ def make_frontend(model: str, num_workers: int = 1, max_waiting: int = 64, api_k
     workers = [Worker(EngineArgs(model=model, **engine), max_waiting=max_waiting) for _ in range(num_workers)]
     info = ModelInfo.from_worker_info(workers[0].info(), num_workers)
     return Frontend(LocalWorkerPool(workers), workers[0].engine.engine.tokenizer, info, api_key)
+
+
+@contextmanager
+def local_cluster_app(name: str, num_gpus: int = 0, **opts):
+    """A local Ray cluster (4 logical CPUs, num_gpus logical GPUs) serving
+    the application that ServeOptions `opts` build, on free ports; yields
+    (HTTP base URL, gRPC address) and shuts Serve and Ray down after."""
+    import ray
+    from ray import serve
+
+    from shoal.cluster.app import build_app
+
+    ray.init(num_cpus=4, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING")
+    http, grpc_port = free_port(), free_port()
+    try:
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(dict(opts, http_port=http, grpc_port=grpc_port)), name=name, route_prefix=None)
+        yield f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 @asynccontextmanager

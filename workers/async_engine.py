@@ -7,9 +7,11 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.errors import EngineDeadError, InvalidRequestError
 from shoal.workers.llm_engine import EngineStats, LLMEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.sampling_params import SamplingParams
@@ -26,10 +28,17 @@ class AsyncEngine:
     and aborts are queued and applied by that thread between steps, so the
     engine is only ever touched by one thread; each step's outputs reach the
     loop in one call_soon_threadsafe.
+
+    Health: a loop that makes no progress for stall_timeout_s while it has
+    work (a hung step, a dead tensor-parallel rank inside a collective) is
+    stalled. A watchdog on the event loop notices within a fraction of the
+    timeout; the engine is then dead (EngineDeadError), its requests end
+    with that error at once, and check_health() raises from then on.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, stall_timeout_s: float | None = None):
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s or None  # None or 0: not watched
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list = []  # ("add", args) / ("abort", request_id), applied between steps
         self._lock = threading.Lock()
@@ -39,10 +48,16 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._error: BaseException | None = None
+        # When the loop last made progress (ran a step, or had nothing to
+        # do); written by the engine-core thread, read by the watchdog.
+        self._progress_at = time.monotonic()
+        self._watchdog: asyncio.Task | None = None
+        self._unstall = threading.Event()  # ends a stall() early (shutdown)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs | None = None, **kwargs) -> "AsyncEngine":
-        return cls(LLMEngine(args or EngineArgs(**kwargs)))
+    def from_engine_args(cls, args: EngineArgs | None = None, stall_timeout_s: float | None = None,
+                         **kwargs) -> "AsyncEngine":  # fmt: skip
+        return cls(LLMEngine(args or EngineArgs(**kwargs)), stall_timeout_s)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -60,27 +75,90 @@ class AsyncEngine:
     def _ensure_loop(self) -> None:
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
+            self._progress_at = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="shoal-engine-core")
             self._thread.start()
+            if self.stall_timeout_s and self._watchdog is None:
+                self._watchdog = self._loop.create_task(self._watch())
 
-    async def generate(self, request_id: str | None, prompt: str | list[int],
-                       params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:  # fmt: skip
-        """Stream one request's deltas; the last has finish_reason set.
-        Bad input raises InvalidRequestError before anything is queued."""
+    # ---- health ---------------------------------------------------------------
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds since the loop last made progress while it had work (0 when
+        it is idle or not started)."""
+        if self._thread is None or not (self._pending or self.engine.has_unfinished_requests()):
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the loop failed, stalled past
+        stall_timeout_s, or lost a tensor-parallel rank. The first time, every
+        request in flight ends with that error (their router fails them over)."""
+        if self._error is None:
+            try:
+                if self.stall_timeout_s and self.stalled_s > self.stall_timeout_s:
+                    raise EngineDeadError(f"the engine loop made no progress for {self.stalled_s:.1f} s "
+                                          f"(stall timeout {self.stall_timeout_s:g} s) while it had work")  # fmt: skip
+                self.engine.check_health()
+            except Exception as e:
+                self._fail(e)
         if self._error is not None:
-            raise RuntimeError("the engine loop has failed") from self._error
+            raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
+
+    async def _watch(self) -> None:
+        """Check the loop's progress a few times per stall timeout, so a
+        stall ends its requests soon after the timeout, whenever Serve's next
+        health check comes."""
+        interval = min(1.0, self.stall_timeout_s / 4)
+        while self._error is None and not self._stop:
+            await asyncio.sleep(interval)
+            try:
+                self.check_health()
+            except EngineDeadError:
+                return
+
+    def _fail(self, error: BaseException) -> None:
+        """On the event loop: the engine is dead. Its requests end with an
+        EngineDeadError; its thread stops after the step it is in, if that
+        ever ends; no request is taken any more."""
+        if self._error is None:
+            self._error = error
+            logger.error("engine dead: %s", error)
+        self._stop = True
+        self._wake.set()
+        err = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine dead: {error}")
+        for q in self._queues.values():
+            q.put_nowait(err)
+
+    def stall(self, seconds: float) -> None:
+        """For tests: block the engine-core thread for `seconds` (ended early
+        by shutdown), as a hung step or a dead rank would. The loop really
+        stops stepping; only its health checks can tell."""
+        self._submit(("stall", seconds))
+
+    # ---- requests -------------------------------------------------------------
+
+    async def generate(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                       priority: int = 0, num_resumed_tokens: int = 0,
+                       num_resumed_chars: int = 0) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Stream one request's deltas; the last has finish_reason set.
+        Bad input raises InvalidRequestError before anything is queued; a
+        dead engine raises EngineDeadError (before or amid the deltas).
+        num_resumed_*: a failover's reply so far (LLMEngine.add_request)."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
         request_id = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
         if request_id in self._queues or request_id in self.engine.requests:
-            from shoal.workers.errors import InvalidRequestError
-
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.engine.tokenize(prompt)
-        self.engine.validate(prompt_ids, params)
+        self.engine.validate(prompt_ids, params, num_resumed_tokens)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._ensure_loop()
-        self._submit(("add", (request_id, prompt_ids, params, priority)))
+        self._submit(("add", (request_id, prompt_ids, params, priority, None, num_resumed_tokens,
+                              num_resumed_chars)))  # fmt: skip
         finished = False
         try:
             while True:
@@ -107,6 +185,8 @@ class AsyncEngine:
 
     def _submit(self, op: tuple) -> None:
         with self._lock:
+            if op[0] == "add" and not (self._pending or self.engine.has_unfinished_requests()):
+                self._progress_at = time.monotonic()  # work arrives: the stall clock starts now
             self._pending.append(op)
         self._wake.set()
 
@@ -117,7 +197,9 @@ class AsyncEngine:
             pending, self._pending = self._pending, []
         delivered = []
         for kind, arg in pending:
-            if kind == "add":
+            if kind == "stall":
+                self._unstall.wait(arg)
+            elif kind == "add":
                 try:
                     self.engine.add_request(*arg)
                 except Exception as e:  # validated already; never let one request stop the loop
@@ -139,7 +221,14 @@ class AsyncEngine:
             while not self._stop and main.is_alive():
                 delivered = self._apply_pending()
                 if self.engine.has_unfinished_requests():
+                    steps = self.engine.num_steps
                     delivered += [(out.request_id, out) for out in self.engine.step()]
+                    if delivered or self.engine.num_steps != steps:
+                        self._progress_at = time.monotonic()
+                else:
+                    self._progress_at = time.monotonic()  # nothing to do is no stall
+                if self._error is not None:  # declared dead while in a step: its outputs go nowhere
+                    return
                 if delivered:
                     if self._loop.is_closed():  # the owner's loop ended without shutdown()
                         return
@@ -152,9 +241,8 @@ class AsyncEngine:
         except Exception as e:
             logger.exception("engine loop failed")
             self._error = e
-            err = RuntimeError(f"engine loop failed: {e}")
             if not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._deliver, [(rid, err) for rid in list(self._queues)])
+                self._loop.call_soon_threadsafe(self._fail, EngineDeadError(f"engine loop failed: {e}"))
         except BaseException:  # interpreter shutdown
             pass
 
@@ -170,11 +258,15 @@ class AsyncEngine:
         if thread is not None:
             self._stop = True
             self._wake.set()
+            self._unstall.set()
             thread.join(timeout)
             self._thread = None
 
     async def shutdown(self) -> None:
         """Stop the engine-core thread (after the step in progress), then the
         engine's other tensor-parallel ranks, if any."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         await asyncio.to_thread(self._stop_thread)
         self.engine.shutdown()

@@ -8,3 +8,10 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: its loop failed, made no progress for the
+    stall timeout while it had work, or lost a tensor-parallel rank. Its
+    requests end with it; the worker reports them unavailable, and the
+    router sends them to another worker (router/failover.py)."""

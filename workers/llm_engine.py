@@ -25,6 +25,7 @@ from shoal.workers.model_executor.memory_profiler import (
     profile_memory,
 )
 from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
@@ -58,7 +59,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
         t0 = time.perf_counter()
-        device = args.resolved_device()
+        simulated = args.load_format == "simulated"
+        if simulated and args.tensor_parallel_size > 1:
+            raise ValueError("load_format 'simulated' runs one rank: tensor_parallel_size must be 1")
+        # A simulated engine holds no tensors; its KV budget is the CPU's unless sized as asked.
+        device = torch.device("cpu") if simulated else args.resolved_device()
         if device.type == "cpu" and args.tensor_parallel_size > 1 and not args.num_threads:
             # The ranks share this machine's cores.
             args = dataclasses.replace(args, num_threads=max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
@@ -90,10 +95,15 @@ class LLMEngine:
                 # Refuse a model too big for the card before allocating any of it.
                 check_weights_fit(estimate_weight_bytes(cfg, dtype, tp), torch.cuda.mem_get_info(device)[1],
                                   args.gpu_memory_utilization)  # fmt: skip
-            model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype)
             self.eos_token_ids = list(cfg.eos_token_ids)
-            self.runner = ModelRunner(model, args.block_size, self.eos_token_ids, args.attention_backend, max_len,
-                                      args.max_num_seqs, enforce_eager=args.enforce_eager or tp > 1)  # fmt: skip
+            if simulated:  # no weights are read: a stand-in model with the cost model's step time
+                self.runner = SimulatedRunner(cfg.vocab_size, self.eos_token_ids,
+                                              load_cost_model(args.simulated_cost_model))  # fmt: skip
+            else:
+                model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype)
+                self.runner = ModelRunner(model, args.block_size, self.eos_token_ids, args.attention_backend,
+                                          max_len, args.max_num_seqs,
+                                          enforce_eager=args.enforce_eager or tp > 1)  # fmt: skip
             # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
             per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
             capacities = [self._kv_capacity(args, device, per_block, max_len)]
@@ -150,15 +160,23 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse, with the field named, what could never be served."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, num_resumed_tokens: int = 0) -> None:
+        """Refuse, with the field named, what could never be served.
+        num_resumed_tokens: the ids' last ones are output already made (a
+        failover); the rest is the prompt."""
         params.validate()
-        n = len(prompt_ids)
-        if n == 0:
+        if len(prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty", field="prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
             raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", field="prompt")
+        if not isinstance(num_resumed_tokens, int) or not 0 <= num_resumed_tokens < len(prompt_ids):
+            raise InvalidRequestError(f"num_resumed_tokens must be in [0, {len(prompt_ids)}), got "
+                                      f"{num_resumed_tokens!r}", field="num_resumed_tokens")  # fmt: skip
+        if num_resumed_tokens >= params.max_tokens:
+            raise InvalidRequestError(f"{num_resumed_tokens} tokens were made already; max_tokens is "
+                                      f"{params.max_tokens}", field="max_tokens")  # fmt: skip
+        n = len(prompt_ids) - num_resumed_tokens
         if n + params.max_tokens > self.max_model_len:
             field = "prompt" if n >= self.max_model_len else "max_tokens"
             raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -171,21 +189,32 @@ class LLMEngine:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", field="stop")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:  # fmt: skip
+                    priority: int = 0, arrival_time: float | None = None, num_resumed_tokens: int = 0,
+                    num_resumed_chars: int = 0) -> None:  # fmt: skip
         """Queue a request; raises InvalidRequestError (a ValueError) at once
-        for bad input, leaving everything else untouched."""
+        for bad input, leaving everything else untouched.
+
+        A failover resumes a reply made elsewhere: the prompt's last
+        num_resumed_tokens ids are that reply so far, of whose text
+        num_resumed_chars characters were sent. They count as output (the
+        token budget, min_tokens, penalties, each draw's output index, the
+        stop strings' text), so the reply goes on as if never moved."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.tokenize(prompt)
-        self.validate(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, next(self._arrivals), priority,
+        self.validate(prompt_ids, params, num_resumed_tokens)
+        num_prompt = len(prompt_ids) - num_resumed_tokens
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids[:num_prompt], params.stop,
+                                           params.skip_special_tokens)  # fmt: skip
+            if num_resumed_tokens:
+                detok.resume(prompt_ids[num_prompt:], num_resumed_chars)
+        seq = Sequence(request_id, list(prompt_ids), num_prompt, params, next(self._arrivals), priority,
                        RequestTimings(arrival_time or time.time()))  # fmt: skip
         if not params.greedy:
             seq.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
         self.requests[request_id] = _Request(seq, detok)
         self.scheduler.add(seq)
 

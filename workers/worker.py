@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import InvalidRequestError
+from shoal.workers.errors import EngineDeadError, InvalidRequestError
 from shoal.workers.messages import (GenerateDelta, GenerateRequest, RequestFinished, WorkerError, WorkerInfo,
                                     WorkerLoad)  # fmt: skip
 from shoal.workers.core.outputs import RequestOutput
@@ -35,11 +36,13 @@ def _worker_name() -> str:
 class Worker:
     """generate() streams deltas of one request; stats() and info() describe
     the worker. A request past `max_waiting` waiting ones is refused at once
-    (the router answers 429) so that admitted ones keep their pace."""
+    (the router answers 429) so that admitted ones keep their pace. An
+    engine loop that makes no progress for `stall_timeout_s` while it has
+    work (0: never) makes the worker dead: see check_health."""
 
-    def __init__(self, engine_args: EngineArgs, max_waiting: int):
+    def __init__(self, engine_args: EngineArgs, max_waiting: int, stall_timeout_s: float = 0.0):
         self.name = _worker_name()
-        self.engine = AsyncEngine.from_engine_args(engine_args)
+        self.engine = AsyncEngine.from_engine_args(engine_args, stall_timeout_s)
         self.max_waiting = max_waiting
         eng = self.engine.engine
         logger.info("worker %s loaded %s in %.1f s", self.name, eng.model_name, eng.load_time_s)
@@ -55,25 +58,27 @@ class Worker:
         return load
 
     def check_health(self) -> None:
-        """Ray Serve's health check: a failed engine loop, or a dead
-        tensor-parallel rank, fails the replica (Serve then replaces it and
-        its placement group, all ranks together)."""
-        if self.engine.failed is not None:
-            raise RuntimeError(f"engine loop failed: {self.engine.failed!r}")
-        self.engine.engine.check_health()
+        """Ray Serve's health check: a failed or stalled engine loop, or a
+        dead tensor-parallel rank, fails the replica (Serve then replaces it
+        and its placement group, all ranks together). Its requests end at
+        once as 'unavailable', and the router fails them over."""
+        self.engine.check_health()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
-        """Yields the request's deltas, or one WorkerError if it is refused.
-        Logs one line per request (ids and counts, never its text)."""
+        """Yields the request's deltas, or one WorkerError if it is refused
+        or, amid the deltas, if the engine died ('unavailable': the router
+        sends the request on to another worker). Logs one line per request
+        (ids and counts, never its text)."""
         name = request.log_name
-        if self.engine.num_waiting >= self.max_waiting:
+        if self.engine.failed is None and self.engine.num_waiting >= self.max_waiting:
             logger.info("%s refused: %d requests waiting", name, self.max_waiting)
             yield WorkerError("full", f"worker {self.name} has {self.max_waiting} requests waiting; try again later")
             return
         logged, num_output_tokens = False, 0
         try:
             stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                          request.priority)  # fmt: skip
+                                          request.priority, request.num_resumed_tokens,
+                                          request.num_resumed_chars)  # fmt: skip
             async for out in stream:
                 delta = self._delta(out)
                 num_output_tokens = out.num_output_tokens
@@ -86,6 +91,10 @@ class Worker:
             logger.info("%s refused: %s", name, e)
             logged = True
             yield WorkerError("invalid", str(e), e.field)
+        except EngineDeadError as e:
+            logger.warning("%s ended by a dead engine after %d output tokens: %s", name, num_output_tokens, e)
+            logged = True
+            yield WorkerError("unavailable", f"worker {self.name}: {e}")
         finally:
             if not logged:  # the client went away, or the engine failed
                 logger.info("%s stopped after %d output tokens", name, num_output_tokens)
@@ -97,4 +106,46 @@ class Worker:
             finished = RequestFinished(out.finish_reason, out.stop_reason, self.name, out.num_prompt_tokens,
                                        out.num_cached_tokens, out.num_output_tokens,
                                        (t.first_scheduled - t.arrival) if t and t.first_scheduled else 0.0)  # fmt: skip
-        return GenerateDelta(out.new_token_ids, out.new_text, out.logprobs, finished)
+        # The load rides on a request's first delta (which ends the router's
+        # optimistic count of it) and last, and on every delta of a step due to carry it.
+        first = len(out.new_token_ids) == out.num_output_tokens
+        load = self._step_load(force=first or out.finished)
+        return GenerateDelta(out.new_token_ids, out.new_text, out.logprobs, finished, load)
+
+    # ---- figures for the request router (router/replica_stats.py) -----------
+
+    # Up to this many cached chain hashes go into each routing-stats report.
+    ROUTING_HASHES = 1024
+    # The load rides on the deltas of a step at most this often (each router
+    # with a stream here so sees it at least as often, a step later): it
+    # doubles a delta's pickled size, and a router needs it ~100 ms fresh.
+    LOAD_EVERY_S = 0.04
+    _load_step, _load, _load_rides, _load_sent_at = -1, None, False, 0.0
+    _routing_key, _routing_stats = None, None
+
+    def _step_load(self, force: bool = False) -> WorkerLoad | None:
+        """The load as of the engine's latest step, read once per step and
+        shared by every delta of it; None on the deltas of a step that is
+        not due to carry it (unless forced)."""
+        step = self.engine.engine.num_steps
+        if step != self._load_step or self._load is None:
+            self._load, self._load_step = self.stats(), step
+            now = time.monotonic()
+            self._load_rides = now - self._load_sent_at >= self.LOAD_EVERY_S
+            if self._load_rides:
+                self._load_sent_at = now
+        return self._load if self._load_rides or force else None
+
+    def record_routing_stats(self) -> dict:
+        """Serve's poll for the request router (each request_routing_stats_period_s):
+        the load and the MRU cached chain hashes. Figures unchanged since the
+        last poll return the same dict, so an idle worker sets off no broadcast."""
+        load = self.stats()
+        key = (self.engine.engine.num_steps, load.num_free_blocks, load.num_running, load.num_waiting)
+        if key != self._routing_key:
+            cached = self.engine.engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
+            self._routing_key = key
+            self._routing_stats = {"worker": self.name, "time": time.time(), "free_blocks": load.num_free_blocks,
+                                   "total_blocks": load.num_total_blocks, "block_size": load.block_size,
+                                   "running": load.num_running, "waiting": load.num_waiting, "cached": cached}  # fmt: skip
+        return self._routing_stats

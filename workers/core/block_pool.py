@@ -33,6 +33,9 @@ class BlockPool:
         # (a cached free block taken back by a hit).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block_hash -> block_id
+        # Blocks in use that hold a cached hash, in the order they became so
+        # (for cached_hashes_mru: what the request router is told).
+        self.in_use_cached: dict[int, None] = {}
         self.num_hit_tokens = 0
         self.num_query_tokens = 0
 
@@ -70,6 +73,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self.free_queue[block_id]
+                if block.block_hash is not None:
+                    self.in_use_cached[block_id] = None
             block.ref_cnt += 1
 
     def cache_block(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
@@ -82,6 +87,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached.setdefault(block_hash, block_id)
+        if block.ref_cnt:
+            self.in_use_cached[block_id] = None
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; list tail blocks first so the
@@ -97,3 +104,37 @@ class BlockPool:
                     self.free_queue.move_to_end(block_id, last=False)
                 else:
                     self.free_queue[block_id] = None
+                    self.in_use_cached.pop(block_id, None)
+
+    def cached_hashes_mru(self, limit: int) -> list[int]:
+        """Up to `limit` hashes of cached blocks, most recently used first
+        (what a worker tells the request router it holds): those of blocks
+        in use, in the order they came into use (a sequence's parents before
+        its children), then those of free blocks, most recently freed first
+        (a sequence is freed tail first, so its prefix comes first here too).
+        A cut at `limit` so keeps each chain's prefix. O(limit).
+
+        May be called from a thread other than the engine's: a walk that the
+        engine's changes interrupt starts over (keeping what it found), up to
+        three times; a slightly stale answer is a fair hint.
+        """
+        if not self.enable_caching or limit <= 0:
+            return []
+        blocks = self.blocks
+        out: dict[int, None] = {}
+        for in_use, source in ((True, lambda: self.in_use_cached), (False, lambda: reversed(self.free_queue))):
+            for _ in range(3):
+                try:
+                    for block_id in source():
+                        h = blocks[block_id].block_hash
+                        if h is None:
+                            if in_use:  # its hash dropped meanwhile
+                                continue
+                            break  # uncached free blocks sit at the queue's front: none cached past here
+                        out[h] = None
+                        if len(out) >= limit:
+                            return list(out)
+                    break
+                except RuntimeError:  # changed mid-walk
+                    continue
+        return list(out)

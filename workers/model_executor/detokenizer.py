@@ -7,6 +7,7 @@ the cost per token does not grow with the length of the reply.
 
 from __future__ import annotations
 
+from shoal.workers.errors import InvalidRequestError
 from shoal.workers.model_executor.tokenizer import Tokenizer
 
 
@@ -40,6 +41,17 @@ class IncrementalDetokenizer:
                 self.text = self.text[:i]
                 return s
         return None
+
+    def resume(self, output_ids: list[int], num_sent_chars: int) -> None:
+        """Take up a reply begun on another worker: replay its tokens (their
+        stops were checked there) to the same text and offsets, and count its
+        first num_sent_chars characters as handed out already."""
+        for token_id in output_ids:
+            self.add(token_id, check_stop=False)
+        if not 0 <= num_sent_chars <= len(self.text):
+            raise InvalidRequestError(f"{num_sent_chars} characters were sent of a reply that has {len(self.text)}",
+                                      field="num_resumed_chars")  # fmt: skip
+        self.sent = num_sent_chars
 
     def take(self, finished: bool) -> str:
         """The text not yet handed out (all of it once finished)."""

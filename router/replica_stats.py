@@ -1,0 +1,198 @@
+"""What this process knows of each worker replica, for the request router.
+
+One registry per process, `replica_stats.REGISTRY` (always read through the
+module: Serve pickles the request router's module by value, and a name
+imported from here would be pickled as a copy), keyed by the replica's
+unique id (the Worker's `name`, Serve's `replica_id.unique_id`). Two feeds:
+
+- every GenerateDelta's `load` (the worker's figures after the step that made
+  the delta), which ServeWorkerPool.generate hands over: the fresh path under
+  load, as old as one engine step plus the hop back;
+- the Worker's `record_routing_stats` (Serve's poll, a few times a second):
+  the figures plus the cached chain hashes, most recently used first; the
+  path when idle, and the only one for the hashes.
+
+On top, optimistic accounting: what this process sent a replica that no
+report reflects yet. A send counts until its stream's first message comes
+back (the worker has taken it in: the load on that message counts it), or
+until a report taken GRACE_S after it arrives (by then it sits in the
+report's waiting or running), whichever is first. Its prompt's hashes count
+as held there from the moment it is sent (SGLang's router assumes the same
+of its approximate tree), until a poll taken GRACE_S later says otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+
+# A send is reflected in a report taken this long after it: the hop to the
+# worker plus the engine step it waits for (steps are ~10-50 ms on a GPU).
+GRACE_S = 0.1
+# Hashes held per replica: a poll's (up to the worker's export, 1024) plus
+# those assumed since; past it the least recent go.
+MAX_HELD = 8192
+
+
+@dataclass(slots=True)
+class ReplicaFigures:
+    """One replica's last report, and what this process sent it since."""
+
+    free_blocks: int = 0
+    total_blocks: int = 0  # 0: no report yet
+    block_size: int = 0
+    running: int = 0
+    waiting: int = 0
+    reported_at: float = 0.0  # wall time the figures were taken (0: never)
+    poll_time: float = 0.0  # `time` of the last poll result taken in
+    # chain hash -> 0.0 (reported by the replica) or when this process sent it
+    # (assumed); insertion order is least recent first.
+    held: dict[int, float] = field(default_factory=dict)
+    sent: dict[str, tuple[int, float]] = field(default_factory=dict)  # request id -> (blocks, when), oldest first
+    sent_blocks: int = 0
+    in_flight: int = 0  # this process's streams to it, from send to end
+
+
+class ReplicaStats:
+    """The registry; safe to feed from one thread while another ranks (Serve
+    may run its router on its own event-loop thread)."""
+
+    def __init__(self, grace_s: float = GRACE_S):
+        self.grace_s = grace_s
+        self.replicas: dict[str, ReplicaFigures] = {}
+        self._where: dict[str, str] = {}  # request id -> replica, while in flight
+        self.version = 0  # changes when a replica's figures are made or dropped
+        self._lock = threading.Lock()
+
+    def get(self, replica: str) -> ReplicaFigures:
+        f = self.replicas.get(replica)
+        if f is None:
+            f = self.replicas.setdefault(replica, ReplicaFigures())
+            self.version += 1
+        return f
+
+    # ---- reports ----------------------------------------------------------------
+
+    def observe_load(self, replica: str, free_blocks: int, total_blocks: int, block_size: int, running: int,
+                     waiting: int, taken_at: float | None = None) -> None:  # fmt: skip
+        """A replica's figures (a delta's `load`, or a poll's scalars)."""
+        taken_at = time.time() if taken_at is None else taken_at
+        f = self.get(replica)
+        with self._lock:
+            if taken_at < f.reported_at:  # an older report than the one held (a poll that lagged)
+                return
+            f.free_blocks, f.total_blocks, f.block_size = free_blocks, total_blocks, block_size
+            f.running, f.waiting = running, waiting
+            f.reported_at = taken_at
+            self._supersede(f, taken_at - self.grace_s)
+
+    def observe_worker_load(self, load) -> None:
+        """A GenerateDelta's `load` (a WorkerLoad), taken as of now."""
+        self.observe_load(load.worker, load.num_free_blocks, load.num_total_blocks, load.block_size,
+                          load.num_running, load.num_waiting)  # fmt: skip
+
+    def observe_poll(self, replica: str, stats: dict) -> None:
+        """A `record_routing_stats` result (Worker.record_routing_stats)."""
+        t = stats.get("time")
+        if t is None or not stats.get("total_blocks"):
+            return
+        f = self.get(replica)
+        if t == f.poll_time:  # the same poll, broadcast again
+            return
+        f.poll_time = t
+        self.observe_load(replica, stats["free_blocks"], stats["total_blocks"], stats["block_size"], stats["running"],
+                          stats["waiting"], t)  # fmt: skip
+        cutoff = t - self.grace_s
+        # Least recent first; assumed hashes sent since the poll's cutoff stay.
+        held = dict.fromkeys(reversed(stats.get("cached", ())), 0.0)
+        with self._lock:
+            for h, sent_at in f.held.items():
+                if sent_at > cutoff:
+                    held[h] = sent_at
+            f.held = _bounded(held)
+
+    def _supersede(self, f: ReplicaFigures, cutoff: float) -> None:
+        """Drop sends made before `cutoff`: the report counts them."""
+        while f.sent:
+            rid, (blocks, at) = next(iter(f.sent.items()))
+            if at > cutoff:
+                break
+            del f.sent[rid]
+            f.sent_blocks -= blocks
+
+    # ---- what this process sends ----------------------------------------------
+
+    def reserve(self, request_id: str, replica: str, blocks: int, hashes: Sequence[int] = (),
+                now: float | None = None) -> None:  # fmt: skip
+        """Count a request as sent to `replica` (again: moved there)."""
+        prev = self._where.get(request_id)
+        if prev == replica:
+            return
+        now = time.time() if now is None else now
+        f = self.get(replica)
+        with self._lock:
+            if prev is not None:
+                self._forget(request_id, prev)
+            self._where[request_id] = replica
+            f.sent[request_id] = (blocks, now)
+            f.sent_blocks += blocks
+            f.in_flight += 1
+            if hashes and hashes[-1] not in f.held:  # (all held already: a repeat; leave them as they are)
+                f.held.update(dict.fromkeys(hashes, now))
+                if len(f.held) > MAX_HELD:
+                    f.held = _bounded(f.held)
+
+    def where(self, request_id: str) -> str | None:
+        """The replica a request in flight was sent to."""
+        return self._where.get(request_id)
+
+    def ack(self, request_id: str) -> None:
+        """The request's first message came back: its worker counts it now."""
+        replica = self._where.get(request_id)
+        if replica is not None:
+            f = self.get(replica)
+            with self._lock:
+                sent = f.sent.pop(request_id, None)
+                if sent is not None:
+                    f.sent_blocks -= sent[0]
+
+    def done(self, request_id: str) -> None:
+        """The request's stream ended (finished, refused, failed or cancelled)."""
+        replica = self._where.get(request_id)
+        if replica is not None:
+            with self._lock:
+                self._forget(request_id, replica)
+
+    def _forget(self, request_id: str, replica: str) -> None:
+        f = self.get(replica)
+        sent = f.sent.pop(request_id, None)
+        if sent is not None:
+            f.sent_blocks -= sent[0]
+        if self._where.pop(request_id, None) is not None:
+            f.in_flight -= 1
+
+    # ---- replicas coming and going --------------------------------------------
+
+    def retain(self, replicas: Iterable[str]) -> None:
+        """Forget replicas not in `replicas` (stopped, replaced)."""
+        keep = set(replicas)
+        for replica in [r for r in self.replicas if r not in keep]:
+            self.drop(replica)
+
+    def drop(self, replica: str) -> None:
+        with self._lock:
+            self.replicas.pop(replica, None)
+            self.version += 1
+            for rid in [rid for rid, r in self._where.items() if r == replica]:
+                del self._where[rid]
+
+
+def _bounded(held: dict[int, float]) -> dict[int, float]:
+    over = len(held) - MAX_HELD
+    return dict(islice(held.items(), over, None)) if over > 0 else held
+
+
+REGISTRY = ReplicaStats()

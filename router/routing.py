@@ -1,0 +1,160 @@
+"""How the router ranks worker replicas: small pure functions over
+ReplicaFigures (replica_stats.py), the same for Ray Serve's request router
+(request_router.py) and the in-process pool (worker_pool.py).
+
+`kv` ranks by an estimated cost, in prompt tokens of prefill (lower wins):
+
+    cost = (prompt_blocks - hit) * block_size       # prefill this replica cannot skip
+         + Q_TOKENS * (waiting + sent + RUNNING_WEIGHT * running)
+         + MEM_TOKENS * used_after                   # 0 (empty) .. 1 (full) after this request
+
+after a first key: replicas where the request fits (free_after >= 0) come
+before those where it does not, where
+
+    free_after = free - sent_blocks - (need - hit)
+    need       = ceil((prompt + min(max_tokens, EXPECTED_OUTPUT_TOKENS)) / block_size)
+
+`hit` is how many of the prompt's leading blocks the replica holds (the
+chain hashes it reported, plus those this process sent it since), `sent` and
+`sent_blocks` what this process sent it that no report reflects yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shoal.router.replica_stats import ReplicaFigures
+
+# The output a request is expected to need room for: max_tokens is only a
+# bound (an OpenAI chat request without one gets the rest of the context),
+# and the engine takes decode blocks as it goes, not up front; a few hundred
+# tokens is a typical answer.
+EXPECTED_OUTPUT_TOKENS = 256
+# What one request queued ahead costs, in prompt tokens to prefill: a
+# waiting request prefills before this one does, and a typical prompt is a
+# few hundred tokens. A prefix hit of more than Q_TOKENS tokens so outweighs
+# one request more in the queue; a burst of short prompts spreads at once,
+# a burst sharing a long prefix fills the holder up to ~hit/Q_TOKENS deep.
+Q_TOKENS = 512.0
+# A running request only takes its share of each decode step, unlike a
+# waiting one, which holds this one back entirely.
+RUNNING_WEIGHT = 0.25
+# Memory pressure breaks ties between equally loaded replicas (the emptier
+# wins), small beside a hit or a queued request: a full replica preempts.
+MEM_TOKENS = 256.0
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class RequestNeed:
+    """One request, as the scoring sees it."""
+
+    hashes: Sequence[int]  # the chain hashes of the prompt's full blocks
+    usable: int  # leading blocks a hit may cover: the engine always computes the last prompt token
+    prompt_blocks: int
+    blocks: int  # prompt + expected output
+    block_size: int
+
+
+def request_need(num_prompt_tokens: int, max_tokens: int, block_size: int,
+                 hashes: Sequence[int] | None) -> RequestNeed:  # fmt: skip
+    expected = num_prompt_tokens + min(max_tokens, EXPECTED_OUTPUT_TOKENS)
+    return RequestNeed(hashes or (), max(0, (num_prompt_tokens - 1) // block_size),
+                       -(-num_prompt_tokens // block_size), -(-expected // block_size), block_size)  # fmt: skip
+
+
+def need_of(request, figs: Sequence[ReplicaFigures]) -> RequestNeed:
+    """A GenerateRequest's need; the block size is the replicas' (16 until one reports)."""
+    bs = next((f.block_size for f in figs if f.block_size), DEFAULT_BLOCK_SIZE)
+    return request_need(len(request.prompt_token_ids), request.params.max_tokens, bs, request.block_hashes)
+
+
+def choose(policy: str, request, figs: Sequence[ReplicaFigures], turn: int = 0) -> tuple[list[int], int]:
+    """The replicas' order for `request` (a GenerateRequest, or None) under
+    `policy`, best first, and the blocks it takes at the first."""
+    if policy == "kv":
+        if request is None:
+            return least_requests_rank(figs), 0
+        ranked = kv_rank(figs, need_of(request, figs))
+        return [i for i, _ in ranked], ranked[0][1] if ranked else 0
+    order = least_requests_rank(figs) if policy == "least-requests" else round_robin_rank(len(figs), turn)
+    return order, 0
+
+
+def blocks_at(request, f: ReplicaFigures) -> int:
+    """The blocks `request` takes at replica f (its need less what f holds)."""
+    need = need_of(request, (f,))
+    return need.blocks - prefix_hit(need.hashes, f.held, need.usable)
+
+
+def prefix_hit(hashes: Sequence[int], held, limit: int | None = None) -> int:
+    """How many leading hashes (at most `limit`) `held` contains, in
+    O(log n) lookups: a binary search for the first one missing.
+
+    It equals a linear scan when what is held is prefix-closed along the
+    chain (block i held => blocks 0..i-1 held). A cache nearly always is: a
+    block's hash chains its parent's, a sequence holds all its blocks, and
+    a freed sequence is evicted tail first. Where it is not (a bounded report
+    cut a chain, a parent evicted under another copy) the search returns
+    some boundary i with block i-1 held and block i not: a fair estimate.
+    """
+    n = len(hashes) if limit is None else min(limit, len(hashes))
+    if n == 0 or hashes[0] not in held:
+        return 0
+    if hashes[n - 1] in held:
+        return n
+    lo, hi = 1, n - 1  # hashes[lo - 1] is held, hashes[hi] is not: the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if hashes[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int, int]]:
+    """(index into figs, the blocks the request would take there), best
+    first. Ties go to the lower index. Written for speed (it runs once per
+    request over every replica): the module docstring's formula, unrolled."""
+    hashes, usable, bs, blocks = need.hashes, need.usable, need.block_size, need.blocks
+    h0 = hashes[0] if usable and hashes else None
+    prefill = need.prompt_blocks * bs
+    q_wait, q_run = Q_TOKENS, Q_TOKENS * RUNNING_WEIGHT
+    keys = []
+    i = 0
+    for f in figs:
+        held = f.held
+        if h0 is not None and h0 in held:
+            hit = prefix_hit(hashes, held, usable)
+            cost = prefill - hit * bs + q_wait * (f.waiting + len(f.sent)) + q_run * f.running
+        else:  # most replicas, most of the time: one lookup
+            hit = 0
+            cost = prefill + q_wait * (f.waiting + len(f.sent)) + q_run * f.running
+        total = f.total_blocks
+        if total:  # reported; an unreported replica is taken to be empty
+            free_after = f.free_blocks - f.sent_blocks - blocks + hit
+            keys.append((free_after < 0, cost + MEM_TOKENS - MEM_TOKENS * free_after / total, i, blocks - hit))
+        else:
+            keys.append((False, cost, i, blocks - hit))
+        i += 1
+    keys.sort()
+    return [(k[2], k[3]) for k in keys]
+
+
+def queue_depth(f: ReplicaFigures) -> int:
+    """Requests at a replica: what it reported and what this process sent
+    since, or this process's own count in flight there if that is more (a
+    report older than this process's latest sends)."""
+    return max(f.in_flight, f.running + f.waiting + len(f.sent))
+
+
+def least_requests_rank(figs: Sequence[ReplicaFigures]) -> list[int]:
+    return sorted(range(len(figs)), key=lambda i: (queue_depth(figs[i]), i))
+
+
+def round_robin_rank(n: int, turn: int) -> list[int]:
+    """Replica `turn % n` first, then the ones after it (fallbacks)."""
+    start = turn % n if n else 0
+    return [*range(start, n), *range(start)]

@@ -102,19 +102,18 @@ class StepCostModel:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# Measured on the development machine (2 CPU cores shared with other work,
+# Measured on the development machine (2 CPU cores, nothing else running,
 # SmolLM2-135M-Instruct in float32, 2 torch threads, the compiled CPU decode
-# kernel) by `shoal bench calibrate` (bench_results/step_cost.json), in 535 s:
-# the fastest of 5 rounds per shape; the medians were 1.3-8x slower, so
-# these are the machine with little else running. Fit error per shape:
-# prefill 32/128/512 -18/+24/-22%, decode 1/8/32 at ctx 66 +9/-20/+8%,
-# decode 16 at ctx 770 0%, held-out prefill 256 + decode 8 +28%.
+# kernel) by `shoal bench calibrate` (bench_results/step_cost.json), in 91 s
+# on 2026-11-30: the fastest of 5 rounds per shape. Fit error per shape:
+# prefill 32/128/512 -17/+5/+4%, decode 1/8/32 at ctx 66 +14/-32/+10%,
+# decode 16 at ctx 770 0%, held-out prefill 256 + decode 8 +5%.
 DEFAULT_COST_MODEL = StepCostModel(
-    overhead_s=0.1026,
-    prefill_s_per_token=0.00698,
-    decode_s_per_seq=0.01192,
-    decode_s_per_context_token=5.92e-6,
-    source="shoal bench calibrate: SmolLM2-135M-Instruct float32 on 2 shared CPU cores (built-in default)",
+    overhead_s=0.09349,
+    prefill_s_per_token=0.004564,
+    decode_s_per_seq=0.008011,
+    decode_s_per_context_token=7.159e-6,
+    source="shoal bench calibrate: SmolLM2-135M-Instruct float32 on 2 CPU cores, 2026-11-30 (built-in default)",
 )
 
 

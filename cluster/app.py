@@ -10,12 +10,17 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
+from shoal.cluster.autoscaling import replica_options
 from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
 from shoal.router.request_router import request_router_config
 from shoal.workers.distributed.shard_group import tp_bundles
 from shoal.workers.worker import Worker
 
+# Nodes for routers carry this custom Ray resource (e.g. `ray start --resources
+# '{"shoal_router": 1}'`); each router asks for a sliver of it, so any amount marks a node.
+ROUTER_RESOURCE = "shoal_router"
+ROUTER_RESOURCE_SHARE = 0.01
 # Serve's own queue in front of a worker must never be what holds a request
 # back: the engine admits up to max_num_seqs and max_waiting, and refuses the rest.
 HEADROOM = 64
@@ -31,7 +36,8 @@ def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
     actor = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": opts.cpus_per_worker}
     actor["runtime_env"] = _ONE_LOOP
     options = {
-        "num_replicas": opts.num_workers,
+        # --num-workers, or autoscaling between --min-workers and --max-workers
+        **replica_options(opts),
         "ray_actor_options": actor,
         "max_ongoing_requests": opts.engine.max_num_seqs + opts.max_waiting + HEADROOM,
         "health_check_period_s": 5.0,
@@ -48,17 +54,36 @@ def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
     return options
 
 
+def router_deployment_options(opts: ServeOptions) -> dict:
+    """The Router deployment's `.options(...)`: --routers replicas, at most
+    one per node (each binds the HTTP and gRPC ports on its node), on the
+    nodes that carry ROUTER_RESOURCE when the cluster has any."""
+    actor = {"num_cpus": 0, "runtime_env": _ONE_LOOP}
+    if cluster_has_router_nodes():
+        actor["resources"] = {ROUTER_RESOURCE: ROUTER_RESOURCE_SHARE}
+    return {"num_replicas": opts.routers, "max_replicas_per_node": 1, "ray_actor_options": actor,
+            "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": opts.drain_timeout_s + 10.0}  # fmt: skip
+
+
+def cluster_has_router_nodes() -> bool:
+    """Whether a live node of the connected Ray cluster carries ROUTER_RESOURCE.
+
+    Read when the application is built: by `shoal serve` on its driver, and,
+    for a Serve config (`serve run`/`serve deploy`, a KubeRay RayService), in
+    the task Serve runs on the cluster to call build_app. So placement follows
+    the nodes alive then: marked nodes that join later count from the next
+    deploy. Outside Ray (False) the routers may go to any node."""
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get(ROUTER_RESOURCE, 0) > 0
+
+
 def build_app(args: dict | ServeOptions | None = None) -> Application:
     """The application for `serve run` / `serve deploy`; args are ServeOptions.to_dict()'s."""
     opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
     opts.check_cluster()
     gpu = opts.uses_gpu()
     worker = serve.deployment(Worker, name="Worker").options(**worker_deployment_options(opts, gpu))
-    router = serve.deployment(Router, name="Router").options(
-        num_replicas=1,  # it binds the HTTP and gRPC ports itself
-        ray_actor_options={"num_cpus": 0, "runtime_env": _ONE_LOOP},
-        max_ongoing_requests=1000,
-        graceful_shutdown_timeout_s=opts.drain_timeout_s + 10.0,
-    )
+    router = serve.deployment(Router, name="Router").options(**router_deployment_options(opts))
     workers = worker.bind(opts.worker_engine_args(gpu), opts.max_waiting, stall_timeout_s=opts.stall_timeout_s)
     return router.bind(workers, opts.router_options())

@@ -22,6 +22,8 @@ class ServeOptions:
     http_port: int = cli_field(8000, "OpenAI HTTP port")
     grpc_port: int = cli_field(9000, "gRPC port")
     num_workers: int = cli_field(1, "worker replicas (each with --tensor-parallel-size GPUs on a GPU cluster)")
+    routers: int = cli_field(1, "router replicas, at most one per node (on nodes with the Ray resource shoal_router "
+                                "when the cluster has it); each binds both ports on its node")  # fmt: skip
     api_key: str | None = cli_field(None, "require this bearer key (default: $SHOAL_API_KEY)")
     max_waiting: int = cli_field(256, "waiting requests per worker; past it 429 / RESOURCE_EXHAUSTED")
     max_request_bytes: int = cli_field(4 << 20, "request body limit")
@@ -35,6 +37,15 @@ class ServeOptions:
     routing: str = cli_field("kv", "how the router picks a worker: kv = free KV blocks, prefix-cache affinity and "
                                    "queue depth; least-requests; pow2 = Serve's power of two choices; round-robin",
                              choices=ROUTING_POLICIES)  # fmt: skip
+    # Autoscaling on queue depth (cluster/autoscaling.py): on with max_workers.
+    min_workers: int | None = cli_field(None, "autoscaling: the fewest workers (default 1); needs --max-workers")
+    max_workers: int | None = cli_field(None, "autoscale the workers up to this many on queue depth, starting at "
+                                              "--num-workers; unset: --num-workers, fixed")  # fmt: skip
+    target_queue_depth: float = cli_field(2.0, "autoscaling: waiting requests per worker to aim at; more add workers")
+    upscale_delay_s: float = cli_field(5.0, "autoscaling: seconds the queue must call for more workers before they "
+                                            "are added", aliases=("--upscale-delay",))  # fmt: skip
+    downscale_delay_s: float = cli_field(120.0, "autoscaling: seconds the load must allow fewer workers before one "
+                                                "drains and goes", aliases=("--downscale-delay",))  # fmt: skip
     # model, device, num_threads (default: cores / (workers x ranks)), ...
     engine: EngineArgs = field(default_factory=EngineArgs)
 
@@ -76,6 +87,8 @@ class ServeOptions:
     def validate(self) -> None:
         if self.num_workers < 1:
             raise ValueError("num_workers must be >= 1")
+        if self.routers < 1:
+            raise ValueError("routers must be >= 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if self.max_retries < 0:
@@ -85,8 +98,24 @@ class ServeOptions:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number")
+        self._validate_autoscaling()
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
+
+    def _validate_autoscaling(self) -> None:
+        if self.max_workers is None:
+            if self.min_workers is not None:
+                raise ValueError("min_workers needs max_workers (autoscaling is on with max_workers)")
+            return
+        low = 1 if self.min_workers is None else self.min_workers
+        if low < 1:
+            raise ValueError("min_workers must be >= 1")
+        if self.max_workers < low:
+            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers ({low})")
+        if self.target_queue_depth <= 0:
+            raise ValueError("target_queue_depth must be > 0")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ValueError("upscale_delay_s and downscale_delay_s must be >= 0")
 
     @property
     def tp_size(self) -> int:
@@ -115,7 +144,8 @@ class ServeOptions:
         # own GPUs (logical GPUs of a test cluster have no CUDA behind them).
         device = self.engine.device if gpu else "cpu"
         # Used wherever a rank runs on the CPU: the ranks share the cores.
-        threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // (self.num_workers * self.tp_size))
+        workers = self.max_workers or self.num_workers  # autoscaling: as many as may run at once
+        threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // (workers * self.tp_size))
         return dataclasses.replace(self.engine, device=device, num_threads=threads)
 
     def check_cluster(self) -> None:

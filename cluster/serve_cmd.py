@@ -56,24 +56,45 @@ def shut_down(address: str | None = None) -> None:
         ray.shutdown()  # on a joined cluster this only disconnects
 
 
+def router_endpoints(handle) -> list[dict]:
+    """Every router replica's Router.endpoints(), from the Router deployment's handle."""
+    handle.endpoints.remote().result()  # routed as usual: waits until the handle knows the replicas
+    return handle.broadcast("endpoints").results()
+
+
+def ready_message(opts: ServeOptions, ends: list[dict], ready_s: float) -> str:
+    """What `shoal serve` prints once up: the endpoints, and with several
+    routers the nodes that serve them (each router binds both ports on its node)."""
+    e = ends[0]
+    tp = f" of {opts.tp_size} ranks" if opts.tp_size > 1 else ""
+    lines = [f"shoal: serving {e['model']} with {opts.num_workers} worker(s){tp}",
+             f"  OpenAI HTTP  {e['http']}/v1", f"  gRPC         {e['grpc']} (shoal.v1.Shoal)"]  # fmt: skip
+    if len(ends) > 1:
+        nodes = ", ".join(sorted(x["node"] for x in ends))
+        lines.append(f"  routers      {len(ends)}, each on both ports on its node: {nodes}")
+    lines.append(f"  ready in {ready_s:.1f} s; Ctrl-C stops")
+    return "\n".join(lines)
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     opts = ServeOptions.from_cli_args(ns)
     opts.check_cluster()  # a size that cannot split the model: refused before Ray starts
+    if opts.routers > 1 and not ns.address:  # Serve would leave the rest pending forever
+        raise ValueError(f"--routers {opts.routers} needs {opts.routers} Ray nodes (one router per node) and a "
+                         "local cluster has one; start a cluster and pass --address")  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         handle = launch(opts, ns.address)
-        ends = handle.endpoints.remote().result()
-        tp = f" of {opts.tp_size} ranks" if opts.tp_size > 1 else ""
-        print(f"shoal: serving {ends['model']} with {opts.num_workers} worker(s){tp}\n"
-              f"  OpenAI HTTP  {ends['http']}/v1\n  gRPC         {ends['grpc']} (shoal.v1.Shoal)\n"
-              f"  ready in {time.perf_counter() - t0:.1f} s; Ctrl-C stops", flush=True)  # fmt: skip
+        print(ready_message(opts, router_endpoints(handle), time.perf_counter() - t0), flush=True)
         while not stop.wait(0.5):
             pass
         print("shoal: draining (new requests get 503 / UNAVAILABLE)...", flush=True)
-        left = handle.drain.remote(opts.drain_timeout_s).result()
+        # Every router drains at once; one that is gone counts as none cut here.
+        left = sum(n for n in handle.broadcast("drain", opts.drain_timeout_s).results(return_exceptions=True)
+                   if isinstance(n, int))  # fmt: skip
         print(f"shoal: drained ({left} streams cut); stopping", flush=True)
     finally:
         shut_down(ns.address)

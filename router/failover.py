@@ -20,6 +20,8 @@ refuses the request outright because its engine is dead (Serve keeps
 routing to it until its failing health checks get it replaced), or because
 it is full when the client already has part of the reply, costs no re-send:
 the request waits with the same backoff, for at most `refused_timeout_s`.
+A request a worker hands back unrun ('moved': a newer worker has room,
+router/rebalance.py) goes on at once and costs nothing.
 When the budget or that time is spent, or no worker is left, the stream
 raises WorkerLost and the client gets the front's 'unavailable' answer.
 """
@@ -102,7 +104,7 @@ class FailoverPool:
                 async with aclosing(self.pool.generate(attempt)) as stream:
                     async for msg in stream:
                         if isinstance(msg, WorkerError):
-                            if msg.kind == "unavailable" or (msg.kind == "full" and streamed):
+                            if msg.kind in ("unavailable", "moved") or (msg.kind == "full" and streamed):
                                 raise _Refused(msg)
                             yield msg  # refused as asked (invalid, or full before the client has any)
                             return
@@ -119,7 +121,9 @@ class FailoverPool:
                     return
                 failures_in_row = 1 if got_delta else failures_in_row + 1
                 now = time.monotonic()
-                if isinstance(e, _Refused) and not got_delta:  # not taken: costs no re-send
+                if isinstance(e, _Refused) and e.error.kind == "moved":  # handed back for a newer worker: free, at once
+                    failures_in_row = 0
+                elif isinstance(e, _Refused) and not got_delta:  # not taken: costs no re-send
                     refused_since = refused_since or now
                     if now - refused_since > self.refused_timeout_s:
                         raise WorkerLost(f"no worker took the request in {self.refused_timeout_s:g} s: "

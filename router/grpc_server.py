@@ -141,7 +141,8 @@ class GrpcServer:
 
     def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int):
         self.server = grpc.aio.server(interceptors=[_AuthInterceptor(frontend)], options=[
-            ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 0)])  # fmt: skip
+            # SO_REUSEPORT: the routers on one host share the port (see ingress.reuse_port_socket).
+            ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 1)])  # fmt: skip
         shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

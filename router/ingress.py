@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 
 from shoal.router.failover import FailoverPool
 from shoal.router.frontend import Frontend, ModelInfo
@@ -22,14 +24,31 @@ from shoal.router.worker_pool import ServeWorkerPool
 logger = logging.getLogger(__name__)
 
 
-async def start_http(app, host: str, port: int):
-    """Run uvicorn on this event loop; return (server, its task) once it listens."""
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT: the routers on one
+    host share the port, the kernel spreading new connections over them (and
+    over the survivors when one dies). A process that binds the port without
+    SO_REUSEPORT still conflicts with it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen for HTTP on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+async def start_http(app, host: str, port: int, headers: list[tuple[str, str]] | None = None):
+    """Run uvicorn on this event loop, on a port shared with the host's other
+    routers; every response carries `headers`. Return (server, its task) once it listens."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, headers=headers)  # fmt: skip
     server = uvicorn.Server(config)
-    task = asyncio.get_running_loop().create_task(server.serve())
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[reuse_port_socket(host, port)]))
     while not server.started:
         if task.done():  # bind failed: uvicorn logs it and exits
             raise OSError(f"cannot listen for HTTP on {host}:{port}")
@@ -37,13 +56,25 @@ async def start_http(app, host: str, port: int):
     return server, task
 
 
+def replica_name() -> str:
+    """This router's Serve replica id (the X-Shoal-Router header)."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a Serve replica
+        return f"pid-{os.getpid()}"
+
+
 class Router:
-    """One replica in front of the Worker deployment's handle."""
+    """One replica in front of the Worker deployment's handle. Several may
+    run (--routers), one per node; each routes on its own."""
 
     async def __init__(self, workers, options: RouterOptions):
         from shoal.workers.model_executor.model_loader import load_model_files
 
         self.options = options
+        self.name = replica_name()
         # A stream whose worker is lost goes on on another one.
         pool = FailoverPool(ServeWorkerPool(workers), options.max_retries)
         info = await pool.info()
@@ -56,16 +87,19 @@ class Router:
         await self.grpc.start()
         try:
             self.http, self._http_task = await start_http(OpenAIApp(self.frontend, limit).app, options.host,
-                                                          options.http_port)  # fmt: skip
+                                                          options.http_port, [("X-Shoal-Router", self.name)])  # fmt: skip
         except BaseException:
             await self.grpc.stop()
             raise
         self._stopped = False
 
     def endpoints(self) -> dict:
+        import ray
+
         o = self.options
         return {"http": f"http://{o.host}:{o.http_port}", "grpc": f"{o.host}:{self.grpc.port}",
-                "model": self.frontend.info.model}
+                "model": self.frontend.info.model, "router": self.name, "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}  # fmt: skip
 
     def check_health(self) -> None:
         if self._http_task.done() and not self._stopped:

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from shoal.router import replica_stats, routing
+from shoal.router import rebalance, replica_stats, routing
 from shoal.router.replica_stats import ReplicaStats
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
@@ -32,6 +32,8 @@ class ServeWorkerPool:
     def __init__(self, handle):
         self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
+        # A new worker takes over requests still waiting on deeper queues.
+        self._rebalancer = rebalance.start(handle)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         stats = replica_stats.REGISTRY

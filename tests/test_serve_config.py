@@ -73,6 +73,30 @@ def test_shoal_serve_refuses_a_size_that_cannot_split_the_model_before_ray_start
                                 "4 attention heads")  # nothing else: refused before Ray started  # fmt: skip
 
 
+def test_routers_round_trip_through_the_cli_and_the_serve_config(tiny_model, capsys):
+    from shoal.cluster.app import router_deployment_options
+    from shoal.cluster.cli import build_parser, main
+    from shoal.cluster.serve_cmd import ready_message
+
+    ns = build_parser().parse_args(["serve", "--routers", "3", "--device", "cpu"])
+    opts = ServeOptions.from_cli_args(ns)
+    assert opts.routers == 3 and ServeOptions().routers == 1
+    assert ServeOptions.from_dict(opts.to_dict()) == opts  # a Serve config's args carry it back
+    router = router_deployment_options(opts)
+    assert (router["num_replicas"], router["max_replicas_per_node"]) == (3, 1)
+    assert "resources" not in router["ray_actor_options"]  # outside Ray: no shoal_router nodes to ask for
+    with pytest.raises(ValueError, match="routers must be >= 1"):
+        ServeOptions.from_dict({"routers": 0})
+    # One router per node, and a local cluster is one node: refused before Ray starts.
+    assert main(["serve", "--model", tiny_model, "--routers", "2"]) == 2
+    assert "--routers 2 needs 2 Ray nodes" in capsys.readouterr().err
+    ends = [{"model": "m", "http": "http://0.0.0.0:8000", "grpc": "0.0.0.0:9000", "node": ip}
+            for ip in ("10.0.0.2", "10.0.0.1")]  # fmt: skip
+    msg = ready_message(opts, ends, 1.0)
+    assert "  routers      2, each on both ports on its node: 10.0.0.1, 10.0.0.2" in msg
+    assert "routers" not in ready_message(opts, ends[:1], 1.0)
+
+
 def test_api_key_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHOAL_API_KEY", "from-env")
     assert ServeOptions().router_options().api_key == "from-env"

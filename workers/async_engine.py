@@ -11,10 +11,11 @@ import time
 from collections.abc import AsyncIterator
 
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineDeadError, InvalidRequestError
+from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,25 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step."""
         self._submit(("abort", request_id))
+
+    def release_waiting(self, keep: int) -> list[str]:
+        """Hand back the newest waiting requests past the first `keep` that
+        have never been scheduled (no token, nothing computed): each stream
+        raises RequestMoved at once, and the request is aborted. Preempted
+        requests (they have tokens) stay. Returns the ids handed back.
+
+        The scheduler's queue is read on the event loop while the engine
+        thread steps, so a request may be scheduled before its abort lands: its stream may then carry a
+        token before RequestMoved, which the router resumes from as after
+        a failover."""
+        waiting = sorted(list(self.engine.scheduler.waiting))  # (priority, arrival order, seq); a copy is atomic
+        movable = [seq.request_id for _, _, seq in waiting
+                   if seq.status is SequenceStatus.WAITING and seq.request_id in self._queues]  # fmt: skip
+        moved = movable[max(0, len(movable) - max(0, len(waiting) - keep)):]
+        for request_id in moved:
+            self._queues[request_id].put_nowait(RequestMoved(f"request {request_id} handed back to move"))
+            self.abort(request_id)
+        return moved
 
     def _submit(self, op: tuple) -> None:
         with self._lock:

@@ -15,3 +15,9 @@ class EngineDeadError(RuntimeError):
     stall timeout while it had work, or lost a tensor-parallel rank. Its
     requests end with it; the worker reports them unavailable, and the
     router sends them to another worker (router/failover.py)."""
+
+
+class RequestMoved(Exception):
+    """A waiting request the worker handed back before it ran (a newer
+    worker has room; router/rebalance.py). The worker reports it 'moved' and
+    the router sends it again, to another worker, at no cost to its retries."""

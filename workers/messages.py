@@ -75,7 +75,9 @@ class GenerateDelta:
 class WorkerError:
     """Worker -> router, instead of any delta: the request was refused."""
 
-    kind: str  # "full" (429 / RESOURCE_EXHAUSTED) or "invalid" (400 / INVALID_ARGUMENT)
+    # "full" (429 / RESOURCE_EXHAUSTED), "invalid" (400 / INVALID_ARGUMENT); for
+    # the router to act on: "unavailable" (engine dead), "moved" (handed back unrun)
+    kind: str
     message: str
     field: str | None = None  # the request field at fault, for "invalid"
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineDeadError, InvalidRequestError
+from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestMoved
 from shoal.workers.messages import (GenerateDelta, GenerateRequest, RequestFinished, WorkerError, WorkerInfo,
                                     WorkerLoad)  # fmt: skip
 from shoal.workers.core.outputs import RequestOutput
@@ -95,6 +95,9 @@ class Worker:
             logger.warning("%s ended by a dead engine after %d output tokens: %s", name, num_output_tokens, e)
             logged = True
             yield WorkerError("unavailable", f"worker {self.name}: {e}")
+        except RequestMoved as e:  # handed back by release_waiting: the router sends it on
+            logged = True
+            yield WorkerError("moved", f"worker {self.name}: {e}")
         finally:
             if not logged:  # the client went away, or the engine failed
                 logger.info("%s stopped after %d output tokens", name, num_output_tokens)
@@ -149,3 +152,27 @@ class Worker:
                                    "total_blocks": load.num_total_blocks, "block_size": load.block_size,
                                    "running": load.num_running, "waiting": load.num_waiting, "cached": cached}  # fmt: skip
         return self._routing_stats
+
+    # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/rebalance.py)
+
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's autoscaling metrics, sampled on the replica and pushed to
+        the controller every metrics_interval_s, where the Worker
+        deployment's policy reads them: waiting and running requests, the
+        share of KV blocks in use, and how many sequences can run at once."""
+        load = self.stats()
+        used = 1.0 - load.num_free_blocks / load.num_total_blocks if load.num_total_blocks else 0.0
+        return {"waiting": float(load.num_waiting), "running": float(load.num_running), "kv_usage": used,
+                "max_running": float(self.engine.engine.scheduler.config.max_num_seqs)}  # fmt: skip
+
+    def release_waiting(self, keep: dict[str, int]) -> int:
+        """A router's call (to every worker) when a new worker is ready:
+        this worker keeps `keep[its name]` waiting requests and hands back
+        the newest of the rest that never ran; their streams end with
+        WorkerError 'moved' and the router sends them on. Returns how many."""
+        if self.name not in keep or self.engine.failed is not None:
+            return 0
+        moved = self.engine.release_waiting(keep[self.name])
+        if moved:
+            logger.info("handed back %d waiting requests to move (keeping %d)", len(moved), keep[self.name])
+        return len(moved)

@@ -335,11 +335,13 @@ def _engine_args(ns, cost_path: str) -> EngineArgs:
 
 
 def _knee_key(ns, engine: EngineArgs, sizes) -> dict:
-    """What the knee depends on: a cached knee is reused only for the same."""
-    return {"workers_kind": ns.workers_kind, "num_workers": ns.num_workers, "num_kv_blocks": engine.num_kv_blocks,
-            "model": engine.model, "simulated_cost_model": ns.simulated_cost_model, "sim_speedup": ns.sim_speedup,
-            "sizes": dataclasses.asdict(sizes), "duration_s": ns.duration_s, "warmup_s": ns.warmup_s,
-            "sweep_rates": _floats(ns.sweep_rates), "knee_factor": ns.knee_factor, "seed": ns.seed}  # fmt: skip
+    """What the knee depends on: a cached knee is reused only for the same
+    (as JSON reads it back: tuples are lists)."""
+    key = {"workers_kind": ns.workers_kind, "num_workers": ns.num_workers, "num_kv_blocks": engine.num_kv_blocks,
+           "model": engine.model, "simulated_cost_model": ns.simulated_cost_model, "sim_speedup": ns.sim_speedup,
+           "sizes": dataclasses.asdict(sizes), "duration_s": ns.duration_s, "warmup_s": ns.warmup_s,
+           "sweep_rates": _floats(ns.sweep_rates), "knee_factor": ns.knee_factor, "seed": ns.seed}  # fmt: skip
+    return json.loads(json.dumps(key))
 
 
 def _cached_knee(report: dict, key: dict) -> dict | None:

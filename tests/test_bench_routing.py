@@ -220,6 +220,12 @@ def test_a_cached_knee_and_whole_policies_are_reused_only_for_the_same_setup(tmp
     assert routing._resumable(report, key, loads, ["kv", "pow2"], ["shared"]) == shared
     assert routing._resumable(report, key, [("knee", 3.0)], ["kv"], ["shared", "hot"]) == []
     assert routing._resumable(report, {**key, "seed": 1}, loads, ["kv"], ["shared", "hot"]) == []
+    # The key a run makes equals the one its JSON reads back (tuples and all).
+    from shoal.cluster.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "routing", "--sweep-rates", "1,2"])
+    made = routing._knee_key(ns, routing.EngineArgs(num_kv_blocks=329), wl.WorkloadSizes())
+    assert made == json.loads(json.dumps(made)) and made["sizes"]["system_tokens"] == [1024, 2048]
 
 
 def test_bad_policies_and_workloads_are_refused(capsys):

@@ -39,7 +39,8 @@ def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
         # --num-workers, or autoscaling between --min-workers and --max-workers
         **replica_options(opts),
         "ray_actor_options": actor,
-        "max_ongoing_requests": opts.engine.max_num_seqs + opts.max_waiting + HEADROOM,
+        # (+ one each router's delta stream holds open, router/delta_mux.py)
+        "max_ongoing_requests": opts.engine.max_num_seqs + opts.max_waiting + HEADROOM + opts.routers,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 60.0,
         "graceful_shutdown_timeout_s": opts.drain_timeout_s + 5.0,

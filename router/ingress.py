@@ -76,7 +76,7 @@ class Router:
         self.options = options
         self.name = replica_name()
         # A stream whose worker is lost goes on on another one.
-        pool = FailoverPool(ServeWorkerPool(workers), options.max_retries)
+        pool = FailoverPool(ServeWorkerPool(workers, self.name), options.max_retries)
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.model).tokenizer

@@ -16,25 +16,37 @@ the list past replicas at max_ongoing_requests.
 from __future__ import annotations
 
 from ray.serve.config import RequestRouterConfig
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from shoal.router import replica_stats, routing
-from shoal.workers.messages import GenerateRequest
-
-# Serve's default: two replicas at random, the one with fewer requests.
-POW2 = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+from shoal.workers.messages import GenerateRequest, Subscribe
 # Serve's poll of Worker.record_routing_stats: the figures when deltas do
 # not flow (an idle worker), and the cached hashes. Serve's controller and
 # long poll add ~100-200 ms to it; an unchanged report is not broadcast.
 ROUTING_STATS_PERIOD_S = 0.2
 
 
-def _request(pending: PendingRequest | None) -> GenerateRequest | None:
-    """The GenerateRequest a `generate` call carries (None for info() etc.)."""
+def _arg(pending: PendingRequest | None):
     if pending is None:
         return None
-    req = pending.args[0] if pending.args else pending.kwargs.get("request")
+    return pending.args[0] if pending.args else next(iter(pending.kwargs.values()), None)
+
+
+def _request(pending: PendingRequest | None) -> GenerateRequest | None:
+    """The GenerateRequest a `generate` call carries (None for info() etc.)."""
+    req = _arg(pending)
     return req if isinstance(req, GenerateRequest) else None
+
+
+def _target(candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    """A `subscribe` call goes to the one replica it names (none while that
+    one is not among the candidates: the caller gives up after a while)."""
+    sub = _arg(pending)
+    if not isinstance(sub, Subscribe):
+        return None
+    pending.routing_context.should_backoff = True
+    return [[r] for r in candidates if r.replica_id.unique_id == sub.replica]
 
 
 class KVRequestRouter(RequestRouter):
@@ -55,6 +67,8 @@ class KVRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+        if (targeted := _target(candidate_replicas, pending_request)) is not None:
+            return targeted
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
@@ -108,13 +122,24 @@ class RoundRobinRouter(KVRequestRouter):
     policy = "round-robin"
 
 
-ROUTERS = {"kv": KVRequestRouter, "least-requests": LeastRequestsRouter, "pow2": POW2,
+class Pow2Router(PowerOfTwoChoicesRequestRouter):
+    """`pow2`: Serve's default (two replicas at random, the one with fewer
+    requests queued), which also sends a `subscribe` call where it names."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+        if (targeted := _target(candidate_replicas, pending_request)) is not None:
+            return targeted
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+ROUTERS = {"kv": KVRequestRouter, "least-requests": LeastRequestsRouter, "pow2": Pow2Router,
            "round-robin": RoundRobinRouter}  # fmt: skip
 
 
 def request_router_config(policy: str) -> RequestRouterConfig:
     """The Worker deployment's RequestRouterConfig for `--routing policy`."""
     cls = ROUTERS[policy]
-    if cls == POW2:
-        return RequestRouterConfig(request_router_class=POW2)
+    if cls is Pow2Router:  # Serve's own router takes no routing stats
+        return RequestRouterConfig(request_router_class=cls)
     return RequestRouterConfig(request_router_class=cls, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)

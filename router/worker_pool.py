@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from shoal.router import rebalance, replica_stats, routing
+from shoal.router.delta_mux import DeltaMux, MuxEnded
+from shoal.router.failover import WorkerLost
 from shoal.router.replica_stats import ReplicaStats
-from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
+from shoal.workers.messages import GenerateDelta, GenerateRequest, Riding, WorkerError, WorkerInfo, WorkerLoad
 
 
 def _take_in(stats: ReplicaStats, request_id: str, msg, first: bool) -> None:
@@ -23,30 +25,76 @@ def _take_in(stats: ReplicaStats, request_id: str, msg, first: bool) -> None:
         stats.observe_worker_load(load)
 
 
+_END = object()  # a request's own stream ended
+
+
+async def _pump(gen, inbox: asyncio.Queue) -> None:
+    """A riding request's own stream into its inbox: a refusal, its end, or its error."""
+    try:
+        async for msg in gen:
+            inbox.put_nowait(msg)
+        inbox.put_nowait(_END)
+    except Exception as e:
+        inbox.put_nowait(e)
+
+
 class ServeWorkerPool:
     """The worker deployment behind a Serve DeploymentHandle. The deployment's
     request router (router/request_router.py, --routing) picks the replica;
     the load riding on each delta feeds its figures (replica_stats.REGISTRY),
-    the freshest it has under load."""
+    the freshest it has under load. Deltas come back on this router's one
+    stream per worker (delta_mux.py) once it is open there."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, router_id: str | None = None):
         self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
+        self.mux = DeltaMux(handle, router_id)
         # A new worker takes over requests still waiting on deeper queues.
         self._rebalancer = rebalance.start(handle)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
-        stats = replica_stats.REGISTRY
+        stats, mux, rid = replica_stats.REGISTRY, self.mux, request.request_id
+        request.mux = mux.router_id
+        inbox = mux.open(rid)
         gen = self._stream.remote(request)
-        done, first = False, True
+        done, first, worker, pump = False, True, None, None
         try:
-            async for msg in gen:
-                _take_in(stats, request.request_id, msg, first)
+            async for msg in gen:  # the request's own stream: its deltas, until it says Riding
+                if isinstance(msg, Riding):
+                    worker = msg.worker
+                    break
+                _take_in(stats, rid, msg, first)
+                load = getattr(msg, "load", None)
+                if first and load is not None and not mux.is_open(load.worker):
+                    mux.connect(load.worker)  # this router's next requests there ride
                 first = False
                 yield msg
-            done = True
+            else:
+                done = True
+                return
+            if not mux.ride(rid, worker):
+                raise WorkerLost(f"the delta stream from worker {worker} ended")
+            # Riding: deltas come into the inbox; the own stream may still bring a refusal or an error.
+            pump = asyncio.get_running_loop().create_task(_pump(gen, inbox))
+            while True:
+                msg = await inbox.get()
+                if isinstance(msg, MuxEnded):
+                    raise WorkerLost(f"worker {worker}'s delta stream: {msg.error}") from msg.error
+                if isinstance(msg, BaseException):
+                    raise msg
+                if msg is _END:  # the own stream ended; the last delta is on its way here
+                    continue
+                _take_in(stats, rid, msg, first)
+                first = False
+                yield msg
+                if isinstance(msg, WorkerError) or msg.finished is not None:
+                    done = True
+                    return
         finally:
-            stats.done(request.request_id)  # the router reserved it when it chose the replica
+            stats.done(rid)  # the router reserved it when it chose the replica
+            mux.close(rid, worker)
+            if pump is not None:
+                pump.cancel()
             if not done:  # the client went away: abort in the engine, free its blocks
                 gen.cancel()
 

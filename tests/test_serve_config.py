@@ -33,7 +33,7 @@ def test_serve_yaml_is_a_serve_config_whose_import_path_builds_the_app():
     assert worker["num_replicas"] == 1
     assert worker["ray_actor_options"]["num_cpus"] == 1.0 and "num_gpus" not in worker["ray_actor_options"]
     # max_num_seqs (as configured, no second default) + max_waiting + headroom
-    assert worker["max_ongoing_requests"] == 8 + app.args["max_waiting"] + HEADROOM
+    assert worker["max_ongoing_requests"] == 8 + app.args["max_waiting"] + HEADROOM + 1  # + the router's delta stream
     assert "placement_group_strategy" not in worker  # one rank: no placement group
     assert isinstance(builder(args), Application)
 

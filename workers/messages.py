@@ -33,6 +33,9 @@ class GenerateRequest:
     # as output (budget, min_tokens, seed index, stops) and streams the rest.
     num_resumed_tokens: int = 0
     num_resumed_chars: int = 0
+    # The sending router's delta stream (Subscribe.router): while it is
+    # subscribed at the worker, this request's deltas ride on it.
+    mux: str | None = None
 
     @property
     def log_name(self) -> str:
@@ -69,6 +72,25 @@ class GenerateDelta:
     # The worker's load after the step that made this delta: the router's
     # freshest view of it (the same object rides on every delta of a step).
     load: "WorkerLoad | None" = None
+
+
+@dataclass(slots=True)
+class Subscribe:
+    """Router -> one worker replica: open the router's delta stream there
+    (workers/delta_outbox.py). It yields lists of (request id, delta), one
+    per engine step, for every request of the router's riding on it."""
+
+    router: str  # the router's id, as its requests carry it in GenerateRequest.mux
+    replica: str  # the worker replica it is meant for (its Worker.name)
+
+
+@dataclass(slots=True)
+class Riding:
+    """Worker -> router, first on a request's own stream when its deltas
+    ride on the router's delta stream instead: the request's own stream
+    then carries only a refusal (WorkerError), and ends."""
+
+    worker: str  # the worker's name (its Serve replica id)
 
 
 @dataclass(slots=True)

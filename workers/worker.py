@@ -12,13 +12,15 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict
 
 from shoal.workers.async_engine import AsyncEngine
+from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestMoved
-from shoal.workers.messages import (GenerateDelta, GenerateRequest, RequestFinished, WorkerError, WorkerInfo,
-                                    WorkerLoad)  # fmt: skip
+from shoal.workers.messages import (GenerateDelta, GenerateRequest, RequestFinished, Riding, Subscribe, WorkerError,
+                                    WorkerInfo, WorkerLoad)  # fmt: skip
 from shoal.workers.core.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class Worker:
         self.name = _worker_name()
         self.engine = AsyncEngine.from_engine_args(engine_args, stall_timeout_s)
         self.max_waiting = max_waiting
+        self._outboxes: dict[str, DeltaOutbox] = {}  # router id -> its delta stream here
         eng = self.engine.engine
         logger.info("worker %s loaded %s in %.1f s", self.name, eng.model_name, eng.load_time_s)
 
@@ -64,29 +67,42 @@ class Worker:
         once as 'unavailable', and the router fails them over."""
         self.engine.check_health()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | Riding | WorkerError]:
         """Yields the request's deltas, or one WorkerError if it is refused
         or, amid the deltas, if the engine died ('unavailable': the router
-        sends the request on to another worker). Logs one line per request
-        (ids and counts, never its text)."""
+        sends the request on to another worker). When its router's delta
+        stream is open here (subscribe), the deltas go there instead and
+        this stream yields Riding first. Logs one line per request (ids and
+        counts, never its text)."""
         name = request.log_name
         if self.engine.failed is None and self.engine.num_waiting >= self.max_waiting:
             logger.info("%s refused: %d requests waiting", name, self.max_waiting)
             yield WorkerError("full", f"worker {self.name} has {self.max_waiting} requests waiting; try again later")
             return
         logged, num_output_tokens = False, 0
+        box = self._outboxes.get(request.mux) if request.mux is not None else None
+        if box is not None:  # the whole request rides there: its deltas keep their order
+            box.join()
         try:
+            if box is not None:
+                yield Riding(self.name)
             stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
                                           request.priority, request.num_resumed_tokens,
                                           request.num_resumed_chars)  # fmt: skip
-            async for out in stream:
-                delta = self._delta(out)
-                num_output_tokens = out.num_output_tokens
-                if (f := delta.finished) is not None:
-                    logger.info("%s finished: %s, %d prompt + %d output tokens, queue %.2f s", name, f.finish_reason,
-                                f.num_prompt_tokens, f.num_output_tokens, f.queue_s)  # fmt: skip
-                    logged = True
-                yield delta
+            async with aclosing(stream):
+                async for out in stream:
+                    delta = self._delta(out)
+                    num_output_tokens = out.num_output_tokens
+                    if (f := delta.finished) is not None:
+                        logger.info("%s finished: %s, %d prompt + %d output tokens, queue %.2f s", name,
+                                    f.finish_reason, f.num_prompt_tokens, f.num_output_tokens, f.queue_s)  # fmt: skip
+                        logged = True
+                    if box is None:
+                        yield delta
+                    elif not box.closed:
+                        box.put(request.request_id, delta)
+                    else:  # the router closed its stream: it reads this request no more (aclosing aborts it)
+                        return
         except InvalidRequestError as e:
             logger.info("%s refused: %s", name, e)
             logged = True
@@ -99,8 +115,31 @@ class Worker:
             logged = True
             yield WorkerError("moved", f"worker {self.name}: {e}")
         finally:
+            if box is not None:
+                box.leave()
             if not logged:  # the client went away, or the engine failed
                 logger.info("%s stopped after %d output tokens", name, num_output_tokens)
+
+    async def subscribe(self, sub: Subscribe) -> AsyncIterator[list[tuple[str, GenerateDelta]]]:
+        """A router's delta stream (workers/delta_outbox.py): an empty list
+        once connected, then a list of (request id, delta) per engine step
+        for the router's requests riding here. Ends when the router has had
+        nothing here for a while, or at once if it was meant for another
+        replica (Serve may hand a request any replica)."""
+        if sub.replica != self.name:
+            return
+        box = DeltaOutbox()
+        old = self._outboxes.get(sub.router)
+        if old is not None:  # a second stream from the same router replaces the first
+            old.closed = True
+        self._outboxes[sub.router] = box
+        try:
+            async for batch in box.batches():
+                yield batch
+        finally:
+            box.closed = True
+            if self._outboxes.get(sub.router) is box:
+                del self._outboxes[sub.router]
 
     def _delta(self, out: RequestOutput) -> GenerateDelta:
         finished = None

@@ -1,0 +1,127 @@
+"""This router's delta streams: one per worker replica, carrying every delta
+of this router's requests there as one batch per engine step
+(workers/delta_outbox.py is the worker's end).
+
+A request still goes to its worker on its own Serve stream, so routing,
+Serve's in-flight counts, cancellation and a dead worker's errors work as
+before; but once this router's stream is open at that worker, the
+request's own stream only says Riding (and, if it comes to that, carries a
+refusal) while its deltas arrive here. The stream to a worker is opened
+when a request's first delta shows which worker took it, so the first
+requests to a new worker stream on their own.
+
+A delta stream that ends or breaks ends its riders: their streams raise
+WorkerLost and the failover pool resumes them from what the client has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from shoal.workers.messages import Subscribe
+
+logger = logging.getLogger(__name__)
+
+
+class MuxEnded:
+    """Put in a rider's inbox when its delta stream ends or breaks."""
+
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+
+class DeltaMux:
+    # A worker answers a subscription at once; past this it is not reachable.
+    CONNECT_TIMEOUT_S = 5.0
+    # A subscription that did not connect (misrouted, timed out) is tried again after this.
+    RETRY_S = 1.0
+
+    def __init__(self, handle, router_id: str | None = None):
+        self.router_id = router_id or f"router-{os.getpid()}-{id(self):x}"
+        self._subscribe = handle.options(method_name="subscribe", stream=True, _by_reference=False)
+        self._inboxes: dict[str, asyncio.Queue] = {}  # request id -> what arrives for it
+        self._readers: dict[str, asyncio.Task] = {}  # worker -> its stream's reader
+        self._riders: dict[str, set[str]] = {}  # worker -> request ids riding its stream
+        self._retry_at: dict[str, float] = {}
+        self.num_batches = self.num_deltas = 0
+
+    # ---- requests ---------------------------------------------------------------
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        q = self._inboxes[request_id] = asyncio.Queue()
+        return q
+
+    def ride(self, request_id: str, worker: str) -> bool:
+        """The worker said the request rides this router's stream there;
+        False if that stream is not open here (it ended or broke)."""
+        if worker not in self._readers:
+            return False
+        self._riders.setdefault(worker, set()).add(request_id)
+        return True
+
+    def close(self, request_id: str, worker: str | None = None) -> None:
+        self._inboxes.pop(request_id, None)
+        if worker is not None and (riders := self._riders.get(worker)) is not None:
+            riders.discard(request_id)
+
+    # ---- streams ----------------------------------------------------------------
+
+    def connect(self, worker: str) -> None:
+        """Open this router's stream at `worker` unless it is open, opening,
+        or failed to connect a moment ago."""
+        if worker in self._readers or time.monotonic() < self._retry_at.get(worker, 0.0):
+            return
+        self._readers[worker] = asyncio.get_running_loop().create_task(self._read(worker), name=f"shoal-mux-{worker}")
+
+    async def _read(self, worker: str) -> None:
+        gen = self._subscribe.remote(Subscribe(self.router_id, worker))
+        error: BaseException | None = None
+        connected = ended = False
+        try:
+            await asyncio.wait_for(gen.__anext__(), self.CONNECT_TIMEOUT_S)  # the worker's empty hello
+            connected = True
+            logger.info("delta stream from worker %s open", worker)
+            inboxes = self._inboxes
+            async for batch in gen:
+                self.num_batches += 1
+                self.num_deltas += len(batch)
+                for request_id, delta in batch:
+                    q = inboxes.get(request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
+            ended = True
+        except StopAsyncIteration:  # the subscription reached another replica, which declined it
+            ended = True
+        except asyncio.CancelledError:
+            error = ConnectionError("the router closed its delta stream")
+            raise
+        except Exception as e:  # the worker died, or never answered
+            error = e
+        finally:
+            del self._readers[worker]
+            if not connected:
+                self._retry_at[worker] = time.monotonic() + self.RETRY_S
+            if not ended:
+                gen.cancel()
+            riders = self._riders.pop(worker, ())
+            if riders and error is None:
+                error = ConnectionError(f"worker {worker}'s delta stream ended with requests riding on it")
+            for request_id in riders:
+                if (q := self._inboxes.get(request_id)) is not None:
+                    q.put_nowait(MuxEnded(error))
+            if error is not None and connected:
+                logger.warning("delta stream from worker %s ended: %s (%d requests riding)", worker,
+                               str(error).splitlines()[0] if str(error) else type(error).__name__, len(riders))  # fmt: skip
+
+    def is_open(self, worker: str) -> bool:
+        return worker in self._readers
+
+    async def aclose(self) -> None:
+        tasks = list(self._readers.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -44,6 +44,9 @@ RUNNING_WEIGHT = 0.25
 # wins), small beside a hit or a queued request: a full replica preempts.
 MEM_TOKENS = 256.0
 DEFAULT_BLOCK_SIZE = 16
+# Added to the cost where the request does not fit: past any cost a
+# replica that fits can have, so those always come first.
+DOES_NOT_FIT = 1e12
 
 
 @dataclass(slots=True)
@@ -117,30 +120,43 @@ def prefix_hit(hashes: Sequence[int], held, limit: int | None = None) -> int:
 def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int, int]]:
     """(index into figs, the blocks the request would take there), best
     first. Ties go to the lower index. Written for speed (it runs once per
-    request over every replica): the module docstring's formula, unrolled."""
+    request over every replica): the module docstring's formula, unrolled,
+    the fits-first key folded into one float."""
     hashes, usable, bs, blocks = need.hashes, need.usable, need.block_size, need.blocks
-    h0 = hashes[0] if usable and hashes else None
-    prefill = need.prompt_blocks * bs
-    q_wait, q_run = Q_TOKENS, Q_TOKENS * RUNNING_WEIGHT
-    keys = []
-    i = 0
+    usable = min(usable, len(hashes))
+    h0 = hashes[0] if usable else None
+    last = usable - 1
+    base = need.prompt_blocks * bs + MEM_TOKENS
+    q_wait, q_run, mem = Q_TOKENS, Q_TOKENS * RUNNING_WEIGHT, MEM_TOKENS
+    keys, hits = [], []
     for f in figs:
-        held = f.held
-        if h0 is not None and h0 in held:
-            hit = prefix_hit(hashes, held, usable)
-            cost = prefill - hit * bs + q_wait * (f.waiting + len(f.sent)) + q_run * f.running
-        else:  # most replicas, most of the time: one lookup
-            hit = 0
-            cost = prefill + q_wait * (f.waiting + len(f.sent)) + q_run * f.running
+        cost = base + q_wait * (f.waiting + len(f.sent)) + q_run * f.running
+        hit = 0
+        if h0 is not None and h0 in (held := f.held):  # prefix_hit, inlined: the binary search
+            if hashes[last] in held:
+                hit = usable
+            else:
+                lo, hi = 1, last
+                while lo < hi:
+                    mid = (lo + hi + 1) >> 1
+                    if hashes[mid - 1] in held:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                hit = lo
+            cost -= hit * bs
         total = f.total_blocks
         if total:  # reported; an unreported replica is taken to be empty
             free_after = f.free_blocks - f.sent_blocks - blocks + hit
-            keys.append((free_after < 0, cost + MEM_TOKENS - MEM_TOKENS * free_after / total, i, blocks - hit))
+            cost -= mem * free_after / total
+            if free_after < 0:
+                cost += DOES_NOT_FIT
         else:
-            keys.append((False, cost, i, blocks - hit))
-        i += 1
-    keys.sort()
-    return [(k[2], k[3]) for k in keys]
+            cost -= mem
+        keys.append(cost)
+        hits.append(hit)
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties keep the lower index
+    return [(i, blocks - hits[i]) for i in order]
 
 
 def queue_depth(f: ReplicaFigures) -> int:

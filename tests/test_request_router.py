@@ -192,6 +192,10 @@ def test_binary_search_hit_count_equals_a_linear_scan():
         limit = rng.randrange(0, len(query) + 2)
         assert routing.prefix_hit(query, held) == linear
         assert routing.prefix_hit(query, held, limit) == min(linear, limit)
+        # kv_rank inlines the same search: the blocks it charges are the need less that hit.
+        need = routing.RequestNeed(query, limit, len(query), len(query) + 3, 4)
+        f = ReplicaFigures(free_blocks=1000, total_blocks=1000, block_size=4, held=dict.fromkeys(held, 0.0))
+        assert routing.kv_rank([f], need) == [(0, len(query) + 3 - min(linear, limit))]
 
 
 # ---- the Serve request router (no cluster: called as Serve calls it) ----------------

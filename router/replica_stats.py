@@ -46,13 +46,16 @@ class ReplicaFigures:
     block_size: int = 0
     running: int = 0
     waiting: int = 0
+    waiting_tokens: int = 0  # prompt tokens it had still to prefill
     reported_at: float = 0.0  # wall time the figures were taken (0: never)
     poll_time: float = 0.0  # `time` of the last poll result taken in
     # chain hash -> 0.0 (reported by the replica) or when this process sent it
     # (assumed); insertion order is least recent first.
     held: dict[int, float] = field(default_factory=dict)
-    sent: dict[str, tuple[int, float]] = field(default_factory=dict)  # request id -> (blocks, when), oldest first
+    # request id -> (blocks, prefill tokens, when), oldest first
+    sent: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     sent_blocks: int = 0
+    sent_tokens: int = 0
     in_flight: int = 0  # this process's streams to it, from send to end
 
 
@@ -77,7 +80,7 @@ class ReplicaStats:
     # ---- reports ----------------------------------------------------------------
 
     def observe_load(self, replica: str, free_blocks: int, total_blocks: int, block_size: int, running: int,
-                     waiting: int, taken_at: float | None = None) -> None:  # fmt: skip
+                     waiting: int, taken_at: float | None = None, waiting_tokens: int = 0) -> None:  # fmt: skip
         """A replica's figures (a delta's `load`, or a poll's scalars)."""
         taken_at = time.time() if taken_at is None else taken_at
         f = self.get(replica)
@@ -85,14 +88,14 @@ class ReplicaStats:
             if taken_at < f.reported_at:  # an older report than the one held (a poll that lagged)
                 return
             f.free_blocks, f.total_blocks, f.block_size = free_blocks, total_blocks, block_size
-            f.running, f.waiting = running, waiting
+            f.running, f.waiting, f.waiting_tokens = running, waiting, waiting_tokens
             f.reported_at = taken_at
             self._supersede(f, taken_at - self.grace_s)
 
     def observe_worker_load(self, load) -> None:
         """A GenerateDelta's `load` (a WorkerLoad), taken as of now."""
         self.observe_load(load.worker, load.num_free_blocks, load.num_total_blocks, load.block_size,
-                          load.num_running, load.num_waiting)  # fmt: skip
+                          load.num_running, load.num_waiting, None, load.num_waiting_tokens)  # fmt: skip
 
     def observe_poll(self, replica: str, stats: dict) -> None:
         """A `record_routing_stats` result (Worker.record_routing_stats)."""
@@ -104,7 +107,7 @@ class ReplicaStats:
             return
         f.poll_time = t
         self.observe_load(replica, stats["free_blocks"], stats["total_blocks"], stats["block_size"], stats["running"],
-                          stats["waiting"], t)  # fmt: skip
+                          stats["waiting"], t, stats.get("waiting_tokens", 0))  # fmt: skip
         cutoff = t - self.grace_s
         # Least recent first; assumed hashes sent since the poll's cutoff stay.
         held = dict.fromkeys(reversed(stats.get("cached", ())), 0.0)
@@ -117,17 +120,19 @@ class ReplicaStats:
     def _supersede(self, f: ReplicaFigures, cutoff: float) -> None:
         """Drop sends made before `cutoff`: the report counts them."""
         while f.sent:
-            rid, (blocks, at) = next(iter(f.sent.items()))
+            rid, (blocks, tokens, at) = next(iter(f.sent.items()))
             if at > cutoff:
                 break
             del f.sent[rid]
             f.sent_blocks -= blocks
+            f.sent_tokens -= tokens
 
     # ---- what this process sends ----------------------------------------------
 
     def reserve(self, request_id: str, replica: str, blocks: int, hashes: Sequence[int] = (),
-                now: float | None = None) -> None:  # fmt: skip
-        """Count a request as sent to `replica` (again: moved there)."""
+                now: float | None = None, tokens: int = 0) -> None:  # fmt: skip
+        """Count a request as sent to `replica` (again: moved there): the
+        KV blocks and the prefill tokens it takes there."""
         prev = self._where.get(request_id)
         if prev == replica:
             return
@@ -137,8 +142,9 @@ class ReplicaStats:
             if prev is not None:
                 self._forget(request_id, prev)
             self._where[request_id] = replica
-            f.sent[request_id] = (blocks, now)
+            f.sent[request_id] = (blocks, tokens, now)
             f.sent_blocks += blocks
+            f.sent_tokens += tokens
             f.in_flight += 1
             if hashes and hashes[-1] not in f.held:  # (all held already: a repeat; leave them as they are)
                 f.held.update(dict.fromkeys(hashes, now))
@@ -158,6 +164,7 @@ class ReplicaStats:
                 sent = f.sent.pop(request_id, None)
                 if sent is not None:
                     f.sent_blocks -= sent[0]
+                    f.sent_tokens -= sent[1]
 
     def done(self, request_id: str) -> None:
         """The request's stream ended (finished, refused, failed or cancelled)."""
@@ -171,6 +178,7 @@ class ReplicaStats:
         sent = f.sent.pop(request_id, None)
         if sent is not None:
             f.sent_blocks -= sent[0]
+            f.sent_tokens -= sent[1]
         if self._where.pop(request_id, None) is not None:
             f.in_flight -= 1
 

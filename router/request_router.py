@@ -76,11 +76,11 @@ class KVRequestRouter(RequestRouter):
         stats = replica_stats.REGISTRY
         figs = self._figures(candidate_replicas, stats)
         request = _request(pending_request)
-        order, blocks = routing.choose(self.policy, request, figs, self._turn)
+        order, blocks, tokens = routing.choose(self.policy, request, figs, self._turn)
         self._turn += 1
         if request is not None:
             stats.reserve(request.request_id, candidate_replicas[order[0]].replica_id.unique_id, blocks,
-                          request.block_hashes or ())  # fmt: skip
+                          request.block_hashes or (), tokens=tokens)  # fmt: skip
         return [[candidate_replicas[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -92,8 +92,8 @@ class KVRequestRouter(RequestRouter):
         stats, replica = replica_stats.REGISTRY, replica_id.unique_id
         if stats.where(request.request_id) != replica:
             f = stats.get(replica)
-            blocks = routing.blocks_at(request, f) if self.policy == "kv" else 0
-            stats.reserve(request.request_id, replica, blocks, request.block_hashes or ())
+            blocks, tokens = routing.blocks_at(request, f) if self.policy == "kv" else (0, 0)
+            stats.reserve(request.request_id, replica, blocks, request.block_hashes or (), tokens=tokens)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """The replica set or a replica's routing stats changed (Serve's long poll)."""

@@ -2,11 +2,14 @@
 ReplicaFigures (replica_stats.py), the same for Ray Serve's request router
 (request_router.py) and the in-process pool (worker_pool.py).
 
-`kv` ranks by an estimated cost, in prompt tokens of prefill (lower wins):
+`kv` ranks by an estimate of the time to this request's first token, in
+prompt tokens of prefill (lower wins):
 
-    cost = (prompt_blocks - hit) * block_size       # prefill this replica cannot skip
-         + Q_TOKENS * (waiting + sent + RUNNING_WEIGHT * running)
-         + MEM_TOKENS * used_after                   # 0 (empty) .. 1 (full) after this request
+    cost = PREFILL_WEIGHT * (prompt - hit * block_size)   # its own prefill: what the cache there cannot skip
+         + waiting_tokens + sent_tokens                    # the prefill queued ahead of it there
+         + REQUEST_TOKENS * (waiting + sent)               # and each queued request's own steps
+         + RUNNING_TOKENS * running                        # decodes share every step with it
+         + MEM_TOKENS * used_after                         # 0 (empty) .. 1 (full) after this request
 
 after a first key: replicas where the request fits (free_after >= 0) come
 before those where it does not, where
@@ -15,8 +18,14 @@ before those where it does not, where
     need       = ceil((prompt + min(max_tokens, EXPECTED_OUTPUT_TOKENS)) / block_size)
 
 `hit` is how many of the prompt's leading blocks the replica holds (the
-chain hashes it reported, plus those this process sent it since), `sent` and
-`sent_blocks` what this process sent it that no report reflects yet.
+chain hashes it reported, plus those this process sent it since).
+`waiting_tokens` is what the replica reported still to prefill (its waiting
+requests' prompts less the prefix each found cached, and the rest of
+chunked prompts in progress); `sent`, `sent_tokens` and `sent_blocks` are
+what this process sent it that no report reflects yet. Weighing the queue by
+its tokens, not its length, keeps a prefix holder attractive while what
+waits there is mostly cache hits, and sends work away from one that is
+prefilling long misses.
 """
 
 from __future__ import annotations
@@ -31,15 +40,16 @@ from shoal.router.replica_stats import ReplicaFigures
 # and the engine takes decode blocks as it goes, not up front; a few hundred
 # tokens is a typical answer.
 EXPECTED_OUTPUT_TOKENS = 256
-# What one request queued ahead costs, in prompt tokens to prefill: a
-# waiting request prefills before this one does, and a typical prompt is a
-# few hundred tokens. A prefix hit of more than Q_TOKENS tokens so outweighs
-# one request more in the queue; a burst of short prompts spreads at once,
-# a burst sharing a long prefix fills the holder up to ~hit/Q_TOKENS deep.
-Q_TOKENS = 512.0
-# A running request only takes its share of each decode step, unlike a
-# waiting one, which holds this one back entirely.
-RUNNING_WEIGHT = 0.25
+# A request's own prefill counts twice: once for its own wait, once for
+# the requests queued behind it there, whom recomputing a prefix another
+# replica holds also delays. So a burst sharing a prefix stays on its holder
+# while what queues there is mostly cache hits.
+PREFILL_WEIGHT = 2.0
+# A queued request costs its prefill tokens and, beyond them, the fixed
+# part of the steps it takes (a step's overhead is some tens of tokens).
+REQUEST_TOKENS = 64.0
+# A running request adds its decode to every step this one waits through.
+RUNNING_TOKENS = 128.0
 # Memory pressure breaks ties between equally loaded replicas (the emptier
 # wins), small beside a hit or a queued request: a full replica preempts.
 MEM_TOKENS = 256.0
@@ -55,7 +65,7 @@ class RequestNeed:
 
     hashes: Sequence[int]  # the chain hashes of the prompt's full blocks
     usable: int  # leading blocks a hit may cover: the engine always computes the last prompt token
-    prompt_blocks: int
+    prompt_tokens: int
     blocks: int  # prompt + expected output
     block_size: int
 
@@ -63,8 +73,8 @@ class RequestNeed:
 def request_need(num_prompt_tokens: int, max_tokens: int, block_size: int,
                  hashes: Sequence[int] | None) -> RequestNeed:  # fmt: skip
     expected = num_prompt_tokens + min(max_tokens, EXPECTED_OUTPUT_TOKENS)
-    return RequestNeed(hashes or (), max(0, (num_prompt_tokens - 1) // block_size),
-                       -(-num_prompt_tokens // block_size), -(-expected // block_size), block_size)  # fmt: skip
+    return RequestNeed(hashes or (), max(0, (num_prompt_tokens - 1) // block_size), num_prompt_tokens,
+                       -(-expected // block_size), block_size)  # fmt: skip
 
 
 def need_of(request, figs: Sequence[ReplicaFigures]) -> RequestNeed:
@@ -73,22 +83,25 @@ def need_of(request, figs: Sequence[ReplicaFigures]) -> RequestNeed:
     return request_need(len(request.prompt_token_ids), request.params.max_tokens, bs, request.block_hashes)
 
 
-def choose(policy: str, request, figs: Sequence[ReplicaFigures], turn: int = 0) -> tuple[list[int], int]:
+def choose(policy: str, request, figs: Sequence[ReplicaFigures], turn: int = 0) -> tuple[list[int], int, int]:
     """The replicas' order for `request` (a GenerateRequest, or None) under
-    `policy`, best first, and the blocks it takes at the first."""
+    `policy`, best first, and what it takes at the first: KV blocks, and
+    prompt tokens to prefill (0 and 0 for the policies that do not look)."""
     if policy == "kv":
         if request is None:
-            return least_requests_rank(figs), 0
+            return least_requests_rank(figs), 0, 0
         ranked = kv_rank(figs, need_of(request, figs))
-        return [i for i, _ in ranked], ranked[0][1] if ranked else 0
+        return [r[0] for r in ranked], *(ranked[0][1:] if ranked else (0, 0))
     order = least_requests_rank(figs) if policy == "least-requests" else round_robin_rank(len(figs), turn)
-    return order, 0
+    return order, 0, 0
 
 
-def blocks_at(request, f: ReplicaFigures) -> int:
-    """The blocks `request` takes at replica f (its need less what f holds)."""
+def blocks_at(request, f: ReplicaFigures) -> tuple[int, int]:
+    """What `request` takes at replica f: KV blocks (its need less what f
+    holds) and prompt tokens to prefill."""
     need = need_of(request, (f,))
-    return need.blocks - prefix_hit(need.hashes, f.held, need.usable)
+    hit = prefix_hit(need.hashes, f.held, need.usable)
+    return need.blocks - hit, need.prompt_tokens - hit * need.block_size
 
 
 def prefix_hit(hashes: Sequence[int], held, limit: int | None = None) -> int:
@@ -117,20 +130,21 @@ def prefix_hit(hashes: Sequence[int], held, limit: int | None = None) -> int:
     return lo
 
 
-def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int, int]]:
-    """(index into figs, the blocks the request would take there), best
-    first. Ties go to the lower index. Written for speed (it runs once per
-    request over every replica): the module docstring's formula, unrolled,
-    the fits-first key folded into one float."""
-    hashes, usable, bs, blocks = need.hashes, need.usable, need.block_size, need.blocks
+def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int, int, int]]:
+    """(index into figs, the blocks and the prefill tokens the request would
+    take there), best first. Ties go to the lower index. Written for speed
+    (it runs once per request over every replica): the module docstring's
+    formula, unrolled, the fits-first key folded into one float."""
+    hashes, usable, bs, blocks, prompt = need.hashes, need.usable, need.block_size, need.blocks, need.prompt_tokens
     usable = min(usable, len(hashes))
     h0 = hashes[0] if usable else None
     last = usable - 1
-    base = need.prompt_blocks * bs + MEM_TOKENS
-    q_wait, q_run, mem = Q_TOKENS, Q_TOKENS * RUNNING_WEIGHT, MEM_TOKENS
+    base = PREFILL_WEIGHT * prompt + MEM_TOKENS
+    per_request, per_running, mem, saved = REQUEST_TOKENS, RUNNING_TOKENS, MEM_TOKENS, PREFILL_WEIGHT * bs
     keys, hits = [], []
     for f in figs:
-        cost = base + q_wait * (f.waiting + len(f.sent)) + q_run * f.running
+        sent = f.sent
+        cost = base + f.waiting_tokens + f.sent_tokens + per_request * (f.waiting + len(sent)) + per_running * f.running
         hit = 0
         if h0 is not None and h0 in (held := f.held):  # prefix_hit, inlined: the binary search
             if hashes[last] in held:
@@ -144,7 +158,7 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
                     else:
                         hi = mid - 1
                 hit = lo
-            cost -= hit * bs
+            cost -= hit * saved
         total = f.total_blocks
         if total:  # reported; an unreported replica is taken to be empty
             free_after = f.free_blocks - f.sent_blocks - blocks + hit
@@ -156,7 +170,7 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
         keys.append(cost)
         hits.append(hit)
     order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties keep the lower index
-    return [(i, blocks - hits[i]) for i in order]
+    return [(i, blocks - hits[i], prompt - hits[i] * bs) for i in order]
 
 
 def queue_depth(f: ReplicaFigures) -> int:

@@ -136,10 +136,10 @@ class LocalWorkerPool:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         stats, names = self.replica_stats, self._names()
         self._poll(names)
-        order, blocks = routing.choose(self.policy, request, [stats.get(n) for n in names], self._turn)
+        order, blocks, tokens = routing.choose(self.policy, request, [stats.get(n) for n in names], self._turn)
         self._turn += 1
         worker = self.workers[order[0]]
-        stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or ())
+        stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens)
         first = True
         try:
             async with aclosing(worker.generate(request)) as stream:

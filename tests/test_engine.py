@@ -83,6 +83,30 @@ def test_chunked_prefill_shares_the_step_with_decodes(tiny_model):
     assert all(shape == [1, 31] for shape in shapes), shapes
 
 
+def test_stats_count_the_prompt_tokens_still_to_prefill(tiny_model):
+    """num_waiting_tokens (what the request router weighs a queue by): a
+    waiting request counts its prompt less the prefix cached when it came,
+    a running one the rest of its chunked prompt, a decoding one nothing."""
+    engine = LLMEngine(model=tiny_model, block_size=16, num_kv_blocks=128, max_num_batched_tokens=32,
+                       max_num_seqs=1)  # fmt: skip
+    p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    shared = list(range(3, 67))  # 64 tokens: 4 full blocks
+    engine.add_request("first", shared + [99], p)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_waiting_tokens == 0
+    engine.add_request("hit", shared + list(range(100, 110)), p)  # 74 tokens, 64 of them cached
+    engine.add_request("miss", list(range(200, 240)), p)  # 40 tokens
+    assert engine.stats().num_waiting_tokens == 10 + 40
+    engine.step()  # "hit" runs (one at a time): its 10 tokens in one step, then it decodes
+    assert engine.stats().num_waiting_tokens == 40
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("long", list(range(300, 400)), p)
+    engine.step()  # a 32-token chunk of 100
+    assert engine.stats().num_waiting_tokens == 100 - 32
+
+
 def test_unknown_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a folder nor a .gguf"):
         LLMEngine(model=str(tmp_path / "nope"))

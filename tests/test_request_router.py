@@ -21,8 +21,9 @@ from shoal.workers.messages import GenerateRequest
 BS = 16
 
 
-def fig(free=200, total=200, running=0, waiting=0, held=()) -> ReplicaFigures:
-    return ReplicaFigures(free, total, BS, running, waiting, reported_at=1.0, held=dict.fromkeys(held, 0.0))
+def fig(free=200, total=200, running=0, waiting=0, held=(), waiting_tokens=0) -> ReplicaFigures:
+    return ReplicaFigures(free, total, BS, running, waiting, waiting_tokens, reported_at=1.0,
+                          held=dict.fromkeys(held, 0.0))  # fmt: skip
 
 
 def request(ids: list[int], max_tokens: int = 64, rid: str | None = None) -> GenerateRequest:
@@ -46,7 +47,8 @@ def test_an_emptier_replica_wins():
     req = request(prompt(160))
     # Fewer requests queued wins; then, queues equal, more free blocks.
     assert first([fig(running=2, waiting=1), fig(running=1)], req) == 1
-    assert first([fig(waiting=1), fig(running=3)], req) == 1  # waiting weighs more than running
+    # A waiting request's prefill weighs more than a few running ones' decodes.
+    assert first([fig(waiting=1, waiting_tokens=500), fig(running=3)], req) == 1
     assert first([fig(free=50), fig(free=150)], req) == 1
     # An unreported replica (just started) counts as empty.
     assert first([fig(running=1), ReplicaFigures()], req) == 1
@@ -56,12 +58,12 @@ def test_a_prefix_holder_wins_when_blocks_allow_and_loses_when_it_cannot_fit():
     ids = prompt(640)  # 40 blocks
     req = request(ids, max_tokens=2000)  # expected output capped: need = ceil((640 + 256) / 16) = 56 blocks
     need = routing.need_of(req, [fig()])
-    assert (need.prompt_blocks, need.blocks, need.usable) == (40, 56, 39)
+    assert (need.prompt_tokens, need.blocks, need.usable) == (640, 56, 39)
     holder = chain_hashes(ids, BS)[:30]
     # The holder is busier and fuller, yet 30 blocks of prefill saved outweigh that.
     figs = [fig(free=150, running=2), fig(free=100, running=3, held=holder)]
-    order, blocks = routing.choose("kv", req, figs)
-    assert order == [1, 0] and blocks == 56 - 30
+    order, blocks, tokens = routing.choose("kv", req, figs)
+    assert order == [1, 0] and blocks == 56 - 30 and tokens == 640 - 30 * BS
     # With 20 free blocks it cannot take the 26 the request still needs: the other one wins.
     assert first([fig(free=150, running=2), fig(free=20, held=holder)], req) == 0
     # ...and where none fits, the one closest to fitting comes first.
@@ -77,18 +79,22 @@ def test_a_prefix_holder_wins_when_blocks_allow_and_loses_when_it_cannot_fit():
 
 def test_a_deep_queue_outweighs_a_prefix_hit():
     ids = prompt(640)
-    holder = chain_hashes(ids, BS)[:20]  # 320 tokens saved: less than one request waiting, more than one running
-    assert first([fig(), fig(waiting=1, held=holder)], request(ids)) == 0
-    assert first([fig(), fig(waiting=0, running=1, held=holder)], request(ids)) == 1
+    holder = chain_hashes(ids, BS)[:20]  # 320 tokens it need not prefill there (counted twice: 640)
+    # A queue of long prefills outweighs the hit; a queue of short ones (mostly hits) does not.
+    assert first([fig(), fig(waiting=1, waiting_tokens=700, held=holder)], request(ids)) == 0
+    assert first([fig(), fig(waiting=3, waiting_tokens=200, held=holder)], request(ids)) == 1
+    # Running requests weigh by their number.
+    assert first([fig(), fig(running=2, held=holder)], request(ids)) == 1
+    assert first([fig(), fig(running=6, held=holder)], request(ids)) == 0
 
 
 def burst(stats: ReplicaStats, names: list[str], reqs: list[GenerateRequest], reserve: bool = True) -> list[str]:
     out = []
     for req in reqs:
-        order, blocks = routing.choose("kv", req, [stats.get(n) for n in names])
+        order, blocks, tokens = routing.choose("kv", req, [stats.get(n) for n in names])
         out.append(names[order[0]])
         if reserve:
-            stats.reserve(req.request_id, out[-1], blocks, req.block_hashes)
+            stats.reserve(req.request_id, out[-1], blocks, req.block_hashes, tokens=tokens)
     return out
 
 
@@ -102,10 +108,16 @@ def test_optimistic_accounting_spreads_a_burst():
     # With it, the identical requests spread evenly.
     chosen = burst(fresh(), names, reqs)
     assert sorted(chosen.count(n) for n in names) == [2, 2, 2, 2]
-    # A burst sharing a long prefix fills the holder a few deep, then spreads.
+    # A burst sharing a long prefix stays on the replica that will hold it
+    # (each after the first prefills only its last block there), up to the
+    # point where the queue there outweighs prefilling it all elsewhere.
     long = [request(prompt(2000), rid=f"l{i}") for i in range(12)]
-    chosen = burst(fresh(), names, long)
-    assert 2 <= len(set(chosen)) and max(chosen.count(n) for n in names) <= 6
+    assert set(burst(fresh(), names, long)) == {"a"}
+    chosen = burst(fresh(), names, [request(prompt(2000), rid=f"m{i}") for i in range(60)])
+    assert 2 <= len(set(chosen)) and chosen[:12] == ["a"] * 12
+    # A burst of long prompts that share nothing spreads at once.
+    distinct = burst(fresh(), names, [request(prompt(2000, seed=i), rid=f"d{i}") for i in range(8)])
+    assert sorted(distinct.count(n) for n in names) == [2, 2, 2, 2]
 
 
 def _stats_with(figs: dict[str, ReplicaFigures]) -> ReplicaStats:
@@ -193,9 +205,10 @@ def test_binary_search_hit_count_equals_a_linear_scan():
         assert routing.prefix_hit(query, held) == linear
         assert routing.prefix_hit(query, held, limit) == min(linear, limit)
         # kv_rank inlines the same search: the blocks it charges are the need less that hit.
-        need = routing.RequestNeed(query, limit, len(query), len(query) + 3, 4)
+        need = routing.RequestNeed(query, limit, 4 * len(query) + 1, len(query) + 3, 4)
         f = ReplicaFigures(free_blocks=1000, total_blocks=1000, block_size=4, held=dict.fromkeys(held, 0.0))
-        assert routing.kv_rank([f], need) == [(0, len(query) + 3 - min(linear, limit))]
+        hit = min(linear, limit)
+        assert routing.kv_rank([f], need) == [(0, len(query) + 3 - hit, 4 * len(query) + 1 - 4 * hit)]
 
 
 # ---- the Serve request router (no cluster: called as Serve calls it) ----------------

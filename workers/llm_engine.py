@@ -47,6 +47,7 @@ class EngineStats:
     block_size: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    num_waiting_tokens: int  # prompt tokens still to prefill (Scheduler.num_waiting_tokens)
 
 
 @dataclass(slots=True)
@@ -275,7 +276,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
                            bm.num_total_blocks, bm.block_size, bm.prefix_cache_hit_rate,
-                           self.scheduler.num_preemptions)  # fmt: skip
+                           self.scheduler.num_preemptions, self.scheduler.num_waiting_tokens)  # fmt: skip
 
     def check_health(self) -> None:
         """Raise if a tensor-parallel rank is gone."""

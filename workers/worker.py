@@ -183,13 +183,15 @@ class Worker:
         the load and the MRU cached chain hashes. Figures unchanged since the
         last poll return the same dict, so an idle worker sets off no broadcast."""
         load = self.stats()
-        key = (self.engine.engine.num_steps, load.num_free_blocks, load.num_running, load.num_waiting)
+        key = (self.engine.engine.num_steps, load.num_free_blocks, load.num_running, load.num_waiting,
+               load.num_waiting_tokens)
         if key != self._routing_key:
             cached = self.engine.engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
             self._routing_key = key
             self._routing_stats = {"worker": self.name, "time": time.time(), "free_blocks": load.num_free_blocks,
                                    "total_blocks": load.num_total_blocks, "block_size": load.block_size,
-                                   "running": load.num_running, "waiting": load.num_waiting, "cached": cached}  # fmt: skip
+                                   "running": load.num_running, "waiting": load.num_waiting,
+                                   "waiting_tokens": load.num_waiting_tokens, "cached": cached}  # fmt: skip
         return self._routing_stats
 
     # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/rebalance.py)

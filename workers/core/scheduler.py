@@ -76,10 +76,22 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens still to prefill before the queue is through: each
+        waiting request's (less the prefix the cache held when it arrived)
+        and the rest of running ones' chunked prompts. The request router
+        weighs a queue by it. Read from other threads: it works on copies."""
+        n = sum(min(s.num_expected_prefill, s.num_tokens - s.num_computed_tokens) for _, _, s in list(self.waiting))
+        return n + sum(r for s in list(self.running) if (r := s.num_tokens - s.num_computed_tokens) > 1)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        if seq.num_computed_tokens == 0 and not seq.num_expected_prefill:  # a new arrival, not a preempted one
+            hits = self.block_manager.get_computed_blocks(seq)  # hashes the prompt once; scheduling reuses them
+            seq.num_expected_prefill = seq.num_tokens - len(hits) * self.block_manager.block_size
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting, (seq.priority, seq.arrival_order, seq))
 

@@ -46,6 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_expected_prefill: int = 0  # tokens it was expected to prefill when it arrived (the cache then less)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks already in the prefix index

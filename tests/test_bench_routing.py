@@ -185,17 +185,20 @@ def test_the_knee_and_the_goals():
     assert routing.find_knee(sweep, 2.0) == (3, True)
     assert routing.find_knee(sweep[:2], 2.0) == (2, False)
 
-    def row(kind, load, policy, p99, hit, tput=100.0):
+    def row(kind, load, policy, p99, hit, tput=100.0, shed=0):
         return {"workload": kind, "load": load, "policy": policy, "ttft_p99_ms": p99, "hit_rate": hit,
-                "ideal_hit_rate": 0.9, "output_throughput": tput}  # fmt: skip
+                "ideal_hit_rate": 0.9, "output_throughput": tput, "shed": shed}  # fmt: skip
 
     goals = routing.check_goals([row("shared", "knee", "kv", 100, 0.85), row("shared", "knee", "pow2", 600, 0.25),
-                                 row("hot", "knee", "kv", 130, 0.5),
+                                 row("unique", "knee", "kv", 104, 0), row("unique", "knee", "pow2", 100, 0, 106),
+                                 row("hot", "knee", "kv", 130, 0.5, shed=1),
                                  row("hot", "knee", "pow2", 100, 0.5, 90)])  # fmt: skip
     got = {g["goal"]: g["ok"] for g in goals}
     assert got == {"shared @ knee: pow2 p99 TTFT / kv's": True, "shared @ knee: kv hit rate / pow2's": True,
                    "shared @ knee: kv hit rate / ideal": True, "shared @ knee: kv throughput / pow2's": True,
-                   "hot @ knee: kv p99 TTFT / pow2's": False, "hot @ knee: kv throughput / pow2's": True}  # fmt: skip
+                   "unique @ knee: kv p99 TTFT / pow2's": True, "unique @ knee: kv throughput / pow2's": False,
+                   "hot @ knee: kv shed - pow2's": False, "hot @ knee: kv p99 TTFT / pow2's": False,
+                   "hot @ knee: kv throughput / pow2's": None}  # fmt: skip
 
 
 def test_a_cached_knee_and_whole_policies_are_reused_only_for_the_same_setup(tmp_path):

@@ -59,6 +59,42 @@ class Result:
     error: str = ""
 
 
+def replica_cpu_s(app: str) -> dict[str, float]:
+    """CPU seconds the app's replica processes have used so far, summed by
+    deployment (Router, Worker), each read in its own process (tensor-parallel
+    ranks beyond the replica are not counted)."""
+    import ray
+
+    refs: dict[str, list] = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{app}#"):
+            actor = ray.get_actor(a["name"], namespace="serve")
+            refs.setdefault(a["name"].split("#")[1], []).append(actor.__ray_call__.remote(lambda _: time.process_time()))
+    return {kind: sum(ray.get(r, timeout=30)) for kind, r in refs.items()}
+
+
+class CpuMeter:
+    """CPU seconds used while one target ran: this process (the client, and
+    for the in-process target the engine too) and, for our own cluster, its
+    router and worker processes. Read between targets, when nothing is in flight."""
+
+    def __init__(self, app: str | None = None):
+        self.app = app
+
+    def read(self) -> dict[str, float]:
+        out = {"this process": time.process_time()}
+        if self.app is not None:
+            out.update(replica_cpu_s(self.app))
+        return out
+
+    async def around(self, offer):
+        """(results, duration, {process: CPU s}) of awaiting `offer`."""
+        before = self.read()
+        res, dur = await offer
+        after = self.read()
+        return res, dur, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
 def make_workload(n: int, input_len: int, output_len: int, rate: float, seed: int):
     """[(arrival offset s, prompt text, max_tokens)], the same for every target."""
     rng = random.Random(seed)
@@ -154,9 +190,11 @@ def grpc_sender(stub, api_key: str | None):
     return send
 
 
-def summarize(label: str, results: list[Result], duration: float) -> dict:
+def summarize(label: str, results: list[Result], duration: float, cpu: dict[str, float] | None = None) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
+    # CPU per output token, by process: what serving each token costs the machine.
+    cpu_ms = {proc: 1000 * secs / out_tokens for proc, secs in (cpu or {}).items()} if out_tokens else {}
 
     def pct(xs, q):
         if not xs:
@@ -174,7 +212,10 @@ def summarize(label: str, results: list[Result], duration: float) -> dict:
             "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
             "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats(tpot),
             "itl_ms": stats([x for r in ok for x in r.itl]), "e2el_ms": stats([r.e2e for r in ok]),
-            "errors": sorted({r.error for r in results if not r.ok})[:3]}  # fmt: skip
+            "cpu_ms_per_output_token": cpu_ms, "errors": sorted({r.error for r in results if not r.ok})[:3]}  # fmt: skip
+
+
+_PROCS = ["this process", "Router", "Worker"]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -193,31 +234,37 @@ def print_table(rows: list[dict]) -> None:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
         for stat in ("mean", "p50", "p99"):
             line(f"{name} {stat} (ms)", lambda r, k=key, s=stat: r[k][s])
+    for proc in sorted({p for r in rows for p in r.get("cpu_ms_per_output_token", {})}, key=lambda p: (_PROCS.index(p) if p in _PROCS else len(_PROCS), p)):
+        line(f"CPU ms/token: {proc}", lambda r, p=proc: r["cpu_ms_per_output_token"].get(p, float("nan")), "{:.2f}")
+    if any(r.get("cpu_ms_per_output_token") for r in rows):
+        line("CPU ms/token: all", lambda r: sum(r.get("cpu_ms_per_output_token", {}).values()), "{:.2f}")
     base = rows[0]
     for r in rows[1:]:
         print(f"{r['label']} vs {base['label']}: TTFT p50 {r['ttft_ms']['p50'] - base['ttft_ms']['p50']:+.1f} ms, "
+              f"TPOT p50 {100 * (r['tpot_ms']['p50'] / base['tpot_ms']['p50'] - 1):+.1f}%, "
               f"output throughput {100 * r['output_throughput'] / base['output_throughput']:.1f}%")  # fmt: skip
 
 
-async def _measure_cluster(ns, opts, work, salts=("", "")) -> list[tuple[str, list[Result], float]]:
+async def _measure_cluster(ns, opts, work, salts=("", ""), meter: CpuMeter | None = None) -> list[tuple]:
+    """[(label, results, duration, CPU s by process)] for HTTP then gRPC."""
     import aiohttp
     import grpc
 
     from shoal.proto.v1 import shoal_pb2_grpc
 
+    meter = meter or CpuMeter()
     out = []
     if ns.url or not ns.grpc:
         url = ns.url or f"http://127.0.0.1:{opts.http_port}/v1"
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
             send = http_sender(session, url, ns.served_model, ns.api_key)
-            res, dur = await _offer(_salted(work, salts[0]), send, "HTTP")
-            out.append(("cluster HTTP" if not ns.url else url, res, dur))
+            out.append(("cluster HTTP" if not ns.url else url, *await meter.around(_offer(_salted(work, salts[0]), send, "HTTP"))))
     if ns.grpc or not ns.url:
         addr = ns.grpc or f"127.0.0.1:{opts.grpc_port}"
         async with grpc.aio.insecure_channel(addr) as ch:
-            res, dur = await _offer(_salted(work, salts[1]), grpc_sender(shoal_pb2_grpc.ShoalStub(ch), ns.api_key), "gRPC")
-            out.append(("cluster gRPC" if not ns.grpc else addr, res, dur))
+            send = grpc_sender(shoal_pb2_grpc.ShoalStub(ch), ns.api_key)
+            out.append(("cluster gRPC" if not ns.grpc else addr, *await meter.around(_offer(_salted(work, salts[1]), send, "gRPC"))))
     return out
 
 
@@ -242,7 +289,7 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     runs, then the targets alternate for --rounds rounds (each round with its
     own prompt prefix), so that drift in the machine's speed hits all alike."""
     from shoal.cluster.options import ServeOptions
-    from shoal.cluster.serve_cmd import launch, shut_down
+    from shoal.cluster.serve_cmd import APP_NAME, launch, shut_down
     from shoal.workers import AsyncEngine
 
     opts = ServeOptions(http_port=_free_port(), grpc_port=_free_port(), num_workers=ns.num_workers,
@@ -256,17 +303,20 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
         async def main():
             eng = AsyncEngine.from_engine_args(local_args)
             send = in_process_sender(eng)
+            meter = CpuMeter(APP_NAME)
             await _offer(_salted(work[:4], "warm"), send, "warm-up")
             await _measure_cluster(ns, opts, work[:4], ("warm", "warm2"))
             got: dict[str, list] = {}
             for k in range(ns.rounds):
-                res, dur = await _offer(_salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}")
-                rounds = [("in-process", res, dur)]
-                rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"))
-                for label, res, dur in rounds:
-                    acc = got.setdefault(label, [label, [], 0.0])
+                local = await meter.around(_offer(_salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}"))
+                rounds = [("in-process", *local)]
+                rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"), meter)
+                for label, res, dur, cpu in rounds:
+                    acc = got.setdefault(label, [label, [], 0.0, {}])
                     acc[1] += res
                     acc[2] += dur
+                    for proc, secs in cpu.items():
+                        acc[3][proc] = acc[3].get(proc, 0.0) + secs
             await eng.shutdown()
             return [tuple(v) for v in got.values()]
 
@@ -281,7 +331,7 @@ def run(ns) -> int:
         measured = asyncio.run(_measure_cluster(ns, None, work))
     else:
         measured = _compare(ns, work)
-    rows = [summarize(label, res, dur) for label, res, dur in measured]
+    rows = [summarize(label, res, dur, cpu) for label, res, dur, cpu in measured]
     print(f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
           f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target")  # fmt: skip
     print_table(rows)
@@ -291,7 +341,7 @@ def run(ns) -> int:
                                                               "seed", "num_workers", "rounds")}, "results": rows}, f, indent=1)  # fmt: skip
     svg = os.path.splitext(ns.output)[0] + ".svg"
     with open(svg, "w") as f:
-        f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, _ in measured},
+        f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, *_ in measured},
                          "Time to first token (CDF)", "ms"))  # fmt: skip
     print(f"wrote {ns.output} and {svg}")
     return 0

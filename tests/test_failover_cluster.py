@@ -11,7 +11,6 @@ import signal
 import time
 
 import grpc
-import httpx
 import pytest
 
 from serving import local_cluster_app

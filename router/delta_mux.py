@@ -115,13 +115,3 @@ class DeltaMux:
             if error is not None and connected:
                 logger.warning("delta stream from worker %s ended: %s (%d requests riding)", worker,
                                str(error).splitlines()[0] if str(error) else type(error).__name__, len(riders))  # fmt: skip
-
-    def is_open(self, worker: str) -> bool:
-        return worker in self._readers
-
-    async def aclose(self) -> None:
-        tasks = list(self._readers.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-

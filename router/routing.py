@@ -146,7 +146,9 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
         sent = f.sent
         cost = base + f.waiting_tokens + f.sent_tokens + per_request * (f.waiting + len(sent)) + per_running * f.running
         hit = 0
-        if h0 is not None and h0 in (held := f.held):  # prefix_hit, inlined: the binary search
+        # prefix_hit's binary search, inlined: the call costs ~20 us a request at 32 replicas
+        # (94 against 72 us for choose_replicas here), and the goal is 100; a test holds the two equal.
+        if h0 is not None and h0 in (held := f.held):
             if hashes[last] in held:
                 hit = usable
             else:

@@ -65,7 +65,7 @@ class ServeWorkerPool:
                     break
                 _take_in(stats, rid, msg, first)
                 load = getattr(msg, "load", None)
-                if first and load is not None and not mux.is_open(load.worker):
+                if first and load is not None:
                     mux.connect(load.worker)  # this router's next requests there ride
                 first = False
                 yield msg

@@ -117,8 +117,9 @@ def test_riding_requests_equal_their_own_streams_and_share_batches(tiny_model):
     for g, r in zip(got, refs):
         assert g.tokens == r.tokens and g.text == r.text and len(g.finished) == 1
     assert riding == len(PROMPTS)  # every later request rode its router's stream
-    # 8 requests of 16 tokens: 128 deltas, in far fewer batches (one per worker per step).
-    assert mux.num_deltas == 8 * 16 and mux.num_batches < mux.num_deltas / 2
+    # 8 requests of 16 tokens: up to 128 deltas (the engine merges a request's deltas when its
+    # reader lags, so fewer under load), in far fewer batches (one per worker per step).
+    assert 8 <= mux.num_deltas <= 8 * 16 and mux.num_batches < mux.num_deltas / 2
     assert free
 
 

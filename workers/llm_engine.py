@@ -48,6 +48,12 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_waiting_tokens: int  # prompt tokens still to prefill (Scheduler.num_waiting_tokens)
+    # Counters since the engine started (metrics and the status page take rates of them).
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens found cached
+    num_prompt_tokens: int  # prompt tokens of the requests added
+    num_generation_tokens: int  # tokens sampled
+    num_finished_requests: int  # requests ended (stop, length or abort)
 
 
 @dataclass(slots=True)
@@ -131,6 +137,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         self.load_time_s = time.perf_counter() - t0
 
     def _kv_capacity(self, args: EngineArgs, device: torch.device, per_block: int, max_len: int) -> int:
@@ -218,6 +225,7 @@ class LLMEngine:
             seq.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.requests[request_id] = _Request(seq, detok)
         self.scheduler.add(seq)
+        self.num_prompt_tokens += num_prompt
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks are free when this returns."""
@@ -225,6 +233,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
+        self.num_finished_requests += 1
         return self._delta(req, [], None)
 
     def has_unfinished_requests(self) -> bool:
@@ -253,6 +262,8 @@ class LLMEngine:
             deltas.append(self._delta(self.requests[seq.request_id], [token], logprobs))
         for seq in finished:
             del self.requests[seq.request_id]
+        self.num_generation_tokens += len(tokens)
+        self.num_finished_requests += len(finished)
         return deltas
 
     def _detokenize(self, seq: Sequence, token: int) -> str | None:
@@ -276,7 +287,9 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
                            bm.num_total_blocks, bm.block_size, bm.prefix_cache_hit_rate,
-                           self.scheduler.num_preemptions, self.scheduler.num_waiting_tokens)  # fmt: skip
+                           self.scheduler.num_preemptions, self.scheduler.num_waiting_tokens,
+                           bm.pool.num_query_tokens, bm.pool.num_hit_tokens, self.num_prompt_tokens,
+                           self.num_generation_tokens, self.num_finished_requests)  # fmt: skip
 
     def check_health(self) -> None:
         """Raise if a tensor-parallel rank is gone."""

@@ -117,6 +117,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.PREEMPTED
+        seq.timings.preempted.append(time.time())
         heapq.heappush(self.waiting, (seq.priority, seq.arrival_order, seq))
         self.num_preemptions += 1
 
@@ -161,6 +162,8 @@ class Scheduler:
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = time.time()
                 seq.num_cached_tokens = seq.num_computed_tokens
+            elif seq.status is SequenceStatus.PREEMPTED:
+                seq.timings.resumed.append(time.time())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

@@ -23,6 +23,9 @@ class RequestTimings:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    # Each preemption and each return to the running batch (the trace's events).
+    preempted: list[float] = field(default_factory=list)
+    resumed: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

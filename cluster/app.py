@@ -15,6 +15,7 @@ from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
 from shoal.router.request_router import request_router_config
 from shoal.workers.distributed.shard_group import tp_bundles
+from shoal.workers.tracing import otel_env
 from shoal.workers.worker import Worker
 
 # Nodes for routers carry this custom Ray resource (e.g. `ray start --resources
@@ -27,14 +28,21 @@ HEADROOM = 64
 # Every streamed delta crosses these replicas; running user code and the
 # handle's router on the replica's own event loop saves two thread hops per
 # delta (the engine has its own thread, so nothing blocks that loop).
-_ONE_LOOP = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                          "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}  # fmt: skip
+_ONE_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def replica_runtime_env() -> dict:
+    """Every replica's runtime_env: one event loop, and the OTEL_* settings
+    of the process building the app (`shoal serve`'s shell), so tracing is
+    configured the same everywhere. A Serve config sets OTEL_* in the
+    application's runtime_env, which Serve merges into these env_vars."""
+    return {"env_vars": {**_ONE_LOOP, **otel_env()}}
 
 
 def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
     """The Worker deployment's `.options(...)`: replicas, resources, queue, health."""
     actor = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": opts.cpus_per_worker}
-    actor["runtime_env"] = _ONE_LOOP
+    actor["runtime_env"] = replica_runtime_env()
     options = {
         # --num-workers, or autoscaling between --min-workers and --max-workers
         **replica_options(opts),
@@ -59,7 +67,7 @@ def router_deployment_options(opts: ServeOptions) -> dict:
     """The Router deployment's `.options(...)`: --routers replicas, at most
     one per node (each binds the HTTP and gRPC ports on its node), on the
     nodes that carry ROUTER_RESOURCE when the cluster has any."""
-    actor = {"num_cpus": 0, "runtime_env": _ONE_LOOP}
+    actor = {"num_cpus": 0, "runtime_env": replica_runtime_env()}
     if cluster_has_router_nodes():
         actor["resources"] = {ROUTER_RESOURCE: ROUTER_RESOURCE_SHARE}
     return {"num_replicas": opts.routers, "max_replicas_per_node": 1, "ray_actor_options": actor,

@@ -165,4 +165,4 @@ class ServeOptions:
     def router_options(self) -> RouterOptions:
         return RouterOptions(self.engine.model, self.host, self.http_port, self.grpc_port, self.num_workers,
                              self.resolved_api_key(), self.max_request_bytes, self.drain_timeout_s,
-                             self.max_retries)  # fmt: skip
+                             self.max_retries, self.routing)  # fmt: skip

@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from shoal.router import tracing
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class FailoverPool:
         retries = failures_in_row = 0
         refused_since: float | None = None
         attempt = request
+        worker = "unknown"  # the worker the latest delta came from
         for n in itertools.count(1):
             got_delta = finished = False
             try:
@@ -109,6 +111,8 @@ class FailoverPool:
                             yield msg  # refused as asked (invalid, or full before the client has any)
                             return
                         got_delta = True
+                        if msg.load is not None:
+                            worker = msg.load.worker
                         streamed += msg.token_ids
                         num_chars += len(msg.text)
                         finished = finished or msg.finished is not None
@@ -135,6 +139,7 @@ class FailoverPool:
                         raise WorkerLost(f"{request.log_name}: worker lost {retries} times; "
                                          f"the retry budget is {self.max_retries}") from e  # fmt: skip
                     self.num_failovers += 1
+                    tracing.failed_over(request.trace_context, worker, len(streamed), _describe(e))
                     logger.warning("%s: worker lost after %d output tokens (%s); sending it on (retry %d of %d)",
                                    request.log_name, len(streamed), _describe(e), retries,
                                    self.max_retries)  # fmt: skip

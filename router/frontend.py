@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from shoal.router import tracing
+from shoal.router.metrics import RouterMetrics
 from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.errors import InvalidRequestError
@@ -56,6 +58,7 @@ class Frontend:
     def __init__(self, pool, tokenizer, info: ModelInfo, api_key: str | None = None):
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
         self.api_key = api_key or None
+        self.metrics = RouterMetrics(info.model, info.max_model_len)
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -88,8 +91,29 @@ class Frontend:
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
 
-    def prepare(self, prompt: Prompt, sampling: dict) -> tuple[list[int], SamplingParams]:
-        """Token ids and SamplingParams, or a ServingError('invalid') naming the field."""
+    def start_span(self, parent, operation: str, request_id: str, client_request_id: str | None,
+                   stream: bool) -> object | None:  # fmt: skip
+        """The request's trace span (router/tracing.py), a child of the
+        client's context `parent`; None when tracing is off."""
+        return tracing.start_request_span(parent, operation, self.info.model, request_id=request_id,
+                                          client_request_id=client_request_id, stream=stream)  # fmt: skip
+
+    def prepare(self, prompt: Prompt, sampling: dict, span=None) -> tuple[list[int], SamplingParams]:
+        """Token ids and SamplingParams, or a ServingError('invalid') naming
+        the field (which also ends `span`, the request's, as failed)."""
+        if span is None:
+            return self._prepare(prompt, sampling)
+        try:
+            with tracing.stage_span(span, "shoal.prepare"):
+                ids, params = self._prepare(prompt, sampling)
+        except ServingError as e:
+            tracing.fail_request_span(span, e)
+            raise
+        span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+        tracing.set_request_params(span, **tracing.request_params(params))
+        return ids, params
+
+    def _prepare(self, prompt: Prompt, sampling: dict) -> tuple[list[int], SamplingParams]:
         ids = self.tokenize(prompt)
         n, limit = len(ids), self.info.max_model_len
         try:
@@ -121,38 +145,57 @@ class Frontend:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       client_request_id: str | None = None, priority: int = 0,
+                       client_request_id: str | None = None, priority: int = 0, span=None,
                        ) -> AsyncIterator[GenerateDelta]:  # fmt: skip
         """Stream one request. Raises ServingError before the first delta when
-        the request is refused (draining, full, invalid)."""
+        the request is refused (draining, full, invalid). `span` (start_span's)
+        ends with the request."""
         if self.draining:
+            tracing.fail_request_span(span, ServingError("unavailable", "the server is shutting down"))
             raise ServingError("unavailable", "the server is shutting down")
         arrival = time.time()
         # The prompt's prefix-cache chain, hashed once here: the request router ranks replicas by it.
         request = GenerateRequest(request_id, prompt_ids, params, priority, client_request_id,
-                                  chain_hashes(prompt_ids, self.info.block_size))  # fmt: skip
+                                  chain_hashes(prompt_ids, self.info.block_size),
+                                  trace_context=tracing.inject(span) if span is not None else None)  # fmt: skip
         self.num_in_flight += 1
         self._idle.clear()
-        first_token = None
+        first_token = last_token = None
+        gaps: list[float] = []  # inter-token latencies, for the metrics
         try:
             async with aclosing(self.pool.generate(request)) as stream:
                 async for msg in stream:
                     if isinstance(msg, WorkerError):
                         raise ServingError(msg.kind, msg.message, msg.field)
-                    if first_token is None and msg.token_ids:
-                        first_token = time.time()
-                    if msg.finished is not None:
+                    if n := len(msg.token_ids):
                         now = time.time()
-                        msg.finished.time_to_first_token_s = (first_token or now) - arrival
-                        msg.finished.total_s = now - arrival
+                        if first_token is None:
+                            first_token = last_token = now
+                            self.metrics.first_token(now - arrival)
+                            n -= 1
+                        if n:  # a merged delta's tokens share its gap
+                            gaps.extend([(now - last_token) / n] * n)
+                        last_token = now
+                    if (f := msg.finished) is not None:
+                        now = time.time()
+                        f.time_to_first_token_s = (first_token or now) - arrival
+                        f.total_s = now - arrival
+                        self.metrics.finished(f, gaps)
+                        tracing.finish_request_span(span, f, response_model=self.info.model)
                     yield msg
-        except (ServingError, asyncio.CancelledError, GeneratorExit):
+        except ServingError as e:
+            tracing.fail_request_span(span, e)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # the worker died or its stream broke: say so, never hang
             logger.warning("%s failed in its worker: %r", request.log_name, e)
-            raise ServingError("unavailable", f"the worker serving this request failed ({type(e).__name__}); "
-                                              "retry", code="worker_failed") from None  # fmt: skip
+            err = ServingError("unavailable", f"the worker serving this request failed ({type(e).__name__}); retry",
+                               code="worker_failed")  # fmt: skip
+            tracing.fail_request_span(span, err)
+            raise err from None
         finally:
+            tracing.end_request_span(span, cancelled=True)  # the client went away (a no-op once ended)
             self.num_in_flight -= 1
             if self.num_in_flight == 0:
                 self._idle.set()

@@ -9,6 +9,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
+from shoal.router import tracing
 from shoal.router.frontend import Frontend, ServingError
 from shoal.router.prompt import Prompt
 from shoal.workers.messages import GenerateDelta
@@ -74,14 +75,21 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
         await context.abort(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), e.message)
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        span = None
         try:
-            prompt = _prompt(request, request.WhichOneof("prompt"))
-            ids, params = self.fe.prepare(prompt, _sampling(request.sampling))
+            which = request.WhichOneof("prompt")
+            prompt = _prompt(request, which)
+            sampling = _sampling(request.sampling)
             client_id = self.fe.client_request_id(request.request_id, "request_id")
             rid = self.fe.new_request_id("gen")
-            async for msg in self.fe.generate(ids, params, rid, client_id, request.priority):
+            # The trace starts from the client's context, sent as gRPC metadata (traceparent).
+            span = self.fe.start_span(tracing.context_from_metadata(context.invocation_metadata()),
+                                      "chat" if which == "chat" else "text_completion", rid, client_id, True)  # fmt: skip
+            ids, params = self.fe.prepare(prompt, sampling, span)
+            async for msg in self.fe.generate(ids, params, rid, client_id, request.priority, span=span):
                 yield _response(rid, request.request_id, msg)
         except ServingError as e:
+            tracing.fail_request_span(span, e)  # a no-op once the request's own path ended it
             await self._abort(context, e)
 
     async def GetModelInfo(self, request, context):

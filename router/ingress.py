@@ -14,11 +14,13 @@ import logging
 import os
 import socket
 
+from shoal.router import tracing
 from shoal.router.failover import FailoverPool
 from shoal.router.frontend import Frontend, ModelInfo
 from shoal.router.grpc_server import GrpcServer
 from shoal.router.openai_app import OpenAIApp
 from shoal.router.options import RouterOptions
+from shoal.router.status_page import StatusPage
 from shoal.router.worker_pool import ServeWorkerPool
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class Router:
 
         self.options = options
         self.name = replica_name()
+        tracing.configure("shoal-router")  # on only when OTEL_* asks for it
         # A stream whose worker is lost goes on on another one.
         pool = FailoverPool(ServeWorkerPool(workers, self.name), options.max_retries)
         info = await pool.info()
@@ -86,8 +89,9 @@ class Router:
         self.grpc = GrpcServer(self.frontend, options.host, options.grpc_port, limit)
         await self.grpc.start()
         try:
-            self.http, self._http_task = await start_http(OpenAIApp(self.frontend, limit).app, options.host,
-                                                          options.http_port, [("X-Shoal-Router", self.name)])  # fmt: skip
+            app = OpenAIApp(self.frontend, limit, StatusPage(self.frontend, self.name, options.routing)).app
+            self.http, self._http_task = await start_http(app, options.host, options.http_port,
+                                                          [("X-Shoal-Router", self.name)])  # fmt: skip
         except BaseException:
             await self.grpc.stop()
             raise

@@ -13,8 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from shoal.router import tracing
 from shoal.router.frontend import Frontend, ServingError
 from shoal.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
+from shoal.router.status_page import StatusPage
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, RequestFinished
 from shoal.workers.core.outputs import TokenLogprob
@@ -45,14 +47,16 @@ def _dumps(obj) -> str:
 class OpenAIApp:
     """Holds the Frontend; `app` is the ASGI application to serve."""
 
-    def __init__(self, frontend: Frontend, max_request_bytes: int):
+    def __init__(self, frontend: Frontend, max_request_bytes: int, status: StatusPage | None = None):
         self.fe = frontend
         self.max_request_bytes = max_request_bytes
+        status = status or StatusPage(frontend)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            *status.routes(self._denied),  # /metrics, the status page and its JSON
         ])  # fmt: skip
 
     # ---- plumbing -----------------------------------------------------------
@@ -61,6 +65,13 @@ class OpenAIApp:
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         self.fe.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+
+    def _denied(self, request: Request) -> Response | None:
+        try:
+            self._authenticate(request)
+        except ServingError as e:
+            return error_response(e)
+        return None
 
     async def _read_json(self, request: Request):
         limit = self.max_request_bytes
@@ -78,7 +89,7 @@ class OpenAIApp:
         except ValueError as e:
             raise ServingError("invalid", f"malformed JSON body: {e}") from None
 
-    async def _start(self, request: Request, parse, rid: str, client_id: str,
+    async def _start(self, request: Request, parse, rid: str, client_id: str, chat: bool,
                      ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:  # fmt: skip
         """Read, check and dispatch; wait for each prompt's first delta so that a
         refusal (full, invalid) still gets its own status code. One prompt's
@@ -91,9 +102,20 @@ class OpenAIApp:
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
         self.fe.check_model(parsed.model)
-        prepared = [self.fe.prepare(p, parsed.sampling) for p in parsed.prompts]
-        rids = [rid] if len(prepared) == 1 else [f"{rid}-{i}" for i in range(len(prepared))]
-        streams = [self.fe.generate(ids, params, r, client_id) for r, (ids, params) in zip(rids, prepared)]
+        n = len(parsed.prompts)
+        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        # One trace span per prompt (engine request), each a child of the client's context.
+        parent = tracing.context_from_headers(request.headers)
+        spans = [self.fe.start_span(parent, "chat" if chat else "text_completion", r, client_id, parsed.stream)
+                 for r in rids]  # fmt: skip
+        try:
+            prepared = [self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans)]
+        except ServingError as e:
+            for s in spans:
+                tracing.fail_request_span(s, e)
+            raise
+        streams = [self.fe.generate(ids, params, r, client_id, span=s)
+                   for r, (ids, params), s in zip(rids, prepared, spans)]  # fmt: skip
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         for f in firsts:
             if isinstance(f, BaseException):
@@ -114,7 +136,7 @@ class OpenAIApp:
         headers = {"X-Request-Id": client_id} if client_id else None  # the client's own id, echoed
         rid = self.fe.new_request_id("chatcmpl" if chat else "cmpl")
         try:
-            parsed, streams, firsts = await self._start(request, parse, rid, client_id)
+            parsed, streams, firsts = await self._start(request, parse, rid, client_id, chat)
         except ServingError as e:
             return error_response(e, headers)
         want_lp = parsed.sampling.get("logprobs") is not None

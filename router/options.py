@@ -18,3 +18,4 @@ class RouterOptions:
     max_request_bytes: int
     drain_timeout_s: float
     max_retries: int = 3  # re-sends of one request after its worker is lost (router/failover.py)
+    routing: str = "kv"  # the workers' routing policy, shown on the status page

@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from shoal.router import replica_stats, routing
+from shoal.router import replica_stats, routing, tracing
 from shoal.workers.messages import GenerateRequest, Subscribe
 # Serve's poll of Worker.record_routing_stats: the figures when deltas do
 # not flow (an idle worker), and the cached hashes. Serve's controller and
@@ -81,6 +81,9 @@ class KVRequestRouter(RequestRouter):
         if request is not None:
             stats.reserve(request.request_id, candidate_replicas[order[0]].replica_id.unique_id, blocks,
                           request.block_hashes or (), tokens=tokens)  # fmt: skip
+            if request.trace_context:  # the request's routing span: what each candidate looked like
+                tracing.trace_route(request.trace_context, [r.replica_id.unique_id for r in candidate_replicas],
+                                    figs, order[0], self.policy)  # fmt: skip
         return [[candidate_replicas[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from shoal.router import rebalance, replica_stats, routing
+from shoal.router import rebalance, replica_stats, routing, tracing
 from shoal.router.delta_mux import DeltaMux, MuxEnded
 from shoal.router.failover import WorkerLost
 from shoal.router.replica_stats import ReplicaStats
@@ -140,6 +140,8 @@ class LocalWorkerPool:
         self._turn += 1
         worker = self.workers[order[0]]
         stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens)
+        if request.trace_context:
+            tracing.trace_route(request.trace_context, names, [stats.get(n) for n in names], order[0], self.policy)
         first = True
         try:
             async with aclosing(worker.generate(request)) as stream:

@@ -36,6 +36,9 @@ class GenerateRequest:
     # The sending router's delta stream (Subscribe.router): while it is
     # subscribed at the worker, this request's deltas ride on it.
     mux: str | None = None
+    # The router's span (W3C traceparent/tracestate), when tracing is on:
+    # the worker's span for the request is its child.
+    trace_context: dict[str, str] | None = None
 
     @property
     def log_name(self) -> str:
@@ -56,6 +59,8 @@ class RequestFinished:
     num_cached_tokens: int
     num_output_tokens: int
     queue_s: float  # arrival at the worker -> first scheduled
+    prefill_s: float = 0.0  # first scheduled -> first token, in the engine
+    decode_s: float = 0.0  # first token -> last, in the engine
     # Filled in by the router, which sees the request arrive and end.
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0

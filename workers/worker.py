@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict
 
+from shoal.workers import tracing
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
@@ -35,6 +36,18 @@ def _worker_name() -> str:
         return f"local-{next(_local_ids)}"
 
 
+def _end_span(span, t, finished: RequestFinished) -> None:
+    """The worker's span ends with the engine's milestones as events, at the
+    times they happened (nothing was traced while the request ran)."""
+    if t is not None:
+        events = [("scheduled", t.first_scheduled), ("first_token", t.first_token)]
+        events += [("preempted", at) for at in t.preempted] + [("resumed", at) for at in t.resumed]
+        for name, at in sorted((e for e in events if e[1] is not None), key=lambda e: e[1]):
+            tracing.worker_event(span, name, at_s=at)
+    tracing.end_worker_span(span, finished, end_s=t.finished if t is not None else None,
+                            **{"shoal.prefill_s": finished.prefill_s, "shoal.decode_s": finished.decode_s})
+
+
 class Worker:
     """generate() streams deltas of one request; stats() and info() describe
     the worker. A request past `max_waiting` waiting ones is refused at once
@@ -44,6 +57,7 @@ class Worker:
 
     def __init__(self, engine_args: EngineArgs, max_waiting: int, stall_timeout_s: float = 0.0):
         self.name = _worker_name()
+        tracing.configure("shoal-worker")  # on only when OTEL_* asks for it
         self.engine = AsyncEngine.from_engine_args(engine_args, stall_timeout_s)
         self.max_waiting = max_waiting
         self._outboxes: dict[str, DeltaOutbox] = {}  # router id -> its delta stream here
@@ -80,6 +94,8 @@ class Worker:
             yield WorkerError("full", f"worker {self.name} has {self.max_waiting} requests waiting; try again later")
             return
         logged, num_output_tokens = False, 0
+        span = tracing.start_worker_span(request.trace_context, request.request_id,
+                                         {"shoal.worker": self.name, "shoal.resumed_tokens": request.num_resumed_tokens})  # fmt: skip
         box = self._outboxes.get(request.mux) if request.mux is not None else None
         if box is not None:  # the whole request rides there: its deltas keep their order
             box.join()
@@ -97,6 +113,8 @@ class Worker:
                         logger.info("%s finished: %s, %d prompt + %d output tokens, queue %.2f s", name,
                                     f.finish_reason, f.num_prompt_tokens, f.num_output_tokens, f.queue_s)  # fmt: skip
                         logged = True
+                        if span is not None:
+                            _end_span(span, out.timings, f)
                     if box is None:
                         yield delta
                     elif not box.closed:
@@ -106,15 +124,19 @@ class Worker:
         except InvalidRequestError as e:
             logger.info("%s refused: %s", name, e)
             logged = True
+            tracing.fail_span(span, e, "invalid")
             yield WorkerError("invalid", str(e), e.field)
         except EngineDeadError as e:
             logger.warning("%s ended by a dead engine after %d output tokens: %s", name, num_output_tokens, e)
             logged = True
+            tracing.fail_span(span, e, "unavailable")
             yield WorkerError("unavailable", f"worker {self.name}: {e}")
         except RequestMoved as e:  # handed back by release_waiting: the router sends it on
             logged = True
+            tracing.fail_span(span, e, "moved")
             yield WorkerError("moved", f"worker {self.name}: {e}")
         finally:
+            tracing.end_span(span)  # the client went away: end it where it stopped
             if box is not None:
                 box.leave()
             if not logged:  # the client went away, or the engine failed
@@ -148,6 +170,9 @@ class Worker:
             finished = RequestFinished(out.finish_reason, out.stop_reason, self.name, out.num_prompt_tokens,
                                        out.num_cached_tokens, out.num_output_tokens,
                                        (t.first_scheduled - t.arrival) if t and t.first_scheduled else 0.0)  # fmt: skip
+            if t and t.first_token:
+                finished.prefill_s = t.first_token - (t.first_scheduled or t.first_token)
+                finished.decode_s = (t.finished or time.time()) - t.first_token
         # The load rides on a request's first delta (which ends the router's
         # optimistic count of it) and last, and on every delta of a step due to carry it.
         first = len(out.new_token_ids) == out.num_output_tokens

@@ -1,0 +1,160 @@
+"""Prometheus metrics at GET /metrics on every router, under vLLM's names
+with a `shoal:` prefix, labelled by model and worker.
+
+Two kinds of series:
+- measured here, per request, where clients feel them: latency and token
+  histograms, token and success counters. Each router counts its own
+  requests; a dashboard sums them over routers.
+- read from the workers at scrape time (WorkerLoad): running, waiting, KV
+  blocks, preemptions and prefix-cache lookups. Every router reports the
+  same figures for a worker, so a dashboard takes `max by (worker)`.
+
+Each router owns a registry of its own (not prometheus_client's global
+one), so several fronts can live in one process, as they do in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shoal.workers.messages import RequestFinished, WorkerLoad
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("model_name", "worker")
+
+# vLLM's buckets, so that dashboards made for it read these the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+# Every series name /metrics exposes (counters with their _total).
+METRIC_NAMES = (
+    "shoal:num_requests_running", "shoal:num_requests_waiting", "shoal:kv_cache_usage_perc",
+    "shoal:num_free_kv_blocks", "shoal:num_preemptions_total", "shoal:prefix_cache_queries_total",
+    "shoal:prefix_cache_hits_total", "shoal:prompt_tokens_total", "shoal:generation_tokens_total",
+    "shoal:request_success_total", "shoal:time_to_first_token_seconds", "shoal:inter_token_latency_seconds",
+    "shoal:e2e_request_latency_seconds", "shoal:request_queue_time_seconds", "shoal:request_prompt_tokens",
+    "shoal:request_generation_tokens",
+)  # fmt: skip
+
+
+def token_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > max_len:
+                return tuple(out)
+            out.append(v)
+        exp += 1
+
+
+class _WorkerFigures:
+    """A custom collector: the workers' loads as last read, as gauges and counters."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.loads: list[WorkerLoad] = []
+
+    def collect(self):
+        def family(cls, name, doc):
+            return cls(name, doc, labels=LABELS)
+
+        running = family(GaugeMetricFamily, "shoal:num_requests_running", "Requests in the worker's running batch.")
+        waiting = family(GaugeMetricFamily, "shoal:num_requests_waiting", "Requests waiting in the worker's queue.")
+        usage = family(GaugeMetricFamily, "shoal:kv_cache_usage_perc", "KV-cache usage: 1 is full.")
+        free = family(GaugeMetricFamily, "shoal:num_free_kv_blocks", "Free KV-cache blocks.")
+        preempt = family(CounterMetricFamily, "shoal:num_preemptions", "Sequences preempted by the scheduler.")
+        queries = family(CounterMetricFamily, "shoal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        hits = family(CounterMetricFamily, "shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        for s in self.loads:
+            lv = [self.model, s.worker]
+            running.add_metric(lv, s.num_running)
+            waiting.add_metric(lv, s.num_waiting)
+            usage.add_metric(lv, 1.0 - s.num_free_blocks / s.num_total_blocks if s.num_total_blocks else 0.0)
+            free.add_metric(lv, s.num_free_blocks)
+            preempt.add_metric(lv, s.num_preemptions)
+            queries.add_metric(lv, s.prefix_cache_queries)
+            hits.add_metric(lv, s.prefix_cache_hits)
+        return [running, waiting, usage, free, preempt, queries, hits]
+
+
+class RouterMetrics:
+    """This router's series. `finished()` takes one request's figures once
+    it ends; `render(loads)` is the /metrics body."""
+
+    # The status page's TTFT percentiles are over the first tokens of the last WINDOW_S.
+    WINDOW_S = 10.0
+
+    def __init__(self, model: str, max_model_len: int):
+        self.model = model
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        tokens = token_buckets(max_model_len)
+        self.prompt_tokens = Counter("shoal:prompt_tokens", "Prompt tokens of finished requests.", LABELS, registry=r)
+        self.generation_tokens = Counter("shoal:generation_tokens", "Tokens generated for finished requests.",
+                                         LABELS, registry=r)  # fmt: skip
+        self.success = Counter("shoal:request_success", "Requests finished, by finish reason.",
+                               (*LABELS, "finished_reason"), registry=r)  # fmt: skip
+        self.ttft = Histogram("shoal:time_to_first_token_seconds", "Arrival at the router to the first token.",
+                              LABELS, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("shoal:inter_token_latency_seconds", "Time between a request's tokens at the router.",
+                             LABELS, buckets=ITL_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("shoal:e2e_request_latency_seconds", "Arrival at the router to the last token.",
+                             LABELS, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
+        self.queue = Histogram("shoal:request_queue_time_seconds", "Time waiting in the worker before first scheduled.",
+                               LABELS, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_hist = Histogram("shoal:request_prompt_tokens", "Prompt tokens per request.", LABELS,
+                                     buckets=tokens, registry=r)  # fmt: skip
+        self.generation_hist = Histogram("shoal:request_generation_tokens", "Generated tokens per request.", LABELS,
+                                         buckets=tokens, registry=r)  # fmt: skip
+        self._workers = _WorkerFigures(model)
+        r.register(self._workers)
+        self._firsts: deque[tuple[float, float]] = deque()  # (monotonic time of a first token, its TTFT)
+
+    def finished(self, f: RequestFinished, gaps: list[float]) -> None:
+        """One request ended: `f` from its last delta (with the router's
+        TTFT and total), `gaps` its inter-token latencies seen here."""
+        lv = (self.model, f.worker)
+        self.prompt_tokens.labels(*lv).inc(f.num_prompt_tokens)
+        self.generation_tokens.labels(*lv).inc(f.num_output_tokens)
+        self.success.labels(*lv, f.finish_reason).inc()
+        if f.num_output_tokens:
+            self.ttft.labels(*lv).observe(f.time_to_first_token_s)
+        itl = self.itl.labels(*lv)
+        for g in gaps:
+            itl.observe(g)
+        self.e2e.labels(*lv).observe(f.total_s)
+        self.queue.labels(*lv).observe(f.queue_s)
+        self.prompt_hist.labels(*lv).observe(f.num_prompt_tokens)
+        self.generation_hist.labels(*lv).observe(f.num_output_tokens)
+
+    def first_token(self, ttft_s: float) -> None:
+        """A request's first token reached the router (for the status page)."""
+        self._firsts.append((time.monotonic(), ttft_s))
+
+    def render(self, loads: list[WorkerLoad]) -> bytes:
+        self._workers.loads = loads
+        return generate_latest(self.registry)
+
+    def recent_ttft(self) -> tuple[float | None, float | None]:
+        """(p50, p99) TTFT of the first tokens of the last WINDOW_S, or Nones."""
+        cutoff = time.monotonic() - self.WINDOW_S
+        while self._firsts and self._firsts[0][0] < cutoff:
+            self._firsts.popleft()
+        xs = sorted(t for _, t in self._firsts)
+        if not xs:
+            return None, None
+        return _quantile(xs, 0.5), _quantile(xs, 0.99)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """Nearest-rank quantile of sorted xs."""
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]

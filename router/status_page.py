@@ -1,0 +1,61 @@
+"""What an operator reads on the router's HTTP port besides the API:
+Prometheus text at /metrics (never behind the key, like /health), and the
+status page at / (static files from router/static/, no build step, no CDN)
+with the small JSON it polls at /api/status (behind the key, when one is
+set: the page asks for it)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from shoal.router.frontend import Frontend
+from shoal.router.metrics import CONTENT_TYPE
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+
+
+class StatusPage:
+    def __init__(self, frontend: Frontend, router: str = "local", routing: str | None = None):
+        self.fe, self.router, self.routing = frontend, router, routing
+
+    def routes(self, denied) -> list:
+        """`denied(request)` is the API's error response for a request
+        without a valid key, or None."""
+        self._denied = denied
+        return [
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/api/status", self.status, methods=["GET"]),
+            Route("/", self.index, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ]
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.fe.metrics.render(await self.fe.load()), media_type=CONTENT_TYPE)
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
+
+    async def status(self, request: Request) -> Response:
+        if (refused := self._denied(request)) is not None:
+            return refused
+        info, fe = self.fe.info, self.fe
+        loads = await fe.load()
+        p50, p99 = fe.metrics.recent_ttft()
+        return JSONResponse({
+            "model": info.model, "max_model_len": info.max_model_len,
+            "tensor_parallel_size": info.tensor_parallel_size, "block_size": info.block_size,
+            "num_workers": info.num_workers, "routing": self.routing, "router": self.router, "time": time.time(),
+            "workers": [{"worker": s.worker, "num_running": s.num_running, "num_waiting": s.num_waiting,
+                         "num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
+                         "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
+                         "num_finished_requests": s.num_finished_requests, "num_prompt_tokens": s.num_prompt_tokens,
+                         "num_generation_tokens": s.num_generation_tokens} for s in loads],
+            "router_stats": {"num_requests_running": fe.num_in_flight, "ttft_p50_s": p50, "ttft_p99_s": p99,
+                             "window_s": fe.metrics.WINDOW_S},
+        }, headers={"Cache-Control": "no-cache"})  # fmt: skip

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
+.PHONY: install browser serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -27,20 +27,27 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The status page's browser test (slow tier) drives Debian's chromium through
+# Playwright; install it where it is missing (as root, or through sudo).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
 serve: $(STAMP)
 	$(VENV)/bin/shoal serve $(ARGS)
 
 generate: $(STAMP)
 	$(VENV)/bin/shoal generate "$(PROMPT)"
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) browser
 	$(PY) -m pytest -q -m slow
 
 bench-offline: $(STAMP)

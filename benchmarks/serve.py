@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf = all at once")
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="alternate in-process / HTTP / gRPC this many times")
+    p.add_argument("--tracing", action="store_true",
+                   help="also a second cluster with OpenTelemetry tracing on (exporting every span to a sink in this "
+                        "process), offered the same work in each round: what tracing costs")  # fmt: skip
     p.add_argument("--output", default="bench_results/serve.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
     p.set_defaults(func=run)
@@ -243,9 +246,18 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['label']} vs {base['label']}: TTFT p50 {r['ttft_ms']['p50'] - base['ttft_ms']['p50']:+.1f} ms, "
               f"TPOT p50 {100 * (r['tpot_ms']['p50'] / base['tpot_ms']['p50'] - 1):+.1f}%, "
               f"output throughput {100 * r['output_throughput'] / base['output_throughput']:.1f}%")  # fmt: skip
+    by_label = {r["label"]: r for r in rows}
+    for r in rows:  # --tracing: what tracing costs, against the same front untraced
+        if r["label"].endswith(" traced") and (u := by_label.get(r["label"].removesuffix(" traced"))):
+            cpu = lambda x: sum(x.get("cpu_ms_per_output_token", {}).values())  # noqa: E731
+            print(f"{r['label']} vs untraced: output throughput {100 * (r['output_throughput'] / u['output_throughput'] - 1):+.1f}%, "
+                  f"TTFT p50 {r['ttft_ms']['p50'] - u['ttft_ms']['p50']:+.1f} ms, "
+                  f"TPOT p50 {100 * (r['tpot_ms']['p50'] / u['tpot_ms']['p50'] - 1):+.1f}%"
+                  + (f", CPU per token {100 * (cpu(r) / cpu(u) - 1):+.1f}%" if cpu(u) else ""))  # fmt: skip
 
 
-async def _measure_cluster(ns, opts, work, salts=("", ""), meter: CpuMeter | None = None) -> list[tuple]:
+async def _measure_cluster(ns, opts, work, salts=("", ""), meter: CpuMeter | None = None,
+                           suffix: str = "") -> list[tuple]:  # fmt: skip
     """[(label, results, duration, CPU s by process)] for HTTP then gRPC."""
     import aiohttp
     import grpc
@@ -259,12 +271,14 @@ async def _measure_cluster(ns, opts, work, salts=("", ""), meter: CpuMeter | Non
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
             send = http_sender(session, url, ns.served_model, ns.api_key)
-            out.append(("cluster HTTP" if not ns.url else url, *await meter.around(_offer(_salted(work, salts[0]), send, "HTTP"))))
+            out.append(("cluster HTTP" + suffix if not ns.url else url,
+                        *await meter.around(_offer(_salted(work, salts[0]), send, "HTTP" + suffix))))
     if ns.grpc or not ns.url:
         addr = ns.grpc or f"127.0.0.1:{opts.grpc_port}"
         async with grpc.aio.insecure_channel(addr) as ch:
             send = grpc_sender(shoal_pb2_grpc.ShoalStub(ch), ns.api_key)
-            out.append(("cluster gRPC" if not ns.grpc else addr, *await meter.around(_offer(_salted(work, salts[1]), send, "gRPC"))))
+            out.append(("cluster gRPC" + suffix if not ns.grpc else addr,
+                        *await meter.around(_offer(_salted(work, salts[1]), send, "gRPC" + suffix))))
     return out
 
 
@@ -299,18 +313,25 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     # The in-process engine gets what one worker gets: same engine, same threads.
     local_args = opts.worker_engine_args(gpu=opts.uses_gpu())
     launch(opts)
+    traced, sink = (_launch_traced(opts) if ns.tracing else (None, None))
     try:
         async def main():
             eng = AsyncEngine.from_engine_args(local_args)
             send = in_process_sender(eng)
             meter = CpuMeter(APP_NAME)
+            traced_meter = CpuMeter(TRACED_APP) if traced is not None else None
             await _offer(_salted(work[:4], "warm"), send, "warm-up")
             await _measure_cluster(ns, opts, work[:4], ("warm", "warm2"))
+            if traced is not None:
+                await _measure_cluster(ns, traced, work[:4], ("twarm", "twarm2"))
             got: dict[str, list] = {}
             for k in range(ns.rounds):
                 local = await meter.around(_offer(_salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}"))
                 rounds = [("in-process", *local)]
                 rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"), meter)
+                if traced is not None:
+                    rounds += await _measure_cluster(ns, traced, work, (f"thttp{k}", f"tgrpc{k}"), traced_meter,
+                                                     " traced")  # fmt: skip
                 for label, res, dur, cpu in rounds:
                     acc = got.setdefault(label, [label, [], 0.0, {}])
                     acc[1] += res
@@ -320,9 +341,45 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
             await eng.shutdown()
             return [tuple(v) for v in got.values()]
 
-        return asyncio.run(main())
+        out = asyncio.run(main())
+        if sink is not None:
+            print(f"the traced cluster exported {sink.num_spans} spans")
+        return out
     finally:
+        if sink is not None:
+            from ray import serve
+
+            serve.delete(TRACED_APP)
+            sink.__exit__()
         shut_down()
+
+
+TRACED_APP = "shoal-traced"
+
+
+def _launch_traced(opts):
+    """A second application like the first, on its own ports, with tracing
+    on: every replica exports its spans to a sink here (OTEL_* variables of
+    this process, which build_app hands to the replicas)."""
+    from ray import serve
+
+    from shoal.benchmarks.otlp_sink import OtlpSink
+    from shoal.cluster.app import build_app
+
+    sink = OtlpSink().__enter__()
+    traced = dataclasses.replace(opts, http_port=_free_port(), grpc_port=_free_port())
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_SERVICE_NAME": "shoal-bench"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        serve.run(build_app(traced), name=TRACED_APP, route_prefix=None)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return traced, sink
 
 
 def run(ns) -> int:

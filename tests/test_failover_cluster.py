@@ -118,21 +118,21 @@ def wait_for_workers(addr: str, n: int, timeout: float, gone: str | None = None)
     raise AssertionError(f"{n} idle workers never reported (without {gone}): {workers}")
 
 
-def replica_actor(worker: str):
-    """The Serve replica actor of the worker named `worker` (its replica id)."""
+def replica_actor(worker: str, app: str = APP):
+    """The Serve replica actor of the worker named `worker` (its replica id) in `app`."""
     import ray
 
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{APP}#Worker#") and \
+        if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{app}#Worker#") and \
                 a["name"].endswith("#" + worker):  # fmt: skip
             return ray.get_actor(a["name"], namespace="serve")
     raise AssertionError(f"no replica actor for worker {worker}")
 
 
-def kill_process(worker: str) -> None:
+def kill_process(worker: str, app: str = APP) -> None:
     import ray
 
-    pid = ray.get(replica_actor(worker).__ray_call__.remote(lambda replica: os.getpid()), timeout=10)
+    pid = ray.get(replica_actor(worker, app).__ray_call__.remote(lambda replica: os.getpid()), timeout=10)
     os.kill(pid, signal.SIGKILL)
 
 

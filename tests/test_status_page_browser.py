@@ -1,0 +1,141 @@
+"""Slow tier: the status page in a real browser (headless Debian chromium,
+driven by Playwright) over a real local Ray cluster with an API key. The
+page asks for the key, shows every worker with its blocks, its charts move
+under load, the playground streams a reply token by token, and it keeps
+working after a worker process is killed. A screenshot is saved under
+$SHOAL_TEST_ARTIFACTS (default test-artifacts/)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from serving import local_cluster_app
+from test_failover_cluster import kill_process
+
+pytestmark = pytest.mark.slow
+APP = "shoal-page"
+KEY = "sekret"
+# Chromium logs every non-2xx response as a console error; before the key is
+# entered the page's status poll gets exactly this one, which it answers by asking for the key.
+EXPECTED_401 = "Failed to load resource: the server responded with a status of 401"
+
+
+def _workers(base: str, n: int, timeout: float, gone: str | None = None) -> list[str]:
+    """Wait until n workers answer (none of them `gone`), as /api/status lists them."""
+    deadline, names = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(base + "/api/status", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+            names = [w["worker"] for w in r.json()["workers"]] if r.status_code == 200 else []
+        except httpx.HTTPError:
+            names = []
+        if len(names) == n and gone not in names:
+            return names
+        time.sleep(0.5)
+    raise AssertionError(f"{n} workers never answered (without {gone}): {names}")
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail("no chromium on PATH: `apt-get install chromium` (.ci/run installs it)")
+
+
+def _load(base: str, n: int, stop: threading.Event) -> None:
+    """n streams at a time, again and again, until stop."""
+    def one():
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                c.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "Continuous batching rebuilds", "max_tokens": 48, "ignore_eos": True})  # fmt: skip
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _rows(page) -> dict[str, int]:
+    """worker -> its KV blocks in total, as the page shows them."""
+    return page.eval_on_selector_all("tr.worker-row", "rs => Object.fromEntries(rs.map(r => "
+                                     "[r.dataset.worker, +r.querySelector('.kv').dataset.total]))")  # fmt: skip
+
+
+def _play(page, prompt: str) -> tuple[str, int]:
+    """Send from the playground; returns (reply, how many times the reply grew while streaming)."""
+    page.evaluate("""() => { window.__grew = 0; const out = document.getElementById('play-output');
+        new MutationObserver(() => window.__grew++).observe(out, {childList: true, characterData: true, subtree: true}); }""")
+    page.fill("#play-input", prompt)
+    page.fill("#play-max-tokens", "24")
+    page.fill("#play-temperature", "0")
+    page.click("#play-send")
+    page.wait_for_function("document.getElementById('play-status').textContent.startsWith('done')", timeout=60_000)
+    return page.inner_text("#play-output"), page.evaluate("window.__grew")
+
+
+def test_status_page_in_a_real_browser(tiny_model):
+    from playwright.sync_api import sync_playwright
+
+    artifacts = os.environ.get("SHOAL_TEST_ARTIFACTS", "test-artifacts")
+    os.makedirs(artifacts, exist_ok=True)
+    with local_cluster_app(APP, model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256,
+                           api_key=KEY) as (base, addr):  # fmt: skip
+        _workers(base, 2, 120)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            errors: list[str] = []
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.goto(base + "/")
+
+            # The key: asked for, then sent with every request.
+            page.wait_for_selector("#key-form", state="visible", timeout=30_000)
+            page.fill("#key-input", KEY)
+            page.press("#key-input", "Enter")
+            page.wait_for_function("document.querySelectorAll('tr.worker-row').length === 2", timeout=30_000)
+            rows = _rows(page)
+            assert len(rows) == 2 and all(total == 256 for total in rows.values()), rows
+            assert page.inner_text("#shape-workers") == "2/2" and "kv" in page.inner_text("#shape-routing")
+
+            # Under load the charts take points and the token rate goes above zero.
+            points = int(page.get_attribute("#chart-tps", "data-points") or 0)
+            stop = threading.Event()
+            threads = _load(base, 4, stop)
+            try:
+                page.wait_for_function(f"+document.getElementById('chart-tps').dataset.points >= {points + 4}",
+                                       timeout=60_000)  # fmt: skip
+                page.wait_for_function("window.shoalStatus.series.tps.some(p => p[1] > 0)", timeout=60_000)
+                page.wait_for_function("window.shoalStatus.series.p50.some(p => p[1] > 0)", timeout=60_000)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(timeout=120)
+
+            reply, grew = _play(page, "Hello there")
+            assert reply and grew >= 2, (reply, grew)  # streamed in pieces, not at once
+            assert page.inner_text("#play-ttft").strip() not in ("", "–")
+            page.screenshot(path=os.path.join(artifacts, "status_page.png"), full_page=True)
+
+            # A worker's process dies: the page goes on, the replacement shows up, the playground still works.
+            victim = sorted(rows)[0]
+            kill_process(victim, APP)
+            page.wait_for_function(f"![...document.querySelectorAll('tr.worker-row')].some(r => r.dataset.worker"
+                                   f" === {victim!r})", timeout=60_000)  # fmt: skip
+            _workers(base, 2, 180, gone=victim)
+            page.wait_for_function("document.querySelectorAll('tr.worker-row').length === 2", timeout=60_000)
+            assert victim not in _rows(page)
+            reply, _ = _play(page, "Still there?")
+            assert reply
+            time.sleep(2)  # a few more polls
+            page.screenshot(path=os.path.join(artifacts, "status_page_after_kill.png"), full_page=True)
+            browser.close()
+    unexpected = [e for e in errors if not e.startswith(EXPECTED_401)]
+    assert not unexpected, unexpected

@@ -31,6 +31,7 @@ class StatusPage:
         return [
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/api/status", self.status, methods=["GET"]),
+            Route("/api/auth", self.auth, methods=["GET"]),
             Route("/", self.index, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ]
@@ -40,6 +41,11 @@ class StatusPage:
 
     async def index(self, request: Request) -> Response:
         return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
+
+    async def auth(self, request: Request) -> Response:
+        """Whether requests need the key (open, like /health): the page asks
+        for it before its first poll instead of drawing a 401."""
+        return JSONResponse({"api_key_required": self.fe.api_key is not None})
 
     async def status(self, request: Request) -> Response:
         if (refused := self._denied(request)) is not None:

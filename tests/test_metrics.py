@@ -62,10 +62,12 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
             await asyncio.sleep(0.05)
             resp = await c.get("/metrics")
             status_denied = await c.get("/api/status")
+            key_required = (await c.get("/api/auth")).json()  # open: tells the page to ask for the key
             status = (await c.get("/api/status", headers=auth)).json()
-        return before, resp, usages, status_denied, status, fe
+        return before, resp, usages, status_denied, status, fe, key_required
 
-    before, resp, usages, denied, status, fe = asyncio.run(main())
+    before, resp, usages, denied, status, fe, key_required = asyncio.run(main())
+    assert key_required == {"api_key_required": True}
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     m0, m = _scrape(before), _scrape(resp.text)
     names = {n for n, _ in m}

@@ -61,8 +61,12 @@
 
   // ---- polling: one request at a time, the next one scheduled when it ends -------------------------
   let prevSample = null, lastStatus = null;
+  // Whether the router wants a key (GET /api/auth, open like /health): the page then asks for it before
+  // its first poll, so a first visit sends no request that gets a 401 (which the browser logs as an error).
+  let keyRequired = false;
 
   async function poll() {
+    if (keyRequired && !getKey()) { askForKey(); setTimeout(poll, POLL_MS); return; }
     const ctl = new AbortController();
     const timer = setTimeout(() => ctl.abort(), POLL_TIMEOUT_MS);
     try {
@@ -356,5 +360,8 @@
 
   // For tests and the curious: the rate arithmetic, the chart data, and the last status shown.
   window.shoalStatus = { computeRates, series, lastStatus: () => lastStatus };
-  poll();
+  fetch("/api/auth", { cache: "no-store" })
+    .then((res) => (res.ok ? res.json() : {}))
+    .then((j) => { keyRequired = !!j.api_key_required; }, () => { /* unknown: a 401 will tell */ })
+    .finally(poll);
 })();

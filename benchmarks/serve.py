@@ -392,10 +392,17 @@ def run(ns) -> int:
     print(f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
           f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target")  # fmt: skip
     print_table(rows)
+    report = {"workload": {k: getattr(ns, k) for k in ("num_prompts", "input_len", "output_len", "request_rate",
+                                                        "seed", "num_workers", "rounds", "tracing")}, "results": rows}  # fmt: skip
+    if ns.tracing and not (ns.url or ns.grpc):
+        from shoal.benchmarks.trace_cost import cpu_us_per_request
+
+        us = report["span_cpu_us_per_request"] = cpu_us_per_request()
+        print(f"one request's spans (router, prepare, route, worker), exported: {us:.0f} us of CPU, "
+              f"{us / ns.output_len:.1f} us per output token at --output-len {ns.output_len}")  # fmt: skip
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
-        json.dump({"workload": {k: getattr(ns, k) for k in ("num_prompts", "input_len", "output_len", "request_rate",
-                                                              "seed", "num_workers", "rounds")}, "results": rows}, f, indent=1)  # fmt: skip
+        json.dump(report, f, indent=1)
     svg = os.path.splitext(ns.output)[0] + ".svg"
     with open(svg, "w") as f:
         f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, *_ in measured},

@@ -7,6 +7,8 @@ same application from its flags.
 
 from __future__ import annotations
 
+import os
+
 from ray import serve
 from ray.serve import Application
 
@@ -81,10 +83,20 @@ def cluster_has_router_nodes() -> bool:
     for a Serve config (`serve run`/`serve deploy`, a KubeRay RayService), in
     the task Serve runs on the cluster to call build_app. So placement follows
     the nodes alive then: marked nodes that join later count from the next
-    deploy. Outside Ray (False) the routers may go to any node."""
+    deploy, except under the Helm chart (on_kuberay), whose router pods are
+    marked from the start. Outside Ray (False) the routers may go to any node."""
     import ray
 
+    if on_kuberay():  # the chart's router pods carry it, whether or not they have joined yet
+        return True
     return ray.is_initialized() and ray.cluster_resources().get(ROUTER_RESOURCE, 0) > 0
+
+
+def on_kuberay() -> bool:
+    """Built on a cluster from the Helm chart, which sets SHOAL_KUBERAY=1 on
+    every pod: its groups (router pods, GPU pods) may join after the app is
+    built, so the nodes alive then are not the cluster's shape."""
+    return os.environ.get("SHOAL_KUBERAY") == "1"
 
 
 def build_app(args: dict | ServeOptions | None = None) -> Application:

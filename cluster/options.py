@@ -156,7 +156,8 @@ class ServeOptions:
         load_model_files(self.engine.model).config.check_tp_size(self.tp_size)
         import ray
 
-        if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu():
+        # Under the Helm chart GPU pods join as the Ray autoscaler or KubeRay brings them: not countable yet.
+        if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu() and os.environ.get("SHOAL_KUBERAY") != "1":
             need, have = self.num_workers * self.tp_size, ray.cluster_resources().get("GPU", 0)
             if have < need:
                 raise ValueError(f"{self.num_workers} worker(s) x tensor_parallel_size {self.tp_size} need "

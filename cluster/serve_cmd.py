@@ -6,17 +6,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 
 from shoal.cluster.options import ServeOptions
-
-APP_NAME = "shoal"
+from shoal.cluster.serve_config import APP_NAME, serve_config
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC on a Ray cluster")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the Ray Serve config (serve.yaml, a RayService's serveConfigV2) these options make, "
+                        "with this shell's OTEL_* as its runtime_env, and exit without starting Ray")  # fmt: skip
     ServeOptions.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -76,9 +79,21 @@ def ready_message(opts: ServeOptions, ends: list[dict], ready_s: float) -> str:
     return "\n".join(lines)
 
 
+def print_config(opts: ServeOptions) -> int:
+    import yaml
+
+    if opts.api_key:  # never written into a file: the replicas read $SHOAL_API_KEY
+        print("shoal serve: note: --api-key is left out of the config; give the replicas $SHOAL_API_KEY",
+              file=sys.stderr)  # fmt: skip
+    print(yaml.safe_dump(serve_config(opts), sort_keys=False), end="", flush=True)
+    return 0
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     opts = ServeOptions.from_cli_args(ns)
+    if ns.print_config:
+        return print_config(opts)
     opts.check_cluster()  # a size that cannot split the model: refused before Ray starts
     if opts.routers > 1 and not ns.address:  # Serve would leave the rest pending forever
         raise ValueError(f"--routers {opts.routers} needs {opts.routers} Ray nodes (one router per node) and a "

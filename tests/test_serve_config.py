@@ -106,6 +106,13 @@ def test_api_key_comes_from_the_environment(monkeypatch):
 @pytest.mark.slow
 def test_serve_run_deploys_the_config_file(tmp_path):
     """`serve run deploy/serve.yaml` (ports and host changed for the test) serves, and Ctrl-C stops it."""
+    with open(os.path.join(ROOT, "deploy", "serve.yaml")) as f:
+        serve_run_and_complete(yaml.safe_load(f), tmp_path)
+
+
+def serve_run_and_complete(config: dict, tmp_path) -> None:
+    """`serve run` a Serve config (on this host's free ports, on the CPU) on a
+    local Ray cluster it starts; a completion must come back; Ctrl-C stops it."""
     import signal
     import subprocess
     import sys
@@ -115,8 +122,6 @@ def test_serve_run_deploys_the_config_file(tmp_path):
 
     from serving import free_port
 
-    with open(os.path.join(ROOT, "deploy", "serve.yaml")) as f:
-        config = yaml.safe_load(f)
     http = free_port()
     config["applications"][0]["args"].update(host="127.0.0.1", http_port=http, grpc_port=free_port(), device="cpu")
     path = tmp_path / "serve.yaml"

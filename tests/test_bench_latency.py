@@ -1,0 +1,27 @@
+"""`shoal bench latency` end to end on the tiny model: its figures are
+consistent with one another and its weight count with the model's."""
+
+from __future__ import annotations
+
+import json
+
+from shoal.benchmarks.latency import weight_bytes
+from shoal.cluster.cli import main
+from shoal.workers import LLMEngine
+
+
+def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", tiny_model, "--input-len", "16", "--output-len", "6",
+                 "--num-iters", "3", "--num-iters-warmup", "1", "--read-mib", "16", "--output", str(out)]) == 0  # fmt: skip
+    r = json.loads(out.read_text())
+    assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and 0 < r["tpot_ms"]["p50"] <= r["tpot_ms"]["p99"]
+    assert r["read_bandwidth_gb_s"] > 0
+    assert r["memory_floor_ms"] == r["weight_bytes"] / (r["read_bandwidth_gb_s"] * 1e9) * 1e3
+    assert abs(r["tpot_over_floor"] - r["tpot_ms"]["p50"] / r["memory_floor_ms"]) < 1e-9
+    printed = capsys.readouterr().out
+    assert "memory floor" in printed and "per-token time / floor" in printed
+    # Every parameter counted once: the tiny model's embedding and LM head are separate tensors.
+    model = LLMEngine(model=tiny_model, num_kv_blocks=16).runner.model
+    params = {id(p): p for p in model.parameters()}
+    assert r["weight_bytes"] == weight_bytes(model) == sum(p.numel() * p.element_size() for p in params.values())

@@ -121,6 +121,7 @@ def run(ns) -> int:
         json.dump(report, f, indent=1)
     print(f"wrote {ns.output}")
     engine.shutdown()
+    return 0
 
 
 def profile(engine, prompt: list[int], output_len: int, top: int = 12) -> list[dict]:
@@ -144,4 +145,3 @@ def profile(engine, prompt: list[int], output_len: int, top: int = 12) -> list[d
     print(f"    all ops together: {100 * in_ops:.1f}% of the wall time; the rest is Python between them "
           f"(scheduling, bookkeeping, dispatch) and the profiler's own cost")  # fmt: skip
     return out
-    return 0

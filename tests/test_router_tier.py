@@ -66,14 +66,15 @@ def routers(tiny_model):
 
 def complete(base: str, prompt: str = "The quick brown fox", max_tokens: int = 4) -> httpx.Response:
     """One completion over a connection of its own."""
-    return httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60,
-                      headers={"Connection": "close"})  # fmt: skip
+    # ignore_eos: a sampled reply of the random tiny model may draw its EOS and end short.
+    return httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+                      timeout=60, headers={"Connection": "close"})  # fmt: skip
 
 
 def generate(addr: str, prompt: str = "Paged attention keeps") -> list:
     """One gRPC Generate over a channel (and so a TCP connection) of its own."""
     with grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-        req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=4))
+        req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
         return list(pb_grpc.ShoalStub(ch).Generate(req, timeout=60))
 
 

@@ -151,8 +151,9 @@ class Frontend:
         the request is refused (draining, full, invalid). `span` (start_span's)
         ends with the request."""
         if self.draining:
-            tracing.fail_request_span(span, ServingError("unavailable", "the server is shutting down"))
-            raise ServingError("unavailable", "the server is shutting down")
+            err = ServingError("unavailable", "the server is shutting down")
+            tracing.fail_request_span(span, err)
+            raise err
         arrival = time.time()
         # The prompt's prefix-cache chain, hashed once here: the request router ranks replicas by it.
         request = GenerateRequest(request_id, prompt_ids, params, priority, client_request_id,

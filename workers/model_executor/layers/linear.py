@@ -6,15 +6,17 @@ features: each rank's partial sum is all-reduced. A column layer followed by
 a row layer (q/k/v -> o, gate/up -> down) costs one all-reduce.
 
 Each parameter carries a `weight_loader(param, tensor, shard_id)` that cuts
-this rank's part out of a full checkpoint tensor.
+this rank's part out of a full checkpoint tensor. The matmul itself is
+cpu_linear.linear: the compiled few-row kernel where the model runner
+gives the layer one, torch's F.linear otherwise.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, num_local_kv_heads
 from shoal.workers.model_executor.layers.weight_utils import check_shape, default_weight_loader
 
@@ -36,6 +38,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.cpu_kernels = None  # the compiled CPU kernels, when the model runner uses them
 
     @classmethod
     def even(cls, input_size: int, output_sizes: list[int], bias: bool) -> "ColumnParallelLinear":
@@ -51,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, local).copy_(tensor.narrow(0, start, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_kernels)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -88,6 +91,7 @@ class RowParallelLinear(nn.Module):
         if bias:  # added once, after the reduction
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
+        self.cpu_kernels = None
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
         check_shape("row-parallel weight", tensor.shape, (param.shape[0], self.input_full))
@@ -95,6 +99,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.cpu_kernels)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.cpu_kernels))
         return y if self.bias is None else y + self.bias

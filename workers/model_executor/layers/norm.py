@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 as transformers does, so float32 runs match
 it bit for bit and half-precision runs match its rounding. On CUDA (or
 with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel does the residual
-add and the norm."""
+add and the norm; on the CPU, where the model runner gives the layer the
+compiled kernels, one C++ call (csrc/cpu_ops.cpp)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.cpu_kernels = None
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -27,10 +29,19 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused_ops.rms_norm(x, self.weight, self.eps)
             return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+        if self.cpu_kernels is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self._cpu(x, residual)
         if residual is None:
             return self._norm(x)
         residual = residual + x
         return self._norm(residual), residual
+
+    def _cpu(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            return self.cpu_kernels.rms_norm(x, None, self.weight, self.eps)
+        # In place, as the Triton kernel: residual is a sum this layer owns
+        # (the first one is a copy of the embeddings, see LlamaDecoderLayer).
+        return self.cpu_kernels.rms_norm(x, residual, self.weight, self.eps), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -79,14 +79,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cached", emb.cos() * attn_scale, persistent=False)
         self.register_buffer("sin_cached", emb.sin() * attn_scale, persistent=False)
+        self.cpu_kernels = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA (or
-        with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel for both."""
+        with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel for both;
+        on the CPU with the compiled kernels, one C++ call that rotates them
+        in place (they are views of this layer's own q/k/v output)."""
         if q.is_cuda or os.environ.get("SHOAL_FUSED_OPS") == "1":
             from shoal.workers.model_executor.layers import fused_ops
 
             return fused_ops.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
+        if self.cpu_kernels is not None and q.dtype == torch.float32 == self.cos_cached.dtype:
+            self.cpu_kernels.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
+            return q, k
         cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

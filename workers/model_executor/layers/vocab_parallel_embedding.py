@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group
 from shoal.workers.model_executor.layers.weight_utils import check_shape
 
@@ -41,9 +42,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Same split as the embedding, so a tied head shares its weight."""
 
+    cpu_kernels = None  # the compiled CPU kernels, when the model runner uses them
+
     def forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [tokens, vocab] on rank 0; None on other ranks."""
-        parts = self.tp.gather(F.linear(h, self.weight).float())
+        parts = self.tp.gather(linear(h, self.weight, None, self.cpu_kernels).float())
         if parts is None:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)[:, : self.vocab_size]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shoal.workers.model_executor.layers.activation import SiluAndMul
-from shoal.workers.model_executor.layers.attention import PagedAttention
+from shoal.workers.model_executor.layers.attention import PagedAttention, get_forward_context
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
@@ -103,6 +103,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one parameter, listed once
+        self.cpu_kernels = None  # the compiled CPU kernels, when the model runner uses them
+        self._decode_layers = None  # (what it was built over, cpu_kernels.DecodeLayers)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -112,10 +114,50 @@ class LlamaForCausalLM(nn.Module):
         """Logits (float32) only at `logits_indices` of the flat batch; on
         ranks other than 0 of a tensor-parallel group, None."""
         h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual)
+        if self._decodes_only(h):
+            group = get_forward_context().decodes[0]
+            h, residual = self._bound_decode_layers()(h, positions, get_forward_context().slot_mapping,
+                                                      group.block_tables, group.context_lens)  # fmt: skip
+        else:
+            for layer in self.layers:
+                h, residual = layer(positions, h, residual)
         out, _ = self.norm(h[logits_indices], residual[logits_indices])
         return self.lm_head(out)
+
+    def _decodes_only(self, h: torch.Tensor) -> bool:
+        """Whether the compiled CPU kernels can run every layer in one call:
+        a step of one-token rows (one decode group) in float32, unsharded."""
+        if self.cpu_kernels is None or h.dtype != torch.float32 or self.layers[0].mlp.down_proj.tp.size != 1:
+            return False
+        ctx = get_forward_context()
+        return not ctx.prefills and ctx.triton is None and len(ctx.decodes) == 1 and \
+            ctx.decodes[0].end - ctx.decodes[0].start == h.shape[0]  # fmt: skip
+
+    def unbind_kv_cache(self) -> None:
+        """Drops the C++ layers' hold on the KV cache (the runner frees or replaces it)."""
+        self._decode_layers = None
+
+    def _bound_decode_layers(self):
+        """The C++ layers bound to this model's weights and KV cache; built
+        again when either is replaced (a new cache, weights cast on load)."""
+        a0 = self.layers[0].self_attn
+        key = (self.cpu_kernels, a0.attn.k_cache.data_ptr(), a0.qkv_proj.weight.data_ptr())
+        if self._decode_layers is None or self._decode_layers[0] != key:
+            none = torch.empty(0)
+            weights, k_caches, v_caches = [], [], []
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                for w in (layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
+                          a.o_proj.bias, layer.post_attention_layernorm.weight, m.gate_up_proj.weight,
+                          m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias):  # fmt: skip
+                    weights.append(none if w is None else w)
+                k_caches.append(a.attn.k_cache)
+                v_caches.append(a.attn.v_cache)
+            layers = self.cpu_kernels.DecodeLayers(weights, k_caches, v_caches, a0.rotary.cos_cached,
+                                                   a0.rotary.sin_cached, a0.num_heads, a0.num_kv_heads,
+                                                   self.config.rms_norm_eps, a0.attn.scale)  # fmt: skip
+            self._decode_layers = (key, layers)
+        return self._decode_layers[1]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters,

@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel (csrc/paged_decode_cpu.cpp).
+"""The compiled CPU kernels (csrc/): decode attention straight from the
+paged KV cache, and the few-row linear layer of a decode step.
 
 Built once with torch's extension loader and cached under
 ~/.cache/torch_extensions (`make install` builds it ahead). load() returns
@@ -15,6 +16,7 @@ import time
 logger = logging.getLogger(__name__)
 _kernel = None
 _tried = False
+_SOURCES = ("bindings.cpp", "paged_decode_cpu.cpp", "cpu_gemm.cpp", "cpu_ops.cpp", "cpu_decode_layers.cpp")
 
 
 def load():
@@ -28,11 +30,11 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
 
         t0 = time.perf_counter()
-        src = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_cpu.cpp")
-        _kernel = load_extension("shoal_paged_decode_cpu", [src], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                 extra_ldflags=["-fopenmp"])  # fmt: skip
-        logger.info("CPU decode kernel ready in %.1f s", time.perf_counter() - t0)
+        csrc = os.path.join(os.path.dirname(__file__), "csrc")
+        _kernel = load_extension("shoal_cpu_kernels", [os.path.join(csrc, s) for s in _SOURCES],
+                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
+        logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler or ninja, an unusual platform
-        logger.warning("CPU decode kernel unavailable (%s); using the torch path", e)
+        logger.warning("CPU kernels unavailable (%s); using the torch path", e)
         _kernel = None
     return _kernel

@@ -1,0 +1,29 @@
+"""The matmul of every linear layer (and the LM head).
+
+A decode step multiplies a few rows by each weight matrix: a read of the
+weights, where torch's BLAS reaches half the read bandwidth (and less at
+2..16 rows). The compiled kernel (csrc/cpu_gemm.cpp) takes those steps on
+the CPU in float32; prompt chunks, which are compute-bound, stay with the
+BLAS, whose tiling is built for them. A layer whose weights are stored in
+bfloat16 (--weight-dtype bfloat16) computes in float32 either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Up to this many rows the kernel beats MKL's sgemm on this kind of CPU
+# (`shoal bench latency` and tests/test_cpu_linear.py measure and check it).
+MAX_KERNEL_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> torch.Tensor:
+    """x @ weight.T + bias, in x's dtype; `kernel` is the compiled CPU module or None."""
+    if (kernel is not None and x.dim() == 2 and x.shape[0] <= MAX_KERNEL_ROWS and x.dtype == torch.float32
+            and x.device.type == "cpu" and weight.shape[1] % 16 == 0):  # fmt: skip
+        return kernel.small_m_linear(x, weight, bias)
+    if weight.dtype != x.dtype:  # bfloat16-stored weights in a float32 model: widen for the BLAS
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight, bias)

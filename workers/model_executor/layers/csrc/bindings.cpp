@@ -1,0 +1,14 @@
+// The one extension module of the CPU kernels (built by cpu_kernels.py).
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU, float32)");
+  m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows of x; float32 or bfloat16 weights");
+  m.def("rms_norm", &rms_norm, "RMSNorm; with a residual, the add in place first (float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (float32)");
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k in place (float32)");
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
+                    torch::Tensor, int64_t, int64_t, double, double>())
+      .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)");
+}

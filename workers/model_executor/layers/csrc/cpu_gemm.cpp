@@ -1,0 +1,101 @@
+// y = x W^T (+ b) for the few rows of a decode step, on the CPU.
+//
+// At a handful of rows a linear layer is a read of its weights, and the
+// BLAS torch calls reaches half the machine's read bandwidth there (its
+// small-M path is built for larger M). Here each thread walks its own
+// range of weight rows once, four at a time, against up to three rows of x
+// held in registers (12 accumulators), so every weight is read from memory
+// once per 48 rows of x. float32 in, float32 accumulation and out; the
+// weights may be float32 or bfloat16 (the opt-in half-size store: a
+// bfloat16 is the top half of a float32, so widening it is a shift).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+
+#include "avx2_math.h"
+
+#ifdef __AVX2__
+namespace {
+
+// 16 weights from k as two float vectors (a, b); x is laid out to match (see prepare_x).
+inline void load16(const float* w, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(w);
+  b = _mm256_loadu_ps(w + 8);
+}
+// A 32-bit lane holds bfloat16 k (low half) and k + 1 (high half): the low one
+// widens by a shift, the high one by masking off the low.
+inline void load16(const at::BFloat16* w, __m256& a, __m256& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// MR rows of x against NR rows of w: y[i * ldy + j].
+template <typename W, int MR, int NR>
+inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t ldy) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m256 wa[NR], wb[NR];
+    for (int j = 0; j < NR; ++j) load16(w + j * K + k, wa[j], wb[j]);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xa = _mm256_loadu_ps(x + i * K + k), xb = _mm256_loadu_ps(x + i * K + k + 8);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xb, wb[j], _mm256_fmadd_ps(xa, wa[j], acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum256(acc[i][j]);
+}
+
+template <typename W, int NR>
+inline void rows_of_x(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile<W, 3, NR>(x + m * K, w, y + m * N, K, N);
+  if (M - m == 2) tile<W, 2, NR>(x + m * K, w, y + m * N, K, N);
+  if (M - m == 1) tile<W, 1, NR>(x + m * K, w, y + m * N, K, N);
+}
+
+template <typename W>
+void gemm(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kRowsInCache = 48;  // rows of x kept in L2 while a thread walks its weights
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsInCache) {
+      const int64_t mb = std::min(kRowsInCache, M - m0);
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N;
+      int64_t n = n0;
+      for (; n + 4 <= n1; n += 4) rows_of_x<W, 4>(xm, w + n * K, ym + n, mb, N, K);
+      for (; n < n1; ++n) rows_of_x<W, 1>(xm, w + n * K, ym + n, mb, N, K);
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+// x: [M, K] float32; w: [N, K] float32 or bfloat16, K a multiple of 16 -> [M, N] float32.
+torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#ifndef __AVX2__
+  TORCH_CHECK(false, "small_m_linear: built without AVX2");
+#else
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_m_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "small_m_linear: float32 activations only");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
+              "small_m_linear: float32 or bfloat16 weights");
+  TORCH_CHECK(w.is_contiguous() && x.size(1) % 16 == 0, "small_m_linear: contiguous weights, K a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  // bfloat16 loads give lanes (k, k+2, ..., k+14) then (k+1, ..., k+15) per 16;
+  // x is permuted once to the same order so that each product pairs up.
+  torch::Tensor xs = w.scalar_type() == torch::kFloat32 ? x.contiguous()
+                                                         : x.reshape({M, K / 16, 8, 2}).transpose(2, 3).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (w.scalar_type() == torch::kFloat32)
+    gemm(xs.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+  else
+    gemm(xs.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+#endif
+}

@@ -101,12 +101,14 @@ def run(ns) -> int:
     nbytes = weight_bytes(model)
     floor = nbytes / bw
     tpot50, tpot99 = statistics.median(tpots), _pct(tpots, 0.99)
-    report = {"model": engine.model_name, "dtype": str(next(model.parameters()).dtype), "device": str(device),
+    report = {"model": engine.model_name, "dtype": str(model.dtype), "weight_dtype": str(model.lm_head.weight.dtype),
+              "device": str(device),
               "threads": args.num_threads or os.cpu_count(), "input_len": ns.input_len, "output_len": ns.output_len,
               "num_iters": ns.num_iters, "ttft_ms": {"p50": statistics.median(ttfts) * 1e3, "p99": _pct(ttfts, 0.99) * 1e3},
               "tpot_ms": {"p50": tpot50 * 1e3, "p99": tpot99 * 1e3}, "weight_bytes": nbytes,
               "read_bandwidth_gb_s": bw / 1e9, "memory_floor_ms": floor * 1e3, "tpot_over_floor": tpot50 / floor}  # fmt: skip
-    print(f"{report['model']} ({report['dtype']}, {report['device']}), prompt {ns.input_len}, {ns.output_len} out, "
+    print(f"{report['model']} ({report['dtype']}, weights {report['weight_dtype']}, {report['device']}), "
+          f"prompt {ns.input_len}, {ns.output_len} out, "
           f"{ns.num_iters} requests after {ns.num_iters_warmup} warm-up")  # fmt: skip
     print(f"  time to first token   p50 {report['ttft_ms']['p50']:8.1f} ms   p99 {report['ttft_ms']['p99']:8.1f} ms")
     print(f"  time per output token p50 {report['tpot_ms']['p50']:8.2f} ms   p99 {report['tpot_ms']['p99']:8.2f} ms"

@@ -61,6 +61,10 @@ class EngineArgs:
                                                        "written by `shoal bench calibrate` (default: coefficients "
                                                        "measured on the development machine's CPU)")  # fmt: skip
     dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
+    weight_dtype: str = cli_field("auto", "auto = --dtype; bfloat16 stores the weight matrices (linear layers, "
+                                         "embedding, LM head) in bfloat16 while a float32 model computes and "
+                                         "accumulates in float32: half the bytes a decode step reads, on the CPU "
+                                         "with its compiled kernels", choices=("auto", "bfloat16"))  # fmt: skip
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")
     kv_cache_memory_bytes: int | None = cli_field(None, "KV budget in bytes (default: 2 GiB on CPU; on GPU what "
@@ -106,3 +110,15 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return _DTYPES[self.dtype]
+
+    def resolved_weight_dtype(self, device: torch.device) -> torch.dtype:
+        """The weight matrices' storage dtype (the compute dtype unless narrowed)."""
+        dtype = self.resolved_dtype(device)
+        if self.weight_dtype == "auto" or _DTYPES.get(self.weight_dtype) == dtype:
+            return dtype
+        if self.weight_dtype != "bfloat16":
+            raise ValueError(f"weight_dtype must be auto or bfloat16; got {self.weight_dtype!r}")
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError("weight_dtype bfloat16 under a float32 model is a CPU option (its compiled kernels "
+                             f"widen the weights as they read them); got device {device.type}, dtype {dtype}")  # fmt: skip
+        return torch.bfloat16

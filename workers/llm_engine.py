@@ -77,6 +77,7 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         dtype = args.resolved_dtype(device)
+        weight_dtype = args.resolved_weight_dtype(device)  # refuses a bad pairing before loading anything
         if device.type == "cpu":
             keep_freed_memory_mapped()
         loaded = load_model_files(args.model)
@@ -107,7 +108,8 @@ class LLMEngine:
                 self.runner = SimulatedRunner(cfg.vocab_size, self.eos_token_ids,
                                               load_cost_model(args.simulated_cost_model))  # fmt: skip
             else:
-                model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype)
+                model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype,
+                                    weight_dtype)  # fmt: skip
                 self.runner = ModelRunner(model, args.block_size, self.eos_token_ids, args.attention_backend,
                                           max_len, args.max_num_seqs,
                                           enforce_eager=args.enforce_eager or tp > 1)  # fmt: skip

@@ -43,7 +43,8 @@ class ShardWorker:
         self.dtype = args.resolved_dtype(self.device)
         loaded = load_model_files(args.model)
         weights = model_weights(loaded, args.load_format, self.device)
-        self.model = build_model(loaded.config, weights, max_model_len, self.device, self.dtype)
+        self.model = build_model(loaded.config, weights, max_model_len, self.device, self.dtype,
+                                 args.resolved_weight_dtype(self.device))  # fmt: skip
         self.model_max_len = max_model_len
         per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
         return ModelRunner.kv_budget_bytes(args, self.device) // per_block

@@ -166,13 +166,17 @@ def _load_gguf(path: str) -> LoadedModel:
     return LoadedModel(name, cfg, tokenizer, weights())
 
 
-def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.device, dtype: torch.dtype):
+def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.device, dtype: torch.dtype,
+                weight_dtype: torch.dtype | None = None):  # fmt: skip
     """The model (this rank's slice of it inside a tensor-parallel group)
-    with the checkpoint's weights, ready for inference."""
+    with the checkpoint's weights, ready for inference; weight_dtype, when
+    narrower than dtype, is how its weight matrices are stored."""
     from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions)
     model.to(dtype)
     model.load_weights(weights)
+    if weight_dtype is not None and weight_dtype != dtype:
+        model.store_matrices_in(weight_dtype)
     return model.eval().requires_grad_(False)

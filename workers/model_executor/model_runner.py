@@ -59,8 +59,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # banned before min_tokens
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = next(model.parameters()).device, model.dtype
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.enforce_eager = enforce_eager

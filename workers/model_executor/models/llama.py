@@ -106,6 +106,19 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_kernels = None  # the compiled CPU kernels, when the model runner uses them
         self._decode_layers = None  # (what it was built over, cpu_kernels.DecodeLayers)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the norms' own: matrices may be stored narrower)."""
+        return self.norm.weight.dtype
+
+    def store_matrices_in(self, dtype: torch.dtype) -> None:
+        """Stores the weight matrices (linear layers, embedding, LM head) in
+        `dtype`; norms, activations and the KV cache keep the model's dtype.
+        Each matmul widens the weights it reads (layers/cpu_linear.py)."""
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                m.weight.data = m.weight.data.to(dtype)  # a tied head shares the embedding's: cast once
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
@@ -113,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         """Logits (float32) only at `logits_indices` of the flat batch; on
         ranks other than 0 of a tensor-parallel group, None."""
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed_tokens(input_ids).to(self.dtype), None
         if self._decodes_only(h):
             group = get_forward_context().decodes[0]
             h, residual = self._bound_decode_layers()(h, positions, get_forward_context().slot_mapping,
@@ -126,8 +139,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _decodes_only(self, h: torch.Tensor) -> bool:
         """Whether the compiled CPU kernels can run every layer in one call:
-        a step of one-token rows (one decode group) in float32, unsharded."""
+        a step of one-token rows (one decode group) in float32, unsharded,
+        with every matmul's inner size a multiple of the kernel's 16."""
         if self.cpu_kernels is None or h.dtype != torch.float32 or self.layers[0].mlp.down_proj.tp.size != 1:
+            return False
+        a, m = self.layers[0].self_attn, self.layers[0].mlp
+        if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
             return False
         ctx = get_forward_context()
         return not ctx.prefills and ctx.triton is None and len(ctx.decodes) == 1 and \

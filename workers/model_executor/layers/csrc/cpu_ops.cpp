@@ -40,8 +40,9 @@ void norm_row(const float* r, const float* w, float* out, int64_t n, float eps) 
 // in place, and x is overwritten with norm(residual) (vLLM's fused_add_rms_norm).
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   check_rows(x, "rms_norm x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "rms_norm: float32 weight");
   const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32 && weight.numel() == H,
+              "rms_norm: a float32 weight of the hidden size");
   const float* w = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
   if (!residual.has_value()) {
@@ -54,6 +55,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
     return out;
   }
   check_rows(*residual, "rms_norm residual");
+  TORCH_CHECK(residual->sizes() == x.sizes(), "rms_norm: residual and x must have the same shape");
   float* xp = x.data_ptr<float>();
   float* rp = residual->data_ptr<float>();
   const int64_t xs = x.stride(0), rs = residual->stride(0);
@@ -71,6 +73,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 // x: [T, 2N] = [gate | up] -> [T, N] silu(gate) * up.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: [gate | up] needs an even width");
   const int64_t T = x.size(0), N = x.size(1) / 2;
   auto out = torch::empty({T, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -119,7 +122,10 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                   k.stride(2) == 1, "rotary_embedding: float32 q and k with unit stride along head_dim");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
                   positions.scalar_type() == torch::kInt64, "rotary_embedding: float32 tables, int64 positions");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
+                  positions.numel() == q.size(0), "rotary_embedding: q [T, Hq, D], k [T, Hk, D], T positions");
   const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(), "rotary_embedding: tables [max_pos, D]");
   auto pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();

@@ -126,24 +126,101 @@ def run(ns) -> int:
     return 0
 
 
-def profile(engine, prompt: list[int], output_len: int, top: int = 12) -> list[dict]:
-    """One request under torch.profiler: the ops that took the most time of
-    its steps (self time, so nothing is counted twice), printed and returned."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+def profile(engine, prompt: list[int], output_len: int) -> dict:
+    """Where one request's decode steps go: each part of the step timed in
+    place (wrapping the engine's own calls for one more request), then each
+    weight matrix's read rate when the step's kernel multiplies one row by
+    it, walking all layers' copies as a step does (so they come from memory,
+    not cache). Printed and returned."""
+    import torch
 
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+    runner = engine.runner
+    model = runner.model
+    parts = {"decoder layers": 0.0, "LM head": 0.0, "sampler": 0.0, "forward": 0.0, "step": 0.0}
+    restore = []
+
+    def timed(obj, name, part):
+        orig = getattr(obj, name)
+        restore.append((obj, name, obj.__dict__.get(name)))
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                parts[part] += time.perf_counter() - t0
+
+        setattr(obj, name, wrapper)
+
+    timed(runner, "sampler", "sampler")
+    timed(model.lm_head, "forward", "LM head")
+    timed(model, "forward", "forward")
+    fused = model.cpu_kernels is not None
+    if fused:  # the one C++ call per decode step
+        orig_bound = model._bound_decode_layers
+        restore.append((model, "_bound_decode_layers", None))
+        model._bound_decode_layers = lambda: _Timed(orig_bound(), parts, "decoder layers")
+    else:
+        for layer in model.layers:
+            timed(layer, "forward", "decoder layers")
+    from shoal.workers import SamplingParams
+
+    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    engine.step()  # the prefill, not counted
+    for k in parts:
+        parts[k] = 0.0
+    steps = 0
+    while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        measure(engine, prompt, output_len)
-        wall = time.perf_counter() - t0
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_us = wall * 1e6
-    out = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
-            "share": e.self_cpu_time_total / total_us} for e in rows[:top]]  # fmt: skip
-    print(f"  profile of one request ({wall * 1e3:.0f} ms wall, {output_len} tokens; self time, top {top}):")
-    for r in out:
-        print(f"    {r['op'][:48]:48} {r['calls']:6d} calls {r['self_ms']:9.2f} ms {100 * r['share']:5.1f}%")
-    in_ops = sum(e.self_cpu_time_total for e in rows) / total_us
-    print(f"    all ops together: {100 * in_ops:.1f}% of the wall time; the rest is Python between them "
-          f"(scheduling, bookkeeping, dispatch) and the profiler's own cost")  # fmt: skip
-    return out
+        engine.step()
+        parts["step"] += time.perf_counter() - t0
+        steps += 1
+    for obj, name, own in restore:
+        if own is None:
+            delattr(obj, name)  # the method shows through again
+        else:
+            setattr(obj, name, own)  # an attribute of the instance (the runner's sampler)
+    step = parts["step"]
+    rows = [("decoder layers", parts["decoder layers"]), ("LM head", parts["LM head"]),
+            ("rest of the forward (embedding, final norm, Python)",
+             parts["forward"] - parts["decoder layers"] - parts["LM head"]),
+            ("sampler", parts["sampler"]),
+            ("rest of the step (scheduler, inputs, detokenizer)", step - parts["forward"] - parts["sampler"])]  # fmt: skip
+    print(f"  one decode step, {1e3 * step / steps:.2f} ms ({steps} steps of one request; "
+          f"{'decoder layers in one compiled call' if fused else 'per-layer torch path'}):")  # fmt: skip
+    for name, sec in rows:
+        print(f"    {name:52} {1e3 * sec / steps:7.2f} ms {100 * sec / step:5.1f}%")
+    matrices = {"qkv_proj": [l.self_attn.qkv_proj for l in model.layers],
+                "o_proj": [l.self_attn.o_proj for l in model.layers],
+                "gate_up_proj": [l.mlp.gate_up_proj for l in model.layers],
+                "down_proj": [l.mlp.down_proj for l in model.layers], "lm_head": [model.lm_head]}  # fmt: skip
+    rates = {}
+    print("  each matrix at one row, read from memory (all layers' copies in turn, best of 5):")
+    with torch.inference_mode():
+        for name, layers in matrices.items():
+            xs = [torch.randn(1, m.weight.shape[1]) for m in layers]
+            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+            best = float("inf")
+            for _ in range(6):
+                t0 = time.perf_counter()
+                for m, x in zip(layers, xs):
+                    m(x)
+                best = min(best, time.perf_counter() - t0)
+            rates[name] = {"bytes": nbytes, "ms": best * 1e3, "gb_s": nbytes / best / 1e9}
+            print(f"    {name:14} x{len(layers):<3} {nbytes / 1e6:7.1f} MB {best * 1e3:7.2f} ms "
+                  f"{nbytes / best / 1e9:6.1f} GB/s")  # fmt: skip
+    return {"step_ms": 1e3 * step / steps, "parts_ms": {n: 1e3 * s / steps for n, s in rows}, "matrices": rates}
+
+
+class _Timed:
+    """A callable timed into parts[part]."""
+
+    def __init__(self, fn, parts: dict, part: str):
+        self.fn, self.parts, self.part = fn, parts, part
+
+    def __call__(self, *a):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a)
+        finally:
+            self.parts[self.part] += time.perf_counter() - t0

@@ -13,7 +13,8 @@ from shoal.workers import LLMEngine
 def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_path, capsys):
     out = tmp_path / "latency.json"
     assert main(["bench", "latency", "--model", tiny_model, "--input-len", "16", "--output-len", "6",
-                 "--num-iters", "3", "--num-iters-warmup", "1", "--read-mib", "16", "--output", str(out)]) == 0  # fmt: skip
+                 "--num-iters", "3", "--num-iters-warmup", "1", "--read-mib", "16", "--profile",
+                 "--output", str(out)]) == 0  # fmt: skip
     r = json.loads(out.read_text())
     assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and 0 < r["tpot_ms"]["p50"] <= r["tpot_ms"]["p99"]
     assert r["read_bandwidth_gb_s"] > 0
@@ -21,6 +22,11 @@ def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_pa
     assert abs(r["tpot_over_floor"] - r["tpot_ms"]["p50"] / r["memory_floor_ms"]) < 1e-9
     printed = capsys.readouterr().out
     assert "memory floor" in printed and "per-token time / floor" in printed
+    # The profile's parts add up to its step, and the decode steps took the compiled layers.
+    prof = r["profile"]
+    assert abs(sum(prof["parts_ms"].values()) - prof["step_ms"]) < 1e-6 * prof["step_ms"] + 1e-9
+    assert prof["parts_ms"]["decoder layers"] > 0 and "one compiled call" in printed
+    assert set(prof["matrices"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
     # Every parameter counted once: the tiny model's embedding and LM head are separate tensors.
     model = LLMEngine(model=tiny_model, num_kv_blocks=16).runner.model
     params = {id(p): p for p in model.parameters()}

@@ -1,11 +1,16 @@
-"""`shoal bench offline`: one fixed workload through shoal and its peers,
-in one run, with the compute roofline of this machine.
+"""`shoal bench offline`: workloads through shoal and its peers, in one run,
+with the compute roofline of this machine.
 
-Workload: N requests (seeded by --seed, the engine's), prompts of random
-token ids with lengths uniform in 32..512, outputs uniform in 32..256,
-ignore_eos. Peers, in the dtype shoal resolves: transformers' continuous
-batching (ContinuousBatchingManager, each request with its own
-max_new_tokens) and plain batched generate in batches of 16.
+Workloads (offline_workloads.py; --workload, seeded by --seed, the
+engine's; random token ids, ignore_eos): default (64 requests, prompts
+32..512 tokens, outputs 32..256), short (256; 16..128; 16..64), long (16;
+1024..2048; 128..512) and chat (64; one 300-token system prompt shared by
+all, then 16..128 of the user's; 32..256). `all` runs each in turn and ends
+with one table of them. Peers, in the dtype shoal resolves and with sdpa
+attention: transformers' continuous batching (ContinuousBatchingManager,
+each request with its own max_new_tokens, its cache and batch sizes set per
+workload in CB_SETTINGS and printed beside its result) and plain batched
+generate in batches of 16.
 With --tensor-parallel-size K > 1, shoal also runs at K = 1 on the same
 cores, and the table gives both step times.
 """
@@ -13,33 +18,93 @@ cores, and the table gives both step times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import random
 import time
+from dataclasses import dataclass
 
+from shoal.benchmarks.offline_workloads import PRESETS, Workload, make_workload
 from shoal.workers.engine_args import EngineArgs
+
+PEERS = ("cb", "generate")
+CB = "transformers continuous batching"
+
+
+@dataclass(frozen=True, slots=True)
+class CBSettings:
+    """The ContinuousBatchingConfig fields set for one workload.
+
+    transformers' paged cache with sdpa (no flash kernel on the CPU) packs a
+    step's queries against every KV token the step reads, under one dense
+    mask: a step's attention work is its query tokens x all its requests'
+    contexts, and on the default 135M model it outgrows the linear layers'
+    past ~3k KV tokens a step. So each workload caps the requests in a step
+    (FIFO puts the decoding ones first, so this caps how many run at once) at
+    ~6k KV tokens read a step, and sizes the cache to hold that many at their
+    longest with a quarter to spare: no request is evicted and recomputed.
+    """
+
+    page_size: int  # tokens per cache page
+    num_blocks: int  # cache capacity in pages; also caps the KV tokens one step reads
+    max_batch_tokens: int  # query tokens one step computes: the prefill chunk
+    max_requests_per_batch: int
+    scheduler_type: str = "fifo"  # decoding requests first, prefills in the tokens left: no decode waits
+    allow_block_sharing: bool = True  # prefix sharing, as shoal's prefix caching
+
+
+CB_SETTINGS = {
+    # ~340-token contexts: 16 at once read ~5.5k KV tokens a step; a whole 512-token prompt fits one step.
+    "default": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=1024, max_requests_per_batch=16),
+    # <= 192-token contexts: 64 at once read ~6k; 64-token pages, as a 256-token one would outsize a request.
+    "short": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=512, max_requests_per_batch=64),
+    # ~1.7k-token contexts: 4 at once read ~7k; a whole 2048-token prompt fits a step beside the decodes;
+    # transformers' own 256-token pages, as at these lengths a part-filled page wastes little.
+    "long": CBSettings(page_size=256, num_blocks=50, max_batch_tokens=2304, max_requests_per_batch=4),
+    # as default, with 60-token pages: 300 = 5 x 60, so the whole system prompt is shared.
+    "chat": CBSettings(page_size=60, num_blocks=240, max_batch_tokens=1024, max_requests_per_batch=16),
+}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("offline", help="offline throughput against transformers")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
-    p.add_argument("--peers", default="cb,generate", help="comma list of: cb, generate (or none)")
+    p.add_argument("--workload", default="default",
+                   help=f"{', '.join(PRESETS)}, a comma list of them, or all: each in turn, then one table "
+                        "(default: default)")  # fmt: skip
+    p.add_argument("--num-prompts", type=int,
+                   help="requests of each workload run (default: the preset's: "
+                        f"{', '.join(f'{w.name} {w.num_prompts}' for w in PRESETS.values())})")  # fmt: skip
+    p.add_argument("--input-len", type=int, nargs=2, help="prompt lengths, uniform: the default workload only "
+                                                          "(its default: 32 512); refused with another")  # fmt: skip
+    p.add_argument("--output-len", type=int, nargs=2, help="output lengths, uniform: the default workload only "
+                                                           "(its default: 32 256); refused with another")  # fmt: skip
+    p.add_argument("--peers", help="comma list of: cb, generate (or none); default: cb,generate for one "
+                                   "workload, cb for several")  # fmt: skip
     p.add_argument("--generate-batch", type=int, default=16)
     p.add_argument("--output", default="bench_results/offline.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
     p.set_defaults(func=run)
 
 
-def make_workload(n: int, seed: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    work = []
-    for _ in range(n):
-        plen = rng.randint(*input_len)
-        work.append(([rng.randrange(vocab) for _ in range(plen)], rng.randint(*output_len)))
-    return work
+def chosen_workloads(ns) -> list[Workload]:
+    """The --workload presets, with --num-prompts, --input-len and --output-len applied."""
+    names = list(PRESETS) if ns.workload == "all" else [w for w in ns.workload.split(",") if w]
+    if not names or set(names) - set(PRESETS):
+        raise ValueError(f"--workload takes {', '.join(PRESETS)}, a comma list of them, or all; got {ns.workload!r}")
+    if (ns.input_len or ns.output_len) and names != ["default"]:
+        raise ValueError(f"--input-len and --output-len shape the default workload only; got --workload {ns.workload}")
+    return [dataclasses.replace(PRESETS[n], num_prompts=ns.num_prompts or PRESETS[n].num_prompts,
+                                input_len=tuple(ns.input_len or PRESETS[n].input_len),
+                                output_len=tuple(ns.output_len or PRESETS[n].output_len)) for n in names]  # fmt: skip
+
+
+def chosen_peers(ns, num_workloads: int) -> list[str]:
+    # Across workloads only continuous batching, the peer the goal is set against: plain generate is slow.
+    given = ns.peers if ns.peers is not None else "cb,generate" if num_workloads == 1 else "cb"
+    peers = [p for p in given.split(",") if p and p != "none"]
+    if set(peers) - set(PEERS):
+        raise ValueError(f"--peers takes {', '.join(PEERS)} or none; got {given!r}")
+    return peers
 
 
 def measure_matmul_flops(seconds: float = 2.0) -> float:
@@ -80,33 +145,60 @@ def run_shoal(args: EngineArgs, work) -> dict:
 
 
 def hf_model(path: str, dtype):
-    """transformers' model of an HF folder or a GGUF file, for comparison."""
+    """transformers' model of an HF folder or a GGUF file, for comparison. Attention is sdpa, which its
+    continuous batching runs on a paged cache as is (this version deprecates the `paged|sdpa` spelling)."""
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=dtype).eval()  # fmt: skip
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+                                                    dtype=dtype, attn_implementation="sdpa").eval()  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
 
-def run_hf_cb(model, work) -> dict:
-    from transformers import GenerationConfig
+def run_hf_cb(model, work, settings: CBSettings | None = None) -> dict:
+    """transformers' continuous batching; settings None leaves its sizes to transformers (from free memory)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0)
-    t0 = time.perf_counter()
+    cb = ContinuousBatchingConfig(**dataclasses.asdict(settings)) if settings else ContinuousBatchingConfig()
+    with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cb,
+                                                   block=True, timeout=30) as manager:  # fmt: skip
+        # As run_shoal: the cache's allocation and a 4-token warm-up on the first two prompts are not timed.
+        _finish(manager, {f"w{i}": (p, 4) for i, (p, _) in enumerate(work[:2])})
+        t0 = time.perf_counter()
+        got = _finish(manager, {f"r{i}": (p, n) for i, (p, n) in enumerate(work)})
+        dt = time.perf_counter() - t0
+        stated = cb_stated(manager)
+    assert got == {f"r{i}": n for i, (_, n) in enumerate(work)}, "a request got the wrong number of tokens"
+    return {"seconds": dt, "settings": stated}
+
+
+def _finish(manager, requests: dict[str, tuple[list[int], int]]) -> dict[str, int]:
+    """Submits the requests (id: prompt, max_new_tokens) and waits for all; returns id: tokens generated."""
+    for rid, (ids, n) in requests.items():
+        manager.add_request(ids, request_id=rid, max_new_tokens=n, eos_token_id=-1)
     got = {}
-    with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
-        for i, (ids, n) in enumerate(work):
-            manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
-        while len(got) < len(work):
-            res = manager.get_result(timeout=1)
-            if res is not None and res.is_finished():
-                got[res.request_id] = len(res.generated_tokens)
-            elif res is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous batching loop stopped")
-    dt = time.perf_counter() - t0
-    assert sorted(got.values()) == sorted(n for _, n in work), "a request got the wrong number of tokens"
-    return {"seconds": dt}
+    while len(got) < len(requests):
+        res = manager.get_result(timeout=1)
+        if res is not None and res.is_finished():
+            got[res.request_id] = len(res.generated_tokens)
+        elif res is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching loop stopped")
+    return got
+
+
+def cb_stated(manager) -> dict:
+    """The settings transformers runs with, read back: the warm-up at the context's entry built the cache,
+    so sizes it would infer are concrete by now."""
+    cfg = manager.continuous_batching_config
+    stated = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(CBSettings)}
+    return stated | {"attn_implementation": manager.model.config._attn_implementation}
+
+
+def describe_cb(st: dict) -> str:
+    return (f"{st['attn_implementation']}, {st['scheduler_type']}, {st['num_blocks']} pages of {st['page_size']}, "
+            f"{st['max_batch_tokens']} tokens and {st['max_requests_per_batch']} requests a step"
+            + (", prefix sharing" if st["allow_block_sharing"] else ""))  # fmt: skip
 
 
 def run_hf_generate(model, work, batch: int) -> dict:
@@ -129,72 +221,117 @@ def run_hf_generate(model, work, batch: int) -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
-def run(ns) -> int:
-    import torch
+@dataclass
+class Bench:
+    """What every workload of one run shares."""
 
-    from shoal.workers.model_executor.model_loader import resolve_model
+    args: EngineArgs
+    vocab: int
+    peak: float  # the matmul rate, measured once per run
+    peers: list[str]
+    generate_batch: int
 
-    peak = measure_matmul_flops()
-    print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    from shoal.workers.model_executor.model_loader import load_model_files
+    @functools.cached_property
+    def peer_model(self):
+        """transformers' model, loaded once, after shoal's first run, for every workload's peers. The peers
+        compute in the dtype shoal resolved, so the comparison stays like for like."""
+        from shoal.workers.model_executor.model_loader import resolve_model
 
-    args = EngineArgs.from_cli_args(ns)
-    cfg = load_model_files(args.model).config
-    cfg.check_tp_size(args.tensor_parallel_size)  # before anything runs
-    vocab = cfg.vocab_size
-    work = make_workload(ns.num_prompts, args.seed, ns.input_len, ns.output_len, vocab)
-    n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)
-    print(f"workload: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens (seed {args.seed})")
+        return hf_model(resolve_model(self.args.model), self.args.resolved_dtype(self.args.resolved_device()))
 
-    results = {}
-    tp = args.tensor_parallel_size
-    if tp > 1:
-        one = run_shoal(dataclasses.replace(args, tensor_parallel_size=1), work)
-        print(f"shoal K=1: {one['seconds']:.1f} s, {one['step_ms']:.1f} ms/step", flush=True)
-    s = run_shoal(args, work)
-    results["shoal" if tp == 1 else f"shoal K={tp}"] = s
-    print(f"shoal{'' if tp == 1 else f' K={tp}'}: {s['seconds']:.1f} s, {s['step_ms']:.1f} ms/step "
-          f"({s['preemptions']} preemptions)", flush=True)  # fmt: skip
-    if tp > 1:
-        results["shoal K=1"] = one
-        s["same_tokens_as_k1"] = s["outputs"] == one["outputs"]
-        s["params"] = one["params"]
-    params = s["params"]
-    for r in results.values():
-        r.pop("outputs")
-    peers = [p for p in ns.peers.split(",") if p and p != "none"]
-    if peers:
-        # The peers compute in the dtype shoal resolved, so the comparison stays like for like.
-        hf = hf_model(resolve_model(args.model), args.resolved_dtype(args.resolved_device()))
-        if "cb" in peers:
-            results["transformers continuous batching"] = run_hf_cb(hf, work)
-            print(f"transformers CB: {results['transformers continuous batching']['seconds']:.1f} s", flush=True)
-        if "generate" in peers:
-            key = f"transformers generate (batches of {ns.generate_batch})"
-            results[key] = run_hf_generate(hf, work, ns.generate_batch)
+    def run_workload(self, w: Workload) -> dict:
+        """Shoal, then the peers, on one workload; prints its table and returns its report."""
+        args = self.args
+        work = make_workload(w.num_prompts, args.seed, w.input_len, w.output_len, self.vocab, w.shared_prefix)
+        n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)
+        print(f"\nworkload {w.name}: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens "
+              f"(seed {args.seed})", flush=True)  # fmt: skip
+        results = self.run_shoals(work)
+        params = next(iter(results.values()))["params"]
+        if "cb" in self.peers:
+            r = results[CB] = run_hf_cb(self.peer_model, work, CB_SETTINGS[w.name])
+            print(f"transformers CB: {r['seconds']:.1f} s ({describe_cb(r['settings'])})", flush=True)
+        if "generate" in self.peers:
+            key = f"transformers generate (batches of {self.generate_batch})"
+            results[key] = run_hf_generate(self.peer_model, work, self.generate_batch)
             print(f"{key}: {results[key]['seconds']:.1f} s", flush=True)
+        flops = 2 * params * (n_in + n_out)
+        for r in results.values():
+            r["output_tok_s"] = n_out / r["seconds"]
+            r["roofline_fraction"] = flops / r["seconds"] / self.peak
+        print_table(results)
+        print(f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
+              f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s")  # fmt: skip
+        shape = dataclasses.asdict(w) | {"seed": args.seed, "prompt_tokens": n_in, "output_tokens": n_out}
+        report = {"workload": shape, "params": params, "results": results}
+        if CB in results:
+            report["shoal_vs_cb"] = results[CB]["seconds"] / next(iter(results.values()))["seconds"]
+        return report
 
-    flops = 2 * params * (n_in + n_out)
-    base = s["seconds"]
+    def run_shoals(self, work) -> dict[str, dict]:
+        """Shoal's results, its run at --tensor-parallel-size first (and with K > 1 its run at K = 1)."""
+        args, tp = self.args, self.args.tensor_parallel_size
+        results = {}
+        if tp > 1:
+            one = run_shoal(dataclasses.replace(args, tensor_parallel_size=1), work)
+            print(f"shoal K=1: {one['seconds']:.1f} s, {one['step_ms']:.1f} ms/step", flush=True)
+        s = run_shoal(args, work)
+        results["shoal" if tp == 1 else f"shoal K={tp}"] = s
+        print(f"shoal{'' if tp == 1 else f' K={tp}'}: {s['seconds']:.1f} s, {s['step_ms']:.1f} ms/step "
+              f"({s['preemptions']} preemptions)", flush=True)  # fmt: skip
+        if tp > 1:
+            results["shoal K=1"] = one
+            s["same_tokens_as_k1"] = s["outputs"] == one["outputs"]
+            s["params"] = one["params"]
+            print(f"K={tp} step time is {s['step_ms'] / one['step_ms']:.2f}x K=1's on these {os.cpu_count()} "
+                  f"cores (all-reduce over gloo); same tokens as K=1: {s['same_tokens_as_k1']}")  # fmt: skip
+        for r in results.values():
+            r.pop("outputs")
+        return results
+
+
+def print_table(results: dict[str, dict]) -> None:
+    """One workload's engines, against the first (shoal)."""
+    base = next(iter(results.values()))["seconds"]
     first = next(iter(results))
     print()
     print(f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {first + ' is':>12} {'% roofline':>10} {'ms/step':>8}")
     for name, r in results.items():
-        r["output_tok_s"] = n_out / r["seconds"]
-        r["roofline_fraction"] = flops / r["seconds"] / peak
-        ratio = r["seconds"] / base
         step = f"{r['step_ms']:>8.1f}" if "step_ms" in r else f"{'':>8}"
-        print(f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {ratio:>11.2f}x "
+        print(f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {r['seconds'] / base:>11.2f}x "
               f"{100 * r['roofline_fraction']:>9.1f}% {step}")  # fmt: skip
-    if tp > 1:
-        print(f"\nK={tp} step time is {s['step_ms'] / results['shoal K=1']['step_ms']:.2f}x K=1's on these "
-              f"{os.cpu_count()} cores (all-reduce over gloo); same tokens as K=1: {s['same_tokens_as_k1']}")  # fmt: skip
-    print(f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
-          f"at {peak / 1e9:.1f} GFLOP/s = {flops / peak:.1f} s")  # fmt: skip
+
+
+def print_summary(reports: dict[str, dict]) -> None:
+    """One row a workload: shoal against transformers' continuous batching, with the settings it ran."""
+    print(f"\n{'workload':<10} {'requests':>8} {'shoal s':>8} {'out tok/s':>10} {'CB s':>8} {'shoal vs CB':>11} "
+          f"{'% roofline':>10}  transformers CB settings")  # fmt: skip
+    for name, rep in reports.items():
+        s, cb = next(iter(rep["results"].values())), rep["results"].get(CB)
+        peer = f"{cb['seconds']:>8.1f} {rep['shoal_vs_cb']:>10.2f}x" if cb else f"{'-':>8} {'-':>11}"
+        stated = describe_cb(cb["settings"]) if cb else "-"
+        print(f"{name:<10} {rep['workload']['num_prompts']:>8} {s['seconds']:>8.1f} {s['output_tok_s']:>10.1f} "
+              f"{peer} {100 * s['roofline_fraction']:>9.1f}%  {stated}")  # fmt: skip
+
+
+def run(ns) -> int:
+    import torch
+
+    from shoal.workers.model_executor.model_loader import load_model_files
+
+    workloads = chosen_workloads(ns)
+    peers = chosen_peers(ns, len(workloads))
+    args = EngineArgs.from_cli_args(ns)
+    cfg = load_model_files(args.model).config
+    cfg.check_tp_size(args.tensor_parallel_size)  # before anything runs
+    peak = measure_matmul_flops()
+    print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    bench = Bench(args, cfg.vocab_size, peak, peers, ns.generate_batch)
+    reports = {w.name: bench.run_workload(w) for w in workloads}
+    if len(reports) > 1:
+        print_summary(reports)
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
-        json.dump({"workload": {"num_prompts": len(work), "seed": args.seed, "prompt_tokens": n_in,
-                                "output_tokens": n_out}, "matmul_flops": peak, "params": params,
-                   "results": results}, f, indent=2)  # fmt: skip
+        json.dump({"matmul_flops": peak, "workloads": reports}, f, indent=2)
     print(f"wrote {ns.output}")
     return 0

@@ -56,8 +56,41 @@ inline void rows_of_x(const float* x, const W* w, float* y, int64_t M, int64_t N
   if (M - m == 1) tile<W, 1, NR>(x + m * K, w, y + m * N, K, N);
 }
 
+// One row of x (a single stream's step): each thread walks its weight rows
+// one after another, four accumulators across k, so its reads are one
+// sequential stream; prefetching ahead of it helps the bfloat16 loop, whose
+// widening leaves the hardware prefetcher behind (measured: 10.6 -> 16.7
+// GB/s), and not the float32 one.
+template <typename W>
+void gemv(const float* x, const W* w, float* y, int64_t N, int64_t K) {
+  constexpr int64_t kAhead = sizeof(W) == 2 ? 1024 : 0;  // bytes
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const W* r = w + n * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, wa, wb, wc, wd;
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        if (kAhead) _mm_prefetch(reinterpret_cast<const char*>(r + k) + kAhead, _MM_HINT_T0);
+        load16(r + k, wa, wb);
+        load16(r + k + 16, wc, wd);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wa, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wb, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), wc, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), wd, a3);
+      }
+      if (k < K) {  // K is a multiple of 16
+        load16(r + k, wa, wb);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wa, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wb, a1);
+      }
+      y[n] = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+  });
+}
+
 template <typename W>
 void gemm(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M == 1) return gemv(x, w, y, N, K);
   constexpr int64_t kRowsInCache = 48;  // rows of x kept in L2 while a thread walks its weights
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);

@@ -38,7 +38,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t tok_stride = KVH * D;
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Waking the other threads costs tens of microseconds: a step whose keys
+  // and values fit in L2 (one short sequence, say) runs on this thread.
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < n; ++s) total_len += lp[s];
+  const int64_t grain = 2 * total_len * KVH * D * sizeof(float) < (256 << 10) ? n * KVH : 1;
+  at::parallel_for(0, n * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t s = job / KVH, h = job % KVH, L = lp[s];

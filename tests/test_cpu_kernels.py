@@ -230,9 +230,10 @@ def test_rotary_embedding_refuses_out_of_range_positions(kernel):
 # ---- the whole decode step ---------------------------------------------------
 
 
-def _llm(tiny_model, backend: str) -> LLM:
+def _llm(tiny_model, backend: str, weight_dtype: str = "auto") -> LLM:
     # No prefix caching: each step's mix of prefills and decodes follows from the prompts alone.
-    llm = LLM(tiny_model, num_kv_blocks=256, attention_backend=backend, enable_prefix_caching=False)
+    llm = LLM(tiny_model, num_kv_blocks=256, attention_backend=backend, enable_prefix_caching=False,
+              weight_dtype=weight_dtype)  # fmt: skip
     model = llm.engine.runner.model
     if backend == "torch":
         assert model.cpu_kernels is None and all(getattr(m, "cpu_kernels", None) is None for m in model.modules())
@@ -385,8 +386,11 @@ class _BothPaths:
         monkeypatch.setattr(model, "forward", both)
 
 
-def test_logits_of_kernel_and_torch_paths_agree(kernel, tiny_model, monkeypatch):
-    llm = _llm(tiny_model, "auto")
+@pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16"])
+def test_logits_of_kernel_and_torch_paths_agree(kernel, tiny_model, monkeypatch, weight_dtype):
+    """bfloat16 weights: the torch path widens the same stored weights, so
+    the two paths differ only in summation order there too."""
+    llm = _llm(tiny_model, "auto", weight_dtype)
     both = _BothPaths(llm.engine.runner.model, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate(_prompts(31, (3, 20, 70, 1)), params)

@@ -97,9 +97,11 @@ class ModelRunner:
             self.decode_kernel = cpu_kernels.load()
         if backend == "cpu_kernel" and self.decode_kernel is None:
             raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32 and a C++ compiler")
+        # The matmul, small ops and one-call decode step are AVX2 code.
+        kernels = self.decode_kernel if getattr(self.decode_kernel, "has_avx2", False) else None
         for module in self.model.modules():
             if hasattr(module, "cpu_kernels"):
-                module.cpu_kernels = self.decode_kernel
+                module.cpu_kernels = kernels
 
     @property
     def varlen(self) -> bool:

@@ -2,6 +2,11 @@
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef __AVX2__
+  m.attr("has_avx2") = true;
+#else
+  m.attr("has_avx2") = false;  // only the decode attention kernel has a portable path
+#endif
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU, float32)");
   m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows of x; float32 or bfloat16 weights");
   m.def("rms_norm", &rms_norm, "RMSNorm; with a residual, the add in place first (float32)");

@@ -5,29 +5,28 @@
 // torch each op costs its dispatch and each layer its Python, which
 // together came to a third of the step on a 2-core CPU. Here the layers
 // run back to back in C++ over the same kernels the modules call one by
-// one (so the math is theirs), and Python sees one call per step (the weights and caches are bound once).
+// one (so the math is theirs), inside one parallel region: each op's work
+// is split across the threads, which meet at a barrier between ops instead
+// of being woken for every matmul. The weights and cache are bound once.
 #include "cpu_kernels.h"
 
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace {
-// One layer's tensors, in the order LlamaForCausalLM._build_decode_layers lists them.
+// One layer's tensors, in the order LlamaForCausalLM._bound_decode_layers lists them.
 constexpr size_t kPerLayer = 10;
 
-c10::optional<torch::Tensor> bias_or_none(const torch::Tensor& b) {
-  return b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt;
-}
+const float* data_or_null(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
-// Rows t of k/v [T, KVH * D] go to flat slot slots[t] of the cache [blocks, block_size, KVH, D].
-void write_cache(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                 const int64_t* slots, int64_t T) {
-  const int64_t row = k_cache.size(2) * k_cache.size(3);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kc + slots[t] * row, k.data_ptr<float>() + t * k.stride(0), row * sizeof(float));
-    std::memcpy(vc + slots[t] * row, v.data_ptr<float>() + t * v.stride(0), row * sizeof(float));
-  }
+// This thread's share [begin, end) of n items, in whole multiples of `align`.
+void share(int64_t n, int64_t align, int tid, int nt, int64_t& begin, int64_t& end) {
+  const int64_t units = (n + align - 1) / align, per = (units + nt - 1) / nt;
+  begin = std::min(n, tid * per * align);
+  end = std::min(n, (tid + 1) * per * align);
 }
 }  // namespace
 
@@ -37,8 +36,28 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torc
     : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
       cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
       scale(scale_) {
-  TORCH_CHECK(weights.size() == k_caches.size() * kPerLayer && v_caches.size() == k_caches.size(),
-              "DecodeLayers: ", kPerLayer, " tensors per layer and one cache each");
+#ifndef __AVX2__
+  TORCH_CHECK(false, "DecodeLayers: built without AVX2");
+#endif
+  TORCH_CHECK(!k_caches.empty() && weights.size() == k_caches.size() * kPerLayer &&
+                  v_caches.size() == k_caches.size(), "DecodeLayers: ", kPerLayer, " tensors per layer and one cache each");
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    const bool matrix = i % kPerLayer == 1 || i % kPerLayer == 3 || i % kPerLayer == 6 || i % kPerLayer == 8;
+    if (matrix) {
+      TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0 &&
+                      (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+                  "DecodeLayers: weight matrices contiguous, float32 or bfloat16, inner size a multiple of 16");
+    } else {
+      TORCH_CHECK(w.numel() == 0 || (w.is_contiguous() && w.scalar_type() == torch::kFloat32),
+                  "DecodeLayers: norms and biases contiguous float32");
+    }
+  }
+  for (size_t l = 0; l < k_caches.size(); ++l)
+    TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+                    k_caches[l].scalar_type() == torch::kFloat32, "DecodeLayers: contiguous float32 caches");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  cos.size(1) == k_caches[0].size(3), "DecodeLayers: float32 rotary tables [max_pos, head_dim]");
 }
 
 // h: [T, hidden] embeddings -> {mlp output, residual} of the last layer (the
@@ -46,28 +65,101 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torc
 std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                                  torch::Tensor block_tables, torch::Tensor context_lens) {
   TORCH_CHECK(h.scalar_type() == torch::kFloat32 && h.dim() == 2 && h.is_contiguous(), "decode_layers: float32 h");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "decode_layers: int64 slot mapping");
-  const int64_t L = static_cast<int64_t>(k_caches.size());
-  const int64_t T = h.size(0);
-  const int64_t D = k_caches[0].size(3);
-  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
-  auto slots_t = slot_mapping.contiguous();
+  const int64_t T = h.size(0), hidden = h.size(1);
+  TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T && block_tables.size(0) == T &&
+                  context_lens.numel() == T && positions.scalar_type() == torch::kInt64 &&
+                  slot_mapping.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64 &&
+                  context_lens.scalar_type() == torch::kInt64, "decode_layers: T int64 positions, slots, tables, lengths");
+  // Nothing may throw inside the parallel region: every index is checked here.
+  auto pos_t = positions.contiguous(), slots_t = slot_mapping.contiguous();
+  auto tables_t = block_tables.contiguous(), lens_t = context_lens.contiguous();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
   const int64_t* slots = slots_t.data_ptr<int64_t>();
-  torch::Tensor residual = h, x;  // h is this step's own embeddings: the sum may start in it
-  for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = weights.data() + l * kPerLayer;
-    // The first layer's norm has no pending output to add (see LlamaDecoderLayer).
-    x = l == 0 ? rms_norm(residual, c10::nullopt, w[0], eps) : rms_norm(x, residual, w[0], eps);
-    auto qkv = small_m_linear(x, w[1], bias_or_none(w[2]));
-    auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
-    auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size);
-    rotary_embedding(positions, q, k, cos, sin);
-    write_cache(k.view({T, kv_size}), v, k_caches[l], v_caches[l], slots, T);
-    auto attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, context_lens, scale);
-    x = small_m_linear(attn.view({T, q_size}), w[3], bias_or_none(w[4]));
-    x = rms_norm(x, residual, w[5], eps);
-    x = small_m_linear(silu_and_mul(small_m_linear(x, w[6], bias_or_none(w[7]))), w[8], bias_or_none(w[9]));
+  const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0) && slots[t] >= 0 && slots[t] < num_slots,
+                "decode_layers: position or cache slot out of range");
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  const int64_t D = k_caches[0].size(3), bs = k_caches[0].size(1);
+  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  const int64_t inter = weights[8].size(1);
+  TORCH_CHECK(weights[1].size(0) == qkv_size && weights[1].size(1) == hidden && weights[3].size(1) == q_size &&
+                  weights[6].size(0) == 2 * inter, "decode_layers: weights of another model shape");
+  const bool bf16 = weights[1].scalar_type() == torch::kBFloat16;
+  auto opts = h.options();
+  torch::Tensor residual = h;  // h is this step's own embeddings: the sum may start in it
+  auto x = torch::empty({T, hidden}, opts), qkv = torch::empty({T, qkv_size}, opts);
+  auto attn = torch::empty({T, q_size}, opts), gate_up = torch::empty({T, 2 * inter}, opts);
+  auto act = torch::empty({T, inter}, opts);
+  auto interleaved = torch::empty({T, std::max({hidden, q_size, inter})}, opts);
+  float *rp = residual.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  float *ap = attn.data_ptr<float>(), *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float* ip = interleaved.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  PagedAttn pa{qkvp, qkv_size, ap, q_size, nullptr, nullptr, tables_t.data_ptr<int64_t>(), tables_t.size(1),
+               lens_t.data_ptr<int64_t>(), num_heads, num_kv_heads, D, bs, static_cast<float>(scale)};
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t r0, r1;  // this thread's rows of the step
+    share(T, 1, tid, nt, r0, r1);
+    std::vector<float> scores, acc;
+    // y = in w^T + b over this thread's weight rows; in's rows are K wide.
+    auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, const torch::Tensor& b, float* y) {
+      if (bf16) {
+        for (int64_t t = r0; t < r1; ++t) interleave_for_bf16(in + t * K, ip + t * K, K);
+        in = ip;
+#pragma omp barrier
+      }
+      int64_t n0, n1;
+      share(w.size(0), 4, tid, nt, n0, n1);
+      linear_rows(in, w, data_or_null(b), y, T, n0, n1);
+#pragma omp barrier
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const torch::Tensor* w = weights.data() + l * kPerLayer;
+      const float* in_norm = w[0].data_ptr<float>();
+      for (int64_t t = r0; t < r1; ++t) {
+        float* r = rp + t * hidden;
+        float* xr = xp + t * hidden;
+        if (l > 0)  // the first layer's norm has no pending output to add (see LlamaDecoderLayer)
+          for (int64_t j = 0; j < hidden; ++j) r[j] += xr[j];
+        norm_row(r, in_norm, xr, hidden, e);
+      }
+#pragma omp barrier
+      linear(xp, hidden, w[1], w[2], qkvp);
+      float* kc = k_caches[l].data_ptr<float>();
+      float* vc = v_caches[l].data_ptr<float>();
+      for (int64_t t = r0; t < r1; ++t) {
+        float* row = qkvp + t * qkv_size;
+        rotate(row, num_heads, D, cp + pos[t] * D, sp + pos[t] * D, D);
+        rotate(row + q_size, num_kv_heads, D, cp + pos[t] * D, sp + pos[t] * D, D);
+        std::memcpy(kc + slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
+        std::memcpy(vc + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      }
+#pragma omp barrier
+      pa.k_cache = kc;
+      pa.v_cache = vc;
+      int64_t j0, j1;
+      share(T * num_kv_heads, 1, tid, nt, j0, j1);
+      for (int64_t job = j0; job < j1; ++job) attend_job(pa, job, scores, acc);
+#pragma omp barrier
+      linear(ap, q_size, w[3], w[4], xp);
+      const float* post_norm = w[5].data_ptr<float>();
+      for (int64_t t = r0; t < r1; ++t) {
+        float* r = rp + t * hidden;
+        float* xr = xp + t * hidden;
+        for (int64_t j = 0; j < hidden; ++j) r[j] += xr[j];
+        norm_row(r, post_norm, xr, hidden, e);
+      }
+#pragma omp barrier
+      linear(xp, hidden, w[6], w[7], gup);
+      for (int64_t t = r0; t < r1; ++t) silu_mul_row(gup + t * 2 * inter, actp + t * inter, inter);
+#pragma omp barrier
+      linear(actp, inter, w[8], w[9], xp);
+    }
   }
   return {x, residual};
 }

@@ -56,56 +56,82 @@ inline void rows_of_x(const float* x, const W* w, float* y, int64_t M, int64_t N
   if (M - m == 1) tile<W, 1, NR>(x + m * K, w, y + m * N, K, N);
 }
 
-// One row of x (a single stream's step): each thread walks its weight rows
-// one after another, four accumulators across k, so its reads are one
+// One row of x (a single stream's step), weight rows [n0, n1): one after
+// another, four accumulators across k, so a thread's reads are one
 // sequential stream; prefetching ahead of it helps the bfloat16 loop, whose
 // widening leaves the hardware prefetcher behind (measured: 10.6 -> 16.7
 // GB/s), and not the float32 one.
 template <typename W>
-void gemv(const float* x, const W* w, float* y, int64_t N, int64_t K) {
+void gemv_rows(const float* x, const W* w, float* y, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kAhead = sizeof(W) == 2 ? 1024 : 0;  // bytes
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const W* r = w + n * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, wa, wb, wc, wd;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        if (kAhead) _mm_prefetch(reinterpret_cast<const char*>(r + k) + kAhead, _MM_HINT_T0);
-        load16(r + k, wa, wb);
-        load16(r + k + 16, wc, wd);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wa, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wb, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), wc, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), wd, a3);
-      }
-      if (k < K) {  // K is a multiple of 16
-        load16(r + k, wa, wb);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wa, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wb, a1);
-      }
-      y[n] = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* r = w + n * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, wa, wb, wc, wd;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      if (kAhead) _mm_prefetch(reinterpret_cast<const char*>(r + k) + kAhead, _MM_HINT_T0);
+      load16(r + k, wa, wb);
+      load16(r + k + 16, wc, wd);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wa, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wb, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), wc, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), wd, a3);
     }
-  });
+    if (k < K) {  // K is a multiple of 16
+      load16(r + k, wa, wb);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wa, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wb, a1);
+    }
+    y[n] = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  }
+}
+
+// M rows of x, weight rows [n0, n1): four weight rows at a time.
+template <typename W>
+void gemm_rows(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (M == 1) return gemv_rows(x, w, y, K, n0, n1);
+  constexpr int64_t kRowsInCache = 48;  // rows of x kept in L2 while a thread walks its weights
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsInCache) {
+    const int64_t mb = std::min(kRowsInCache, M - m0);
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_of_x<W, 4>(xm, w + n * K, ym + n, mb, N, K);
+    for (; n < n1; ++n) rows_of_x<W, 1>(xm, w + n * K, ym + n, mb, N, K);
+  }
 }
 
 template <typename W>
 void gemm(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  if (M == 1) return gemv(x, w, y, N, K);
-  constexpr int64_t kRowsInCache = 48;  // rows of x kept in L2 while a thread walks its weights
+  // Chunks of whole 4-row tiles (64 rows at least, so one row's chunks are not tiny).
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
-    for (int64_t m0 = 0; m0 < M; m0 += kRowsInCache) {
-      const int64_t mb = std::min(kRowsInCache, M - m0);
-      const float* xm = x + m0 * K;
-      float* ym = y + m0 * N;
-      int64_t n = n0;
-      for (; n + 4 <= n1; n += 4) rows_of_x<W, 4>(xm, w + n * K, ym + n, mb, N, K);
-      for (; n < n1; ++n) rows_of_x<W, 1>(xm, w + n * K, ym + n, mb, N, K);
-    }
+    gemm_rows(x, w, y, M, N, K, begin * 4, std::min(N, end * 4));
   });
 }
 
 }  // namespace
+#endif
+
+#ifdef __AVX2__
+void linear_rows(const float* x, const torch::Tensor& w, const float* bias, float* y, int64_t M, int64_t n0,
+                 int64_t n1) {
+  const int64_t N = w.size(0), K = w.size(1);
+  if (w.scalar_type() == torch::kFloat32)
+    gemm_rows(x, w.data_ptr<float>(), y, M, N, K, n0, n1);
+  else
+    gemm_rows(x, w.data_ptr<at::BFloat16>(), y, M, N, K, n0, n1);
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+}
+
+void interleave_for_bf16(const float* x, float* out, int64_t K) {
+  for (int64_t b = 0; b < K; b += 16)
+    for (int64_t j = 0; j < 8; ++j) {
+      out[b + j] = x[b + 2 * j];
+      out[b + 8 + j] = x[b + 2 * j + 1];
+    }
+}
 #endif
 
 // x: [M, K] float32; w: [N, K] float32 or bfloat16, K a multiple of 16 -> [M, N] float32.

@@ -11,6 +11,39 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
+// Serial pieces of the kernels above, for the one-call decode step, which
+// splits them across its threads itself.
+
+// Weight rows [n0, n1) of y [M, N] = x [M, K] w^T (+ bias), w float32 or
+// bfloat16 [N, K]; for bfloat16 weights, x rows through interleave_for_bf16.
+void linear_rows(const float* x, const torch::Tensor& w, const float* bias, float* y, int64_t M, int64_t n0,
+                 int64_t n1);
+// One row of x in the lane order of the bfloat16 weight loads.
+void interleave_for_bf16(const float* x, float* out, int64_t K);
+// out = w * r / rms(r).
+void norm_row(const float* r, const float* w, float* out, int64_t n, float eps);
+// o[i] = silu(g[i]) * g[N + i].
+void silu_mul_row(const float* g, float* o, int64_t N);
+// The rotary embedding of one token's heads, in place.
+void rotate(float* x, int64_t heads, int64_t head_stride, const float* cos, const float* sin, int64_t D);
+
+// One decode attention: query rows of q (row stride q_row) against the
+// paged cache, into out (row stride out_row); a job is (sequence, KV head).
+struct PagedAttn {
+  const float* q;
+  int64_t q_row;
+  float* out;
+  int64_t out_row;
+  const float* k_cache;
+  const float* v_cache;
+  const int64_t* tables;
+  int64_t max_blocks;
+  const int64_t* lens;
+  int64_t H, KVH, D, bs;
+  float scale;
+};
+void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc);
+
 // Every decoder layer of a Llama-family model for a step of decodes
 // (cpu_decode_layers.cpp). Built once per model and KV cache: the 10
 // tensors of each layer (an absent bias is an empty tensor) and its caches.

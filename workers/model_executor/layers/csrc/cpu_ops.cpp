@@ -18,7 +18,8 @@ void check_rows(const torch::Tensor& t, const char* what) {
               what, ": float32 [rows, hidden] with unit stride along hidden");
 }
 
-// out = weight * (r / rms(r)), r = row of src.
+}  // namespace
+
 void norm_row(const float* r, const float* w, float* out, int64_t n, float eps) {
   float ss = 0.f;
   int64_t i = 0;
@@ -34,7 +35,6 @@ void norm_row(const float* r, const float* w, float* out, int64_t n, float eps) 
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (r[j] * inv);
 }
-}  // namespace
 
 // x: [T, H]. Without residual: a new tensor norm(x). With one: residual += x
 // in place, and x is overwritten with norm(residual) (vLLM's fused_add_rms_norm).
@@ -70,6 +70,20 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
   return x;
 }
 
+void silu_mul_row(const float* g, float* o, int64_t N) {
+  const float* u = g + N;
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= N; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < N; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 // x: [T, 2N] = [gate | up] -> [T, N] silu(gate) * up.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "silu_and_mul");
@@ -81,25 +95,12 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   const int64_t xs = x.stride(0);
   at::parallel_for(0, T, kRowGrain, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      const float* g = xp + t * xs;
-      const float* u = g + N;
-      float* o = op + t * N;
-      int64_t i = 0;
-#ifdef __AVX2__
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= N; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < N; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      silu_mul_row(xp + t * xs, op + t * N, N);
     }
   });
   return out;
 }
 
-namespace {
 // Hugging Face's rotate_half layout: dim i pairs with i + D/2.
 void rotate(float* x, int64_t heads, int64_t head_stride, const float* cos, const float* sin, int64_t D) {
   const int64_t half = D / 2;
@@ -112,7 +113,6 @@ void rotate(float* x, int64_t heads, int64_t head_stride, const float* cos, cons
     }
   }
 }
-}  // namespace
 
 // q: [T, Hq, D], k: [T, Hk, D] (views into the fused q/k/v output are fine:
 // unit stride along D) rotated in place by cos/sin [max_pos, D] at positions [T].

@@ -13,6 +13,102 @@
 #include <vector>
 
 #include "avx2_math.h"
+#include "cpu_kernels.h"
+
+void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t D = a.D, bs = a.bs, KVH = a.KVH, G = a.H / a.KVH, tok_stride = KVH * D;
+  const float sc = a.scale;
+  const int64_t s = job / KVH, h = job % KVH, L = a.lens[s];
+  scores.resize(G * L);
+  acc.assign(G * D, 0.f);
+  const float* qh = a.q + s * a.q_row + h * G * D;
+  const int64_t nblk = (L + bs - 1) / bs;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float* blk = a.k_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D;
+    const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+#ifdef __AVX2__
+    if (D % 8 == 0) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qh + g * D;
+        float* srow = scores.data() + g * L + t0;
+        int64_t i = 0;
+        for (; i + 4 <= tn; i += 4) {
+          const float* k0 = blk + i * tok_stride;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qg + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + tok_stride + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * tok_stride + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * tok_stride + d), a3);
+          }
+          srow[i] = hsum256(a0) * sc;
+          srow[i + 1] = hsum256(a1) * sc;
+          srow[i + 2] = hsum256(a2) * sc;
+          srow[i + 3] = hsum256(a3) * sc;
+        }
+        for (; i < tn; ++i) {
+          const float* key = blk + i * tok_stride;
+          __m256 a0 = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d), a0);
+          srow[i] = hsum256(a0) * sc;
+        }
+      }
+      continue;  // the scalar loop below is for other head sizes / CPUs
+    }
+#endif
+    for (int64_t i = 0; i < tn; ++i) {
+      const float* key = blk + i * tok_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qh + g * D;
+        float a = 0.f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t d = 0; d < D; ++d) a += qg[d] * key[d];
+        scores[g * L + t0 + i] = a * sc;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores.data() + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, row[t]);
+    float sum = 0.f;
+    int64_t t = 0;
+#ifdef __AVX2__
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    for (; t + 8 <= L; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), vm));
+      _mm256_storeu_ps(row + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum256(vsum);
+#endif
+    for (; t < L; ++t) {
+      row[t] = std::exp(row[t] - m);
+      sum += row[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t u = 0; u < L; ++u) row[u] *= inv;
+  }
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float* blk = a.v_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D;
+    const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+    for (int64_t g = 0; g < G; ++g) {
+      float* a = acc.data() + g * D;
+      const float* prow = scores.data() + g * L + t0;
+      for (int64_t i = 0; i < tn; ++i) {
+        const float p = prow[i];
+        const float* val = blk + i * tok_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * val[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, a.out + s * a.out_row + (h * G + g) * D);
+}
 
 // q: [n, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D];
 // block_tables: [n, max_blocks] int64; context_lens: [n] int64 -> [n, H, D]
@@ -26,117 +122,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   q = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t G = H / KVH, max_blocks = tables.size(1);
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t tok_stride = KVH * D;
+  const PagedAttn a{q.data_ptr<float>(), H * D, out.data_ptr<float>(), H * D, k_cache.data_ptr<float>(),
+                    v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                    H, KVH, D, k_cache.size(1), static_cast<float>(scale)};
   // Waking the other threads costs tens of microseconds: a step whose keys
   // and values fit in L2 (one short sequence, say) runs on this thread.
   int64_t total_len = 0;
-  for (int64_t s = 0; s < n; ++s) total_len += lp[s];
-  const int64_t grain = 2 * total_len * KVH * D * sizeof(float) < (256 << 10) ? n * KVH : 1;
+  for (int64_t s = 0; s < n; ++s) total_len += a.lens[s];
+  const int64_t grain = 2 * total_len * KVH * D * static_cast<int64_t>(sizeof(float)) < (256 << 10) ? n * KVH : 1;
   at::parallel_for(0, n * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t s = job / KVH, h = job % KVH, L = lp[s];
-      scores.resize(G * L);
-      acc.assign(G * D, 0.f);
-      const float* qh = qp + (s * H + h * G) * D;
-      const int64_t nblk = (L + bs - 1) / bs;
-      for (int64_t b = 0; b < nblk; ++b) {
-        const float* blk = kp + (tp[s * max_blocks + b] * bs * KVH + h) * D;
-        const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
-#ifdef __AVX2__
-        if (D % 8 == 0) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qh + g * D;
-            float* srow = scores.data() + g * L + t0;
-            int64_t i = 0;
-            for (; i + 4 <= tn; i += 4) {
-              const float* k0 = blk + i * tok_stride;
-              __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-              for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qg + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + tok_stride + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * tok_stride + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * tok_stride + d), a3);
-              }
-              srow[i] = hsum256(a0) * sc;
-              srow[i + 1] = hsum256(a1) * sc;
-              srow[i + 2] = hsum256(a2) * sc;
-              srow[i + 3] = hsum256(a3) * sc;
-            }
-            for (; i < tn; ++i) {
-              const float* key = blk + i * tok_stride;
-              __m256 a0 = _mm256_setzero_ps();
-              for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d), a0);
-              srow[i] = hsum256(a0) * sc;
-            }
-          }
-          continue;  // the scalar loop below is for other head sizes / CPUs
-        }
-#endif
-        for (int64_t i = 0; i < tn; ++i) {
-          const float* key = blk + i * tok_stride;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qh + g * D;
-            float a = 0.f;
-#pragma omp simd reduction(+ : a)
-            for (int64_t d = 0; d < D; ++d) a += qg[d] * key[d];
-            scores[g * L + t0 + i] = a * sc;
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, row[t]);
-        float sum = 0.f;
-        int64_t t = 0;
-#ifdef __AVX2__
-        __m256 vsum = _mm256_setzero_ps();
-        const __m256 vm = _mm256_set1_ps(m);
-        for (; t + 8 <= L; t += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), vm));
-          _mm256_storeu_ps(row + t, e);
-          vsum = _mm256_add_ps(vsum, e);
-        }
-        sum = hsum256(vsum);
-#endif
-        for (; t < L; ++t) {
-          row[t] = std::exp(row[t] - m);
-          sum += row[t];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t u = 0; u < L; ++u) row[u] *= inv;
-      }
-      for (int64_t b = 0; b < nblk; ++b) {
-        const float* blk = vp + (tp[s * max_blocks + b] * bs * KVH + h) * D;
-        const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = acc.data() + g * D;
-          const float* prow = scores.data() + g * L + t0;
-          for (int64_t i = 0; i < tn; ++i) {
-            const float p = prow[i];
-            const float* val = blk + i * tok_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * val[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (s * H + h * G + g) * D);
-    }
+    for (int64_t job = begin; job < end; ++job) attend_job(a, job, scores, acc);
   });
   return out;
 }

@@ -37,12 +37,15 @@ class CBSettings:
 
     transformers' paged cache with sdpa (no flash kernel on the CPU) packs a
     step's queries against every KV token the step reads, under one dense
-    mask: a step's attention work is its query tokens x all its requests'
-    contexts, and on the default 135M model it outgrows the linear layers'
-    past ~3k KV tokens a step. So each workload caps the requests in a step
-    (FIFO puts the decoding ones first, so this caps how many run at once) at
-    ~6k KV tokens read a step, and sizes the cache to hold that many at their
-    longest with a quarter to spare: no request is evicted and recomputed.
+    mask, so its attention grows with the requests in a step while its
+    linear layers gain little past a few rows on 2 cores. Timed alone on
+    `default` and `short` (2026-11-30; `bench tune-cb` runs such a sweep): at
+    most 16 requests a step was fastest on both (8 to 96 were 3-24% slower); query
+    tokens a step and page size moved it by at most 5%, noise-sized, and the
+    fastest measured is kept. `long` and `chat` were not swept: their caps
+    keep each step's KV tokens near default's. Each cache holds a full step
+    of requests at their longest with a quarter to spare, so no request is
+    evicted and recomputed.
     """
 
     page_size: int  # tokens per cache page
@@ -54,14 +57,16 @@ class CBSettings:
 
 
 CB_SETTINGS = {
-    # ~340-token contexts: 16 at once read ~5.5k KV tokens a step; a whole 512-token prompt fits one step.
-    "default": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=1024, max_requests_per_batch=16),
-    # <= 192-token contexts: 64 at once read ~6k; 64-token pages, as a 256-token one would outsize a request.
-    "short": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=512, max_requests_per_batch=64),
-    # ~1.7k-token contexts: 4 at once read ~7k; a whole 2048-token prompt fits a step beside the decodes;
-    # transformers' own 256-token pages, as at these lengths a part-filled page wastes little.
+    # timed on its first 32 requests: 262 s at 16 requests and 1,024 tokens a step; 2,048 tokens 257 s, 8 and 32
+    # requests 276 and 270 s.
+    "default": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=2048, max_requests_per_batch=16),
+    # timed on its first 96 requests: 148 s at 16 requests a step, 154 s at 32, 175 s at 64 (the setting before),
+    # 183 s at 96; at 64 requests, 256 or 1,024 tokens a step and 32-token pages gave 167-170 s.
+    "short": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=512, max_requests_per_batch=16),
+    # ~1.7k-token contexts: 4 at once read ~7k KV tokens a step; a whole 2,048-token prompt fits a step
+    # beside the decodes; transformers' own 256-token pages, as at these lengths a part-filled page wastes little.
     "long": CBSettings(page_size=256, num_blocks=50, max_batch_tokens=2304, max_requests_per_batch=4),
-    # as default, with 60-token pages: 300 = 5 x 60, so the whole system prompt is shared.
+    # as default was before its sweep, with 60-token pages: 300 = 5 x 60, so the whole system prompt is shared.
     "chat": CBSettings(page_size=60, num_blocks=240, max_batch_tokens=1024, max_requests_per_batch=16),
 }
 

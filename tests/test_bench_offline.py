@@ -1,6 +1,7 @@
 """`shoal bench offline`'s workload presets (pure functions), its peer's
 settings against them, its flags, and one small run end to end on the tiny
-model against transformers' continuous batching."""
+model against transformers' continuous batching; `bench tune-cb`, which
+times that peer under other settings, likewise."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 
 import pytest
 
-from shoal.benchmarks import offline
+from shoal.benchmarks import offline, tune_cb
 from shoal.benchmarks.offline_workloads import PRESETS, make_workload
 from shoal.cluster.cli import main
 
@@ -111,3 +112,44 @@ def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
         assert offline.describe_cb(cb["settings"]) in printed
     summary = printed[printed.index("transformers CB settings") :]
     assert "short" in summary and "chat" in summary
+
+
+def test_tune_cb_varies_one_field_at_a_time_around_the_preset():
+    w = PRESETS["short"]
+    base = offline.CB_SETTINGS["short"]
+    tries = tune_cb.variants(w, ["max_requests_per_batch=8,128", "scheduler_type=prefill_first",
+                                 f"page_size={base.page_size}"])  # fmt: skip
+    assert tries[0] == base and len(tries) == 4  # the preset's own page size is not run twice
+    fewer, more, sched = tries[1:]
+    assert fewer == dataclasses.replace(base, max_requests_per_batch=8)  # the preset's cache already holds 8
+    # 128 requests at 192 tokens: 3 pages each, and a quarter to spare
+    assert more == dataclasses.replace(base, max_requests_per_batch=128, num_blocks=480)
+    assert sched == dataclasses.replace(base, scheduler_type="prefill_first")
+    for s in tries:  # none evicts: the presets' own rule
+        assert s.num_blocks >= s.max_requests_per_batch * -(-(w.input_len[1] + w.output_len[1]) // s.page_size)
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--vary", "max_requests_per_batch"], "--vary takes FIELD=V1,V2"),
+    (["--vary", "attn_implementation=eager"], "--vary takes FIELD=V1,V2"),
+    (["--vary", "page_size=0"], "positive integers"),
+    (["--vary", "scheduler_type=lifo"], "scheduler_type takes"),
+    (["--workload", "all"], "--workload takes one of"),
+])  # fmt: skip
+def test_tune_cb_refuses_bad_flags_before_anything_loads(flags, why, capsys):
+    assert main(["bench", "tune-cb", *flags]) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_tune_cb_runs_each_setting_and_reports_what_transformers_ran(tiny_model, tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert main(["bench", "tune-cb", "--model", tiny_model, "--workload", "short", "--num-prompts", "3",
+                 "--vary", "max_requests_per_batch=2", "--num-threads", "1", "--output", str(out)]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["workload"]["name"] == "short" and report["workload"]["num_prompts"] == 3
+    want = tune_cb.variants(PRESETS["short"], ["max_requests_per_batch=2"])
+    assert [r["settings"] for r in report["results"]] == [
+        dataclasses.asdict(s) | {"attn_implementation": "sdpa"} for s in want]  # fmt: skip
+    assert all(r["seconds"] > 0 for r in report["results"])
+    ranked = capsys.readouterr().out.split("(ranked)")[1]
+    assert all(offline.describe_cb(r["settings"]) in ranked for r in report["results"])

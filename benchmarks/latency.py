@@ -128,15 +128,17 @@ def run(ns) -> int:
 
 def profile(engine, prompt: list[int], output_len: int) -> dict:
     """Where one request's decode steps go: each part of the step timed in
-    place (wrapping the engine's own calls for one more request), then each
-    weight matrix's read rate when the step's kernel multiplies one row by
-    it, walking all layers' copies as a step does (so they come from memory,
-    not cache). Printed and returned."""
+    place (wrapping the engine's own calls for one more request), then,
+    inside the one-call decoder layers, each op (norms, each matrix with its
+    read rate, RoPE, attention, SiLU) as the C++ step times it. Without the
+    compiled kernels, each matrix is timed alone at one row instead. Printed
+    and returned."""
     import torch
 
     runner = engine.runner
     model = runner.model
-    parts = {"decoder layers": 0.0, "LM head": 0.0, "sampler": 0.0, "forward": 0.0, "step": 0.0}
+    parts = dict.fromkeys(("decoder layers", "LM head", "sampler", "forward", "runner", "scheduler",
+                           "detokenizer", "step"), 0.0)  # fmt: skip
     restore = []
 
     def timed(obj, name, part):
@@ -153,13 +155,24 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
         setattr(obj, name, wrapper)
 
     timed(runner, "sampler", "sampler")
+    timed(runner, "execute", "runner")
     timed(model.lm_head, "forward", "LM head")
     timed(model, "forward", "forward")
+    timed(engine.scheduler, "schedule", "scheduler")
+    timed(engine.scheduler, "update_from_output", "scheduler")
+    timed(engine, "_detokenize", "detokenizer")
+    timed(engine, "_delta", "detokenizer")
     fused = model.cpu_kernels is not None
     if fused:  # the one C++ call per decode step
         orig_bound = model._bound_decode_layers
         restore.append((model, "_bound_decode_layers", None))
-        model._bound_decode_layers = lambda: _Timed(orig_bound(), parts, "decoder layers")
+
+        def bound():
+            layers = orig_bound()
+            layers.timing = True  # its ops time themselves (read back below)
+            return _Timed(layers, parts, "decoder layers")
+
+        model._bound_decode_layers = bound
     else:
         for layer in model.layers:
             timed(layer, "forward", "decoder layers")
@@ -169,12 +182,17 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     engine.step()  # the prefill, not counted
     for k in parts:
         parts[k] = 0.0
+    if fused:
+        orig_bound().op_seconds()  # zeroes them
     steps = 0
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
         parts["step"] += time.perf_counter() - t0
         steps += 1
+    if fused:
+        op_seconds = orig_bound().op_seconds()
+        orig_bound().timing = False
     for obj, name, own in restore:
         if own is None:
             delattr(obj, name)  # the method shows through again
@@ -185,7 +203,12 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
             ("rest of the forward (embedding, final norm, Python)",
              parts["forward"] - parts["decoder layers"] - parts["LM head"]),
             ("sampler", parts["sampler"]),
-            ("rest of the step (scheduler, inputs, detokenizer)", step - parts["forward"] - parts["sampler"])]  # fmt: skip
+            ("input staging (token ids, positions, slots, one copy)",
+             parts["runner"] - parts["forward"] - parts["sampler"]),
+            ("scheduler (schedule, update from output)", parts["scheduler"]),
+            ("detokenizer and output deltas", parts["detokenizer"]),
+            ("rest of the step (engine bookkeeping)",
+             step - parts["runner"] - parts["scheduler"] - parts["detokenizer"])]  # fmt: skip
     print(f"  one decode step, {1e3 * step / steps:.2f} ms ({steps} steps of one request; "
           f"{'decoder layers in one compiled call' if fused else 'per-layer torch path'}):")  # fmt: skip
     for name, sec in rows:
@@ -194,22 +217,35 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
                 "o_proj": [l.self_attn.o_proj for l in model.layers],
                 "gate_up_proj": [l.mlp.gate_up_proj for l in model.layers],
                 "down_proj": [l.mlp.down_proj for l in model.layers], "lm_head": [model.lm_head]}  # fmt: skip
-    rates = {}
-    print("  each matrix at one row, read from memory (all layers' copies in turn, best of 5):")
-    with torch.inference_mode():
-        for name, layers in matrices.items():
-            xs = [torch.randn(1, m.weight.shape[1]) for m in layers]
-            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-            best = float("inf")
-            for _ in range(6):
-                t0 = time.perf_counter()
-                for m, x in zip(layers, xs):
-                    m(x)
-                best = min(best, time.perf_counter() - t0)
-            rates[name] = {"bytes": nbytes, "ms": best * 1e3, "gb_s": nbytes / best / 1e9}
-            print(f"    {name:14} x{len(layers):<3} {nbytes / 1e6:7.1f} MB {best * 1e3:7.2f} ms "
-                  f"{nbytes / best / 1e9:6.1f} GB/s")  # fmt: skip
-    return {"step_ms": 1e3 * step / steps, "parts_ms": {n: 1e3 * s / steps for n, s in rows}, "matrices": rates}
+    nbytes = {n: sum(m.weight.numel() * m.weight.element_size() for m in ms) for n, ms in matrices.items()}
+    rates, report = {}, {"step_ms": 1e3 * step / steps, "parts_ms": {n: 1e3 * s / steps for n, s in rows}}
+
+    def rate(name, ms):
+        rates[name] = {"bytes": nbytes[name], "ms": ms, "gb_s": nbytes[name] / ms / 1e6}
+        return f"{nbytes[name] / 1e6:7.1f} MB {ms:7.2f} ms {rates[name]['gb_s']:6.1f} GB/s"
+
+    if fused:  # each op as it ran inside the steps above
+        ops = {n: 1e3 * s / steps for n, s in op_seconds.items()}
+        report["decoder_ops_ms"] = ops
+        print(f"  inside the decoder layers, each op over all {len(model.layers)} layers, per step "
+              "(a matrix's rate is its bytes over its op's time):")
+        for name, ms in ops.items():
+            print(f"    {name:22} {rate(name, ms) if name in nbytes else f'{ms:18.2f} ms'}")
+        print(f"    {'lm_head':22} {rate('lm_head', report['parts_ms']['LM head'])}")
+    else:  # each matrix alone at one row, all layers' copies in turn (from memory, not cache), best of 5
+        print("  each matrix at one row, read from memory (all layers' copies in turn, best of 5):")
+        with torch.inference_mode():
+            for name, layers in matrices.items():
+                xs = [torch.randn(1, m.weight.shape[1]) for m in layers]
+                best = float("inf")
+                for _ in range(6):
+                    t0 = time.perf_counter()
+                    for m, x in zip(layers, xs):
+                        m(x)
+                    best = min(best, time.perf_counter() - t0)
+                print(f"    {name:14} x{len(layers):<3} {rate(name, best * 1e3)}")
+    report["matrices"] = rates
+    return report
 
 
 class _Timed:

@@ -26,6 +26,21 @@ def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_pa
     prof = r["profile"]
     assert abs(sum(prof["parts_ms"].values()) - prof["step_ms"]) < 1e-6 * prof["step_ms"] + 1e-9
     assert prof["parts_ms"]["decoder layers"] > 0 and "one compiled call" in printed
+    # Each host-side part of the step is timed on its own, not lumped together.
+    for part in ("sampler", "input staging (token ids, positions, slots, one copy)",
+                 "scheduler (schedule, update from output)", "detokenizer and output deltas"):  # fmt: skip
+        assert prof["parts_ms"][part] > 0, part
+    # Inside the one call, every op of a layer is timed, in layer order, and
+    # together they take no more than the call; each matrix's rate is its
+    # bytes over its op's time.
+    ops = prof["decoder_ops_ms"]
+    assert list(ops) == ["input norm", "qkv_proj", "RoPE and KV write", "attention", "o_proj",
+                         "post-attention norm", "gate_up_proj", "SiLU and mul", "down_proj"]  # fmt: skip
+    assert all(ms > 0 for ms in ops.values()) and sum(ops.values()) <= prof["parts_ms"]["decoder layers"]
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        m = prof["matrices"][name]
+        assert m["ms"] == ops[name] and abs(m["gb_s"] - m["bytes"] / m["ms"] / 1e6) < 1e-9
+    assert prof["matrices"]["lm_head"]["ms"] == prof["parts_ms"]["LM head"]
     assert set(prof["matrices"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
     # Every parameter counted once: the tiny model's embedding and LM head are separate tensors.
     model = LLMEngine(model=tiny_model, num_kv_blocks=16).runner.model

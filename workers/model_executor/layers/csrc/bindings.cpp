@@ -15,5 +15,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
                     torch::Tensor, int64_t, int64_t, double, double>())
-      .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)");
+      .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)")
+      .def_readwrite("timing", &DecodeLayers::timing, "time each op of a layer (see op_seconds)")
+      .def("op_seconds", [](DecodeLayers& d) {
+        py::dict out;  // then zeroed
+        for (int i = 0; i < DecodeLayers::kOps; ++i) out[DecodeLayers::kOpNames[i]] = d.op_seconds[i];
+        d.op_seconds.fill(0.0);
+        return out;
+      }, "{op: wall seconds summed over layers and calls since the last read}, in layer order");
 }

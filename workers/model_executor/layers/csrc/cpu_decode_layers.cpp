@@ -14,7 +14,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+
+const char* const DecodeLayers::kOpNames[DecodeLayers::kOps] = {
+    "input norm", "qkv_proj", "RoPE and KV write", "attention", "o_proj",
+    "post-attention norm", "gate_up_proj", "SiLU and mul", "down_proj"};
 
 namespace {
 // One layer's tensors, in the order LlamaForCausalLM._bound_decode_layers lists them.
@@ -103,6 +108,15 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    using clock = std::chrono::steady_clock;
+    const bool timed = timing && tid == 0;
+    auto last = clock::now();
+    auto mark = [&](int op) {  // after a barrier: op ran from the last mark to here
+      if (!timed) return;
+      const auto now = clock::now();
+      op_seconds[op] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    };
     int64_t r0, r1;  // this thread's rows of the step
     share(T, 1, tid, nt, r0, r1);
     std::vector<float> scores, acc;
@@ -129,7 +143,9 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
         norm_row(r, in_norm, xr, hidden, e);
       }
 #pragma omp barrier
+      mark(0);
       linear(xp, hidden, w[1], w[2], qkvp);
+      mark(1);
       float* kc = k_caches[l].data_ptr<float>();
       float* vc = v_caches[l].data_ptr<float>();
       for (int64_t t = r0; t < r1; ++t) {
@@ -140,13 +156,16 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
         std::memcpy(vc + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
       }
 #pragma omp barrier
+      mark(2);
       pa.k_cache = kc;
       pa.v_cache = vc;
       int64_t j0, j1;
       share(T * num_kv_heads, 1, tid, nt, j0, j1);
       for (int64_t job = j0; job < j1; ++job) attend_job(pa, job, scores, acc);
 #pragma omp barrier
+      mark(3);
       linear(ap, q_size, w[3], w[4], xp);
+      mark(4);
       const float* post_norm = w[5].data_ptr<float>();
       for (int64_t t = r0; t < r1; ++t) {
         float* r = rp + t * hidden;
@@ -155,10 +174,14 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
         norm_row(r, post_norm, xr, hidden, e);
       }
 #pragma omp barrier
+      mark(5);
       linear(xp, hidden, w[6], w[7], gup);
+      mark(6);
       for (int64_t t = r0; t < r1; ++t) silu_mul_row(gup + t * 2 * inter, actp + t * inter, inter);
 #pragma omp barrier
+      mark(7);
       linear(actp, inter, w[8], w[9], xp);
+      mark(8);
     }
   }
   return {x, residual};

@@ -2,6 +2,7 @@
 // compose them (cpu_decode_layers.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <array>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -58,4 +59,13 @@ struct DecodeLayers {
   torch::Tensor cos, sin;
   int64_t num_heads, num_kv_heads;
   double eps, scale;
+
+  // While `timing` is on (bench latency --profile), the wall seconds of each
+  // op of a layer, in the order of kOpNames, summed over layers and calls:
+  // thread 0's time from one barrier to the next, so a thread's wait for
+  // the other counts with the op it waits on.
+  static constexpr int kOps = 9;
+  static const char* const kOpNames[kOps];
+  bool timing = false;
+  std::array<double, kOps> op_seconds{};
 };

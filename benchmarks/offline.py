@@ -42,8 +42,9 @@ class CBSettings:
     `default` and `short` (2026-11-30; `bench tune-cb` runs such a sweep): at
     most 16 requests a step was fastest on both (8 to 96 were 3-24% slower); query
     tokens a step and page size moved it by at most 5%, noise-sized, and the
-    fastest measured is kept. `long` and `chat` were not swept: their caps
-    keep each step's KV tokens near default's. Each cache holds a full step
+    fastest measured is kept: on `long` 2 requests a step (4% ahead of 4);
+    on `chat` the preset, whose second run was the fastest of all (the same
+    setting moved 17% between runs). Each cache holds a full step
     of requests at their longest with a quarter to spare, so no request is
     evicted and recomputed.
     """
@@ -63,10 +64,13 @@ CB_SETTINGS = {
     # timed on its first 96 requests: 148 s at 16 requests a step, 154 s at 32, 175 s at 64 (the setting before),
     # 183 s at 96; at 64 requests, 256 or 1,024 tokens a step and 32-token pages gave 167-170 s.
     "short": CBSettings(page_size=64, num_blocks=240, max_batch_tokens=512, max_requests_per_batch=16),
-    # ~1.7k-token contexts: 4 at once read ~7k KV tokens a step; a whole 2,048-token prompt fits a step
-    # beside the decodes; transformers' own 256-token pages, as at these lengths a part-filled page wastes little.
-    "long": CBSettings(page_size=256, num_blocks=50, max_batch_tokens=2304, max_requests_per_batch=4),
-    # as default was before its sweep, with 60-token pages: 300 = 5 x 60, so the whole system prompt is shared.
+    # ~1.7k-token contexts; a whole 2,048-token prompt fits a step beside the decodes; transformers' own 256-token
+    # pages, as at these lengths a part-filled page wastes little. Timed on its first 8 requests: 503 s at 2
+    # requests a step, 522 s at 4 (the setting before), 537 s at 8.
+    "long": CBSettings(page_size=256, num_blocks=50, max_batch_tokens=2304, max_requests_per_batch=2),
+    # 60-token pages: 300 = 5 x 60, so the whole system prompt is shared. Timed on its first 32 requests:
+    # 302 and 258 s as here (two runs); 512 and 2,048 tokens a step 263 and 261/288 s, 8 and 32 requests 314 and
+    # 298 s: nothing beat it by more than the 17% the same setting moved between runs.
     "chat": CBSettings(page_size=60, num_blocks=240, max_batch_tokens=1024, max_requests_per_batch=16),
 }
 

@@ -15,12 +15,12 @@ from shoal.workers.model_executor.layers.attention import AttentionMetadata, Dec
 
 
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 32), (4, 4, 8, 64), (8, 2, 4, 32),
-                                                            (4, 2, 16, 12)])  # fmt: skip
+                                                            (4, 2, 16, 12), (4, 2, 16, 136)])  # fmt: skip
 def test_kernel_equals_torch_path(heads, kv_heads, block_size, dim):
     kernel = cpu_kernels.load()
     assert kernel is not None, "the CPU decode kernel did not build (is a C++ compiler installed?)"
     rng = random.Random(0)
-    num_blocks = 200  # dim 12 takes the kernel's plain loops, the others its AVX2 path
+    num_blocks = 200  # dim 12 takes the kernel's plain loops, the others its AVX2 path (136: 64 + 64 + 8 dims)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
     lens = [1, 5, block_size, block_size + 1, 77, 130]

@@ -87,6 +87,7 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const int64_t D = k_caches[0].size(3), bs = k_caches[0].size(1);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  const int64_t G = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t inter = weights[8].size(1);
   TORCH_CHECK(weights[1].size(0) == qkv_size && weights[1].size(1) == hidden && weights[3].size(1) == q_size &&
                   weights[6].size(0) == 2 * inter, "decode_layers: weights of another model shape");
@@ -159,9 +160,16 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
       mark(2);
       pa.k_cache = kc;
       pa.v_cache = vc;
+      // Shared out by query head, not by KV head: at batch 1 SmolLM2's 3 KV
+      // heads left one of 2 threads twice the other's work; a thread's run of
+      // heads in one KV group still reads that group's keys and values once.
       int64_t j0, j1;
-      share(T * num_kv_heads, 1, tid, nt, j0, j1);
-      for (int64_t job = j0; job < j1; ++job) attend_job(pa, job, scores, acc);
+      share(T * num_heads, 1, tid, nt, j0, j1);
+      for (int64_t j = j0; j < j1;) {
+        const int64_t g0 = j % G, g1 = std::min(G, g0 + j1 - j);
+        attend_job(pa, j / G, scores, acc, g0, g1);
+        j += g1 - g0;
+      }
 #pragma omp barrier
       mark(3);
       linear(ap, q_size, w[3], w[4], xp);

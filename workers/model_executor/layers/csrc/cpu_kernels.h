@@ -43,7 +43,9 @@ struct PagedAttn {
   int64_t H, KVH, D, bs;
   float scale;
 };
-void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc);
+// Query heads [g0, g1) of the job's group (all G of them: 0, H / KVH).
+void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc, int64_t g0,
+                int64_t g1);
 
 // Every decoder layer of a Llama-family model for a step of decodes
 // (cpu_decode_layers.cpp). Built once per model and KV cache: the 10

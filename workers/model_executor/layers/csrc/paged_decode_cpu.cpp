@@ -15,7 +15,8 @@
 #include "avx2_math.h"
 #include "cpu_kernels.h"
 
-void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc) {
+void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc, int64_t g0,
+                int64_t g1) {
   const int64_t D = a.D, bs = a.bs, KVH = a.KVH, G = a.H / a.KVH, tok_stride = KVH * D;
   const float sc = a.scale;
   const int64_t s = job / KVH, h = job % KVH, L = a.lens[s];
@@ -23,12 +24,34 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
   acc.assign(G * D, 0.f);
   const float* qh = a.q + s * a.q_row + h * G * D;
   const int64_t nblk = (L + bs - 1) / bs;
+  // At batch 1 the cache comes from memory (a step's weight reads push it
+  // out of L3) in rows of D floats strided KVH * D apart, which the
+  // hardware prefetcher does not run ahead of (measured at a 150-token
+  // context: 1.36 -> 1.16 ms of attention a bfloat16 step with the prefetch
+  // below). So the first block's keys are
+  // fetched up front and, while a block's keys are scored, the next
+  // block's keys and this block's values.
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  auto fetch = [&](const float* row) {
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + off, 0, 3);
+  };
+  auto key_block = [&](int64_t b) { return a.k_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D; };
+  for (int64_t i = 0; i < std::min(bs, L); ++i) fetch(key_block(0) + i * tok_stride);
   for (int64_t b = 0; b < nblk; ++b) {
-    const float* blk = a.k_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D;
+    const float* blk = key_block(b);
     const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+    {
+      const float* vblk = a.v_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D;
+      const float* next = b + 1 < nblk ? key_block(b + 1) : nullptr;
+      const int64_t next_n = b + 1 < nblk ? std::min(bs, L - t0 - bs) : 0;
+      for (int64_t i = 0; i < tn; ++i) {
+        fetch(vblk + i * tok_stride);
+        if (i < next_n) fetch(next + i * tok_stride);
+      }
+    }
 #ifdef __AVX2__
     if (D % 8 == 0) {
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const float* qg = qh + g * D;
         float* srow = scores.data() + g * L + t0;
         int64_t i = 0;
@@ -59,7 +82,7 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
 #endif
     for (int64_t i = 0; i < tn; ++i) {
       const float* key = blk + i * tok_stride;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const float* qg = qh + g * D;
         float a = 0.f;
 #pragma omp simd reduction(+ : a)
@@ -68,7 +91,7 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     float* row = scores.data() + g * L;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < L; ++t) m = std::max(m, row[t]);
@@ -92,10 +115,36 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
 #pragma omp simd
     for (int64_t u = 0; u < L; ++u) row[u] *= inv;
   }
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    // Each query head's output, 64 dims at a time, stays in registers over
+    // the whole context (through memory, every value row cost a load and a
+    // store of the accumulator as well).
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int64_t nv = std::min<int64_t>(64, D - d0) / 8;
+        __m256 o[8];
+        for (int64_t j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nblk; ++b) {
+          const float* blk = a.v_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D + d0;
+          const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+          const float* prow = scores.data() + g * L + t0;
+          for (int64_t i = 0; i < tn; ++i) {
+            const __m256 p = _mm256_set1_ps(prow[i]);
+            const float* val = blk + i * tok_stride;
+            for (int64_t j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + 8 * j), o[j]);
+          }
+        }
+        float* out = a.out + s * a.out_row + (h * G + g) * D + d0;
+        for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, o[j]);
+      }
+    return;
+  }
+#endif
   for (int64_t b = 0; b < nblk; ++b) {
     const float* blk = a.v_cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D;
     const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       float* a = acc.data() + g * D;
       const float* prow = scores.data() + g * L + t0;
       for (int64_t i = 0; i < tn; ++i) {
@@ -106,7 +155,7 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g)
+  for (int64_t g = g0; g < g1; ++g)
     std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, a.out + s * a.out_row + (h * G + g) * D);
 }
 
@@ -134,7 +183,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t grain = 2 * total_len * KVH * D * static_cast<int64_t>(sizeof(float)) < (256 << 10) ? n * KVH : 1;
   at::parallel_for(0, n * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    for (int64_t job = begin; job < end; ++job) attend_job(a, job, scores, acc);
+    for (int64_t job = begin; job < end; ++job) attend_job(a, job, scores, acc, 0, H / KVH);
   });
   return out;
 }

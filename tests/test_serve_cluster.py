@@ -144,10 +144,12 @@ def _all_free(stub) -> bool:
     return len(load) == 2 and all(w.num_free_blocks == w.num_total_blocks and w.num_running == 0 for w in load)
 
 
-def _seconds_until_free(stub) -> float:
+def _seconds_until_free(stub, free: bool = True) -> float:
+    """Seconds until every worker is idle with all blocks free (or, with
+    free=False, until some worker is not); inf after 10 s."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < 10:
-        if _all_free(stub):
+        if _all_free(stub) == free:
             return time.monotonic() - t0
         time.sleep(0.02)
     return float("inf")
@@ -175,10 +177,16 @@ def test_http_stream_closed_midway_frees_the_blocks(server):
         stub = shoal_pb2_grpc.ShoalStub(ch)
         with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
                           json={"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:  # fmt: skip
-            for i, _ in enumerate(r.iter_lines()):
-                if i == 10:
+            assert r.status_code == 200, r.read()
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 11:
                     break
-            assert not _all_free(stub)
+            assert len(lines) == 11 and "[DONE]" not in "".join(lines), lines
+            # The request is 400 tokens in, ~20 s at a worker's one thread:
+            # the workers' stats, read by a broadcast, show it well within 1 s.
+            assert _seconds_until_free(stub, free=False) < 1.0
         assert _seconds_until_free(stub) < 1.0
 
 

@@ -22,6 +22,7 @@ from shoal.router.openai_app import OpenAIApp
 from shoal.router.options import RouterOptions
 from shoal.router.status_page import StatusPage
 from shoal.router.worker_pool import ServeWorkerPool
+from shoal.workers import replica_logs
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Router:
         from shoal.workers.model_executor.model_loader import load_model_files
 
         self.options = options
+        replica_logs.use_serve_handlers()  # failovers, rebalancing, delta streams
         self.name = replica_name()
         tracing.configure("shoal-router")  # on only when OTEL_* asks for it
         # A stream whose worker is lost goes on on another one.

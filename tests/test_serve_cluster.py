@@ -46,7 +46,7 @@ class Server:
     def _read(self):
         for line in self.proc.stdout:
             self.lines.append(line)
-            if "ready in" in line:
+            if "; Ctrl-C stops" in line:  # the banner, not a replica's "kernels ready in" log line
                 self.ready.set()
 
     def stop(self):
@@ -107,6 +107,21 @@ def test_openai_client_completions_and_chat_equal_llm_generate(server, reference
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stop=[stop])
     assert r.choices[0].message.content == ref.text[: ref.text.index(stop)] and r.choices[0].finish_reason == "stop"
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_each_request_is_logged_by_its_worker_under_both_ids(server):
+    """The worker's line for a request (counts, never text) reaches the
+    console that started the cluster, as Serve's own replica lines do."""
+    r = httpx.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "log-me-7"},
+                   json={"prompt": PROMPTS[3], "max_tokens": 3, "ignore_eos": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    want = f"request {r.json()['id']} (client id 'log-me-7') finished: length, "
+    deadline = time.monotonic() + 15  # Ray forwards a replica's stderr to the driver every few hundred ms
+    while time.monotonic() < deadline and not any(want in ln for ln in server.lines):
+        time.sleep(0.1)
+    mine = [ln for ln in server.lines if want in ln]
+    assert len(mine) == 1 and "ServeReplica:shoal:Worker" in mine[0], "".join(server.lines[-30:])
+    assert "3 output tokens" in mine[0] and PROMPTS[3] not in mine[0]
 
 
 def test_grpc_stream_info_health_reflection_and_both_workers_used(server, reference):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict
 
-from shoal.workers import tracing
+from shoal.workers import replica_logs, tracing
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
@@ -56,6 +56,7 @@ class Worker:
     work (0: never) makes the worker dead: see check_health."""
 
     def __init__(self, engine_args: EngineArgs, max_waiting: int, stall_timeout_s: float = 0.0):
+        replica_logs.use_serve_handlers()  # the per-request lines below reach Serve's logs
         self.name = _worker_name()
         tracing.configure("shoal-worker")  # on only when OTEL_* asks for it
         self.engine = AsyncEngine.from_engine_args(engine_args, stall_timeout_s)

@@ -27,6 +27,15 @@ class ServeOptions:
     api_key: str | None = cli_field(None, "require this bearer key (default: $SHOAL_API_KEY)")
     max_waiting: int = cli_field(256, "waiting requests per worker; past it 429 / RESOURCE_EXHAUSTED")
     max_request_bytes: int = cli_field(4 << 20, "request body limit")
+    max_prompts: int = cli_field(64, "most prompts one completions request may batch")
+    max_concurrent_requests: int = cli_field(1024, "connections (HTTP) and calls (gRPC) one router serves at once; "
+                                                   "past it 429 / RESOURCE_EXHAUSTED, or 503 from uvicorn")  # fmt: skip
+    tokenizer_threads: int = cli_field(2, "threads per router that tokenize and apply chat templates off its event loop")
+    allow_client_priority: bool = cli_field(False, "honour the gRPC request's priority field (the scheduler's queue "
+                                                   "order and preemption); off: a non-zero value is INVALID_ARGUMENT")  # fmt: skip
+    allowed_hosts: str | None = cli_field(None, "Host header values the HTTP API answers, comma-separated "
+                                                      "(default: any when an API key is set, else loopback names "
+                                                      "only, against DNS rebinding)")  # fmt: skip
     drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
     cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
     max_retries: int = cli_field(3, "times one request is sent on to another worker after its worker is lost; "
@@ -93,6 +102,9 @@ class ServeOptions:
             raise ValueError("max_waiting must be >= 0")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        for name in ("max_prompts", "max_concurrent_requests", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be >= 0 (0: never)")
         for name in ("http_port", "grpc_port"):
@@ -166,4 +178,8 @@ class ServeOptions:
     def router_options(self) -> RouterOptions:
         return RouterOptions(self.engine.model, self.host, self.http_port, self.grpc_port, self.num_workers,
                              self.resolved_api_key(), self.max_request_bytes, self.drain_timeout_s,
-                             self.max_retries, self.routing)  # fmt: skip
+                             self.max_retries, self.routing, max_prompts=self.max_prompts,
+                             max_concurrent_requests=self.max_concurrent_requests,
+                             tokenizer_threads=self.tokenizer_threads,
+                             allow_client_priority=self.allow_client_priority,
+                             allowed_hosts=self.allowed_hosts)  # fmt: skip

@@ -19,3 +19,8 @@ class RouterOptions:
     drain_timeout_s: float
     max_retries: int = 3  # re-sends of one request after its worker is lost (router/failover.py)
     routing: str = "kv"  # the workers' routing policy, shown on the status page
+    max_prompts: int = 64  # prompts in one completions request
+    max_concurrent_requests: int = 1024  # HTTP connections and gRPC calls served at once
+    tokenizer_threads: int = 2  # the pool that tokenizes off the event loop
+    allow_client_priority: bool = False  # honour gRPC's priority field
+    allowed_hosts: str | None = None  # comma-separated Host headers answered (None: the default rule)

@@ -89,6 +89,9 @@ class EngineArgs:
                                            "decode-only steps at bucketed batch sizes on CUDA)")  # fmt: skip
     tensor_parallel_size: int = cli_field(1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors",
                                           aliases=("-tp",))  # fmt: skip
+    # Per-request limits, enforced by the engine itself (the fronts import the same check).
+    max_logprobs: int = cli_field(20, "most top logprobs one request may ask for per token")
+    max_stop_strings: int = cli_field(64, "most stop strings one request may carry (each at most 1,024 characters)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -14,6 +14,13 @@ stop strings (whose text may span the seam) and each sampled token's draw
 streams only what follows. A sampled request that comes without a seed gets
 one here, before its first send, so that it too can go on.
 
+Poison. A worker that dies holding a request before that worker made a
+token of it (its engine died: WorkerError 'died'; its process or node
+went) may have been killed by the request. Such a request is sent on once;
+when a second worker dies the same way under it, it is failed to its
+client ('poisoned_request', a 500), logged at WARNING, and never sent to a
+third worker: one hostile request cannot take the cluster down in turn.
+
 Budget. A lost worker costs the request one of `max_retries` re-sends; the
 first goes at once, later ones after a doubling backoff. A worker that
 refuses the request outright because its engine is dead (Serve keeps
@@ -46,7 +53,13 @@ logger = logging.getLogger(__name__)
 
 class WorkerLost(Exception):
     """The worker serving a request is gone. In-process pools (and test
-    doubles) raise it; the failover pool raises it when it gives up."""
+    doubles) raise it; the failover pool raises it when it gives up.
+    held=False: no worker ever took the request (none was left to send it
+    to), so no worker died under it."""
+
+    def __init__(self, message: str = "", held: bool = True):
+        super().__init__(message)
+        self.held = held
 
 
 class _Refused(Exception):
@@ -76,6 +89,10 @@ def with_seed(request: GenerateRequest) -> GenerateRequest:
 class FailoverPool:
     """A worker pool whose streams survive the loss of their worker."""
 
+    # A request on this many workers when they died, before its first token
+    # from each, is failed to its client ('poisoned_request'), never sent on.
+    max_deaths = 2
+
     def __init__(self, pool, max_retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
                  refused_timeout_s: float = 60.0):  # fmt: skip
         if max_retries < 0:
@@ -84,6 +101,7 @@ class FailoverPool:
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.refused_timeout_s = refused_timeout_s
         self.num_failovers = 0  # requests sent again after a lost worker, since start
+        self.num_poisoned = 0  # requests refused after killing max_deaths workers
 
     async def info(self) -> WorkerInfo:
         return await self.pool.info()
@@ -100,15 +118,16 @@ class FailoverPool:
         refused_since: float | None = None
         attempt = request
         worker = "unknown"  # the worker the latest delta came from
+        deaths = 0  # workers that died holding the request before it had a token from them
         for n in itertools.count(1):
             got_delta = finished = False
             try:
                 async with aclosing(self.pool.generate(attempt)) as stream:
                     async for msg in stream:
                         if isinstance(msg, WorkerError):
-                            if msg.kind in ("unavailable", "moved") or (msg.kind == "full" and streamed):
+                            if msg.kind in ("unavailable", "moved", "died") or (msg.kind == "full" and streamed):
                                 raise _Refused(msg)
-                            yield msg  # refused as asked (invalid, or full before the client has any)
+                            yield msg  # refused as asked (invalid, failed, or full before the client has any)
                             return
                         got_delta = True
                         if msg.load is not None:
@@ -125,15 +144,28 @@ class FailoverPool:
                     return
                 failures_in_row = 1 if got_delta else failures_in_row + 1
                 now = time.monotonic()
-                if isinstance(e, _Refused) and e.error.kind == "moved":  # handed back for a newer worker: free, at once
+                refused = isinstance(e, _Refused) and e.error.kind != "died"
+                if refused and e.error.kind == "moved":  # handed back for a newer worker: free, at once
                     failures_in_row = 0
-                elif isinstance(e, _Refused) and not got_delta:  # not taken: costs no re-send
+                elif refused and not got_delta:  # not taken: costs no re-send
                     refused_since = refused_since or now
                     if now - refused_since > self.refused_timeout_s:
                         raise WorkerLost(f"no worker took the request in {self.refused_timeout_s:g} s: "
                                          f"{e.error.message}") from e  # fmt: skip
                 else:
                     refused_since = None
+                    if not got_delta and getattr(e, "held", True):
+                        # The worker died holding it before it made a token: the
+                        # request may be what killed it. Once more elsewhere, never a third.
+                        deaths += 1
+                        if deaths >= self.max_deaths:
+                            self.num_poisoned += 1
+                            logger.warning("%s: %d workers died holding it before its first token from them "
+                                           "(last: %s); refused as a poisoned request, not sent to another",
+                                           request.log_name, deaths, _describe(e))  # fmt: skip
+                            yield WorkerError("internal", f"request {request.request_id} was on {deaths} workers "
+                                              "when they died; it is not sent to another", code="poisoned_request")  # fmt: skip
+                            return
                     retries += 1
                     if retries > self.max_retries:
                         raise WorkerLost(f"{request.log_name}: worker lost {retries} times; "

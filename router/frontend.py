@@ -10,12 +10,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shoal.router import tracing
 from shoal.router.metrics import RouterMetrics
 from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.core.block_hash import chain_hashes
+from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 from shoal.workers.core.sampling_params import SamplingParams
@@ -44,20 +46,26 @@ class ModelInfo:
     block_size: int
     tensor_parallel_size: int
     num_workers: int
+    max_logprobs: int = 20
+    max_stop_strings: int = 64
 
     @classmethod
     def from_worker_info(cls, info: WorkerInfo, num_workers: int) -> "ModelInfo":
         return cls(info.model, info.max_model_len, info.vocab_size, info.block_size, info.tensor_parallel_size,
-                   num_workers)  # fmt: skip
+                   num_workers, info.max_logprobs, info.max_stop_strings)  # fmt: skip
 
 
 class Frontend:
     """One per router replica. generate() yields the worker's deltas; the
     last one's `finished` gets the timings measured here."""
 
-    def __init__(self, pool, tokenizer, info: ModelInfo, api_key: str | None = None):
+    def __init__(self, pool, tokenizer, info: ModelInfo, api_key: str | None = None, max_prompts: int = 64,
+                 tokenizer_threads: int = 2):  # fmt: skip
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
         self.api_key = api_key or None
+        self.max_prompts = max_prompts  # prompts in one completions request
+        self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.max_logprobs, info.max_stop_strings)
+        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="shoal-tokenize")
         self.metrics = RouterMetrics(info.model, info.max_model_len)
         self.draining = False
         self.num_in_flight = 0
@@ -85,9 +93,15 @@ class Frontend:
                                           f"{MAX_CLIENT_REQUEST_ID_LEN} are allowed", field=field)  # fmt: skip
         return value or None
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids; text and chat are tokenized on the tokenizer pool, so a
+        long prompt or chat template never holds the event loop (which every
+        other request's HTTP, gRPC and streaming shares)."""
         try:
-            return tokenize(prompt, self.tokenizer)
+            if prompt.token_ids is not None:
+                return tokenize(prompt, self.tokenizer)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tokenize, prompt,
+                                                                     self.tokenizer)  # fmt: skip
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
 
@@ -98,14 +112,14 @@ class Frontend:
         return tracing.start_request_span(parent, operation, self.info.model, request_id=request_id,
                                           client_request_id=client_request_id, stream=stream)  # fmt: skip
 
-    def prepare(self, prompt: Prompt, sampling: dict, span=None) -> tuple[list[int], SamplingParams]:
+    async def prepare(self, prompt: Prompt, sampling: dict, span=None) -> tuple[list[int], SamplingParams]:
         """Token ids and SamplingParams, or a ServingError('invalid') naming
         the field (which also ends `span`, the request's, as failed)."""
         if span is None:
-            return self._prepare(prompt, sampling)
+            return self._check(await self.tokenize(prompt), sampling)
         try:
             with tracing.stage_span(span, "shoal.prepare"):
-                ids, params = self._prepare(prompt, sampling)
+                ids, params = self._check(await self.tokenize(prompt), sampling)
         except ServingError as e:
             tracing.fail_request_span(span, e)
             raise
@@ -113,27 +127,23 @@ class Frontend:
         tracing.set_request_params(span, **tracing.request_params(params))
         return ids, params
 
-    def _prepare(self, prompt: Prompt, sampling: dict) -> tuple[list[int], SamplingParams]:
-        ids = self.tokenize(prompt)
+    def _check(self, ids: list[int], sampling: dict) -> tuple[list[int], SamplingParams]:
+        """The engine's own check (request_checks), so a bad request is
+        refused here with the same words the worker would use."""
         n, limit = len(ids), self.info.max_model_len
         try:
             if n == 0:
                 raise InvalidRequestError("prompt is empty", field="prompt")
             if n >= limit:
                 raise InvalidRequestError(f"prompt has {n} tokens; max_model_len is {limit}", field="prompt")
-            if any(not 0 <= t < self.info.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {self.info.vocab_size})",
-                                          field="prompt")  # fmt: skip
             sampling = dict(sampling)
             if sampling.get("max_tokens") is None:  # OpenAI chat: up to the context length
                 sampling["max_tokens"] = limit - n
             params = SamplingParams(**sampling)
-            if n + params.max_tokens > limit:
-                raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                          f"max_model_len ({limit})", field="max_tokens")  # fmt: skip
+            check_request(ids, params, self.limits)
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
-        except TypeError as e:  # a sampling value of the wrong type slipped through
+        except TypeError as e:  # an unknown or missing field: the front's bug, but never a 500
             raise ServingError("invalid", str(e)) from None
         return ids, params
 
@@ -167,7 +177,9 @@ class Frontend:
             async with aclosing(self.pool.generate(request)) as stream:
                 async for msg in stream:
                     if isinstance(msg, WorkerError):
-                        raise ServingError(msg.kind, msg.message, msg.field)
+                        if msg.kind == "failed":  # the request alone failed in the engine
+                            raise ServingError("internal", msg.message, code=msg.code or "request_failed")
+                        raise ServingError(msg.kind, msg.message, msg.field, msg.code)
                     if n := len(msg.token_ids):
                         now = time.time()
                         if first_token is None:

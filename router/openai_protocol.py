@@ -73,9 +73,23 @@ def _sampling(body: dict) -> dict:
         raise InvalidRequestError("only n=1 is supported", field="n")
     if _get(body, "best_of", int, 1) != 1:
         raise InvalidRequestError("only best_of=1 is supported", field="best_of")
-    if _get(body, "logit_bias", dict):
-        raise InvalidRequestError("logit_bias is not supported", field="logit_bias")
+    bias = _get(body, "logit_bias", dict)
+    if bias:
+        s["logit_bias"] = _logit_bias(bias)
     return s
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON keys are strings) to numbers; the
+    engine's check bounds the ids by the vocabulary and the values."""
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key[:40]!r}", field="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, _NUMBER):
+            raise InvalidRequestError("logit_bias values must be numbers", field="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling: dict) -> ParsedRequest:
@@ -91,8 +105,9 @@ def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling:
     return ParsedRequest(prompts, sampling, stream, include_usage, _get(body, "model", str))
 
 
-def parse_completion(body: dict) -> ParsedRequest:
-    """POST /v1/completions. `prompt` is a string, token ids, or a list of either."""
+def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
+    """POST /v1/completions. `prompt` is a string, token ids, or a list of
+    at most max_prompts (--max-prompts) of either."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     raw = body.get("prompt")
@@ -103,6 +118,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequestError("prompt must be a string, an array of token ids, or a non-empty array of those",
                                   field="prompt")  # fmt: skip
+    if len(raw) > max_prompts:
+        raise InvalidRequestError(f"prompt holds {len(raw)} prompts; at most {max_prompts} are allowed in one "
+                                  "request (--max-prompts)", field="prompt")  # fmt: skip
     prompts = []
     for p in raw:
         if isinstance(p, str):
@@ -115,9 +133,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise InvalidRequestError("suffix is not supported", field="suffix")
     sampling = _sampling(body)
     logprobs = _get(body, "logprobs", int)
-    if logprobs is not None:
-        if not 0 <= logprobs <= 20:
-            raise InvalidRequestError("logprobs must be in [0, 20]", field="logprobs")
+    if logprobs is not None:  # its upper bound is the engine's --max-logprobs (request_checks)
         sampling["logprobs"] = logprobs
     if _get(body, "echo", bool, False):
         raise InvalidRequestError("echo is not supported", field="echo")
@@ -139,8 +155,8 @@ def parse_chat(body: dict) -> ParsedRequest:
     sampling = _sampling(body)
     if _get(body, "logprobs", bool, False):
         top = _get(body, "top_logprobs", int, 0)
-        if not 0 <= top <= 20:
-            raise InvalidRequestError("top_logprobs must be in [0, 20]", field="top_logprobs")
+        if top < 0:
+            raise InvalidRequestError("top_logprobs must be >= 0", field="top_logprobs")
         sampling["logprobs"] = top
     elif body.get("top_logprobs") is not None:
         raise InvalidRequestError("top_logprobs needs logprobs=true", field="top_logprobs")

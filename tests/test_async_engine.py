@@ -86,4 +86,5 @@ print("streaming", len(first.new_token_ids), flush=True)
 """
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.startswith("streaming 1")
+    # The first delta may carry more than one token: a consumer that lags (a busy machine) gets them merged.
+    assert p.stdout.startswith("streaming ") and int(p.stdout.split()[1]) >= 1

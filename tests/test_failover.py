@@ -52,7 +52,7 @@ class DyingWorkers:
     async def generate(self, request: GenerateRequest):
         live = [i for i in range(len(self.workers)) if self._usable(i)]
         if not live:
-            raise WorkerLost("no worker is left")
+            raise WorkerLost("no worker is left", held=False)
         i = min(live, key=self.in_flight.__getitem__)
         self.sent.append((i, request))
         self.in_flight[i] += 1

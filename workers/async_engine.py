@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestMoved
+from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.sampling_params import SamplingParams
@@ -150,6 +150,8 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
         request_id = request_id or f"req-{next(self._ids)}"
+        if not isinstance(request_id, str):
+            raise InvalidRequestError("request_id must be a string", field="request_id")
         params = params or SamplingParams()
         if request_id in self._queues or request_id in self.engine.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
@@ -171,6 +173,9 @@ class AsyncEngine:
                     if isinstance(later, BaseException):
                         raise later
                     item.merge(later)
+                if item.error is not None:  # this request failed alone in the engine (LLMEngine._fail)
+                    finished = True
+                    raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
                     finished = True

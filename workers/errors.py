@@ -21,3 +21,14 @@ class RequestMoved(Exception):
     """A waiting request the worker handed back before it ran (a newer
     worker has room; router/rebalance.py). The worker reports it 'moved' and
     the router sends it again, to another worker, at no cost to its retries."""
+
+
+class EngineFaultError(RuntimeError):
+    """A failure inside a step that no one request can be blamed for (a
+    kernel fault, a lost device): the engine cannot go on and dies."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (while staging, sampling or
+    detokenizing it) and was ended alone; the others went on. The worker
+    reports it 'failed' (500) and the router never sends it elsewhere."""

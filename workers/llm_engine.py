@@ -16,7 +16,8 @@ from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
-from shoal.workers.errors import InvalidRequestError
+from shoal.workers.errors import EngineFaultError, InvalidRequestError
+from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
 from shoal.workers.model_executor.memory_profiler import (
     check_weights_fit,
@@ -28,12 +29,24 @@ from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
-from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
 from shoal.workers.distributed.shard_group import ShardGroup
 from shoal.workers.distributed.step_input import StepInputEncoder
 
 logger = logging.getLogger(__name__)
+
+
+def is_engine_fault(error: BaseException, device: torch.device) -> bool:
+    """Whether a step's error is beyond any one request: on CUDA an error
+    of the device (a device-side assert leaves the context unusable, so
+    even a probe must not run), or an EngineFaultError anywhere."""
+    if isinstance(error, EngineFaultError):
+        return True
+    if device.type != "cuda":
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(error, accelerator_error)) or "CUDA" in str(error)
 
 
 @dataclass(slots=True)
@@ -89,6 +102,7 @@ class LLMEngine:
             logger.warning("max_model_len capped at the sliding window (%d)", cfg.sliding_window)
             max_len = cfg.sliding_window
         self.max_model_len = max_len
+        self.limits = RequestLimits(cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings)
 
         self.args = args
         tp = args.tensor_parallel_size
@@ -168,29 +182,18 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send token ids", field="prompt")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt).__name__}", field="prompt")
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, num_resumed_tokens: int = 0) -> None:
-        """Refuse, with the field named, what could never be served.
+        """Refuse, with the field named, what could never be served: the
+        rules every front shares (request_checks.check_request), then what
+        only this engine knows (its KV cache, its tokenizer).
         num_resumed_tokens: the ids' last ones are output already made (a
         failover); the rest is the prompt."""
-        params.validate()
-        if len(prompt_ids) == 0:
-            raise InvalidRequestError("prompt is empty", field="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", field="prompt")
-        if not isinstance(num_resumed_tokens, int) or not 0 <= num_resumed_tokens < len(prompt_ids):
-            raise InvalidRequestError(f"num_resumed_tokens must be in [0, {len(prompt_ids)}), got "
-                                      f"{num_resumed_tokens!r}", field="num_resumed_tokens")  # fmt: skip
-        if num_resumed_tokens >= params.max_tokens:
-            raise InvalidRequestError(f"{num_resumed_tokens} tokens were made already; max_tokens is "
-                                      f"{params.max_tokens}", field="max_tokens")  # fmt: skip
+        check_request(prompt_ids, params, self.limits, num_resumed_tokens)
         n = len(prompt_ids) - num_resumed_tokens
-        if n + params.max_tokens > self.max_model_len:
-            field = "prompt" if n >= self.max_model_len else "max_tokens"
-            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                      f"max_model_len ({self.max_model_len})", field=field)  # fmt: skip
         need = self.block_manager.blocks_needed(n + params.max_tokens)
         if need > self.block_manager.num_total_blocks:
             raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
@@ -210,8 +213,12 @@ class LLMEngine:
         token budget, min_tokens, penalties, each draw's output index, the
         stop strings' text), so the reply goes on as if never moved."""
         params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        if type(priority) is not int or not -(2**31) <= priority < 2**31:
+            raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params, num_resumed_tokens)
         num_prompt = len(prompt_ids) - num_resumed_tokens
@@ -245,28 +252,94 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return a delta for every request
-        that produced a token (or finished)."""
+        that produced a token (or finished). A failure that can be pinned
+        on one request (its staging, sampling or detokenizing raised) ends
+        that request alone, with an error delta, and the rest go on; any
+        other failure raises, and the engine is dead."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         t0 = time.perf_counter()
         if self.shards is not None:
             self.shards.send(self.encoder.encode(sched))
-        out = self.runner.execute(sched)
+        try:
+            out = self.runner.execute(sched)
+        except Exception as e:
+            # Nothing advanced: the sequences are as scheduled, and the next
+            # step computes the same tokens again (their KV slots rewritten
+            # with the same values), less the culprits.
+            return [self._fail(seq, err) for seq, err in self._blame(sched, e)]
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
         tokens = out.sampled_token_ids
-        stop_strings = [self._detokenize(seq, token) for seq, token in zip(out.seqs, tokens)]
+        stop_strings, failed = [], {}
+        for seq, token in zip(out.seqs, tokens):
+            try:
+                stop_strings.append(self._detokenize(seq, token))
+            except Exception as e:  # this request's text alone
+                stop_strings.append(None)
+                failed[seq.request_id] = e
         finished = self.scheduler.update_from_output(sched, out, stop_strings)
         deltas = []
         for seq, token, lp in zip(out.seqs, tokens, out.logprobs):
+            if seq.request_id in failed:
+                deltas.append(self._fail(seq, failed[seq.request_id]))
+                continue
             logprobs = None if lp is None else [TokenLogprob(token, *lp)]
             deltas.append(self._delta(self.requests[seq.request_id], [token], logprobs))
         for seq in finished:
-            del self.requests[seq.request_id]
+            if seq.request_id not in failed:
+                del self.requests[seq.request_id]
         self.num_generation_tokens += len(tokens)
-        self.num_finished_requests += len(finished)
+        self.num_finished_requests += len(finished) - sum(1 for s in finished if s.request_id in failed)
         return deltas
+
+    def _blame(self, sched: SchedulerOutput, error: Exception) -> list[tuple[Sequence, Exception]]:
+        """The requests a failed step's error belongs to, found by running
+        halves of the batch again (log2 of its size in extra runs per
+        culprit; the runner changes no sequence, so a probe is harmless).
+        Raises `error` when it is not one request's: a fault of the engine
+        or device, a tensor-parallel step (its ranks run every batch in
+        lockstep), or a batch that fails only as a whole."""
+        if self.shards is not None or is_engine_fault(error, self.device):
+            raise error
+        culprits: list[tuple[Sequence, Exception]] = []
+
+        def probe(group: list) -> Exception | None:
+            try:
+                self.runner.execute(SchedulerOutput(group))
+            except Exception as e:
+                if is_engine_fault(e, self.device):
+                    raise
+                return e
+            return None
+
+        def search(group: list, err: Exception) -> None:
+            if len(group) == 1:
+                culprits.append((group[0][0], err))
+                return
+            mid = len(group) // 2
+            for half in (group[:mid], group[mid:]):
+                if (e := probe(half)) is not None:
+                    search(half, e)
+
+        search(list(sched.scheduled), error)
+        if not culprits:
+            raise error
+        return culprits
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End one request with an error delta; its blocks are free at once."""
+        logger.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
+        self.requests.pop(seq.request_id, None)
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, "error")
+        seq.finish_reason, seq.stop_reason = "error", None
+        self.num_finished_requests += 1
+        message = f"request {seq.request_id} failed in the engine: {type(error).__name__}: {error}"
+        # No text: the request's detokenizer may be what failed.
+        return RequestOutput(seq.request_id, [], "", "error", seq.num_prompt_tokens, seq.num_cached_tokens,
+                             seq.num_output_tokens, seq.timings, error=message)  # fmt: skip
 
     def _detokenize(self, seq: Sequence, token: int) -> str | None:
         """Adds the sampled token to the request's text; returns the stop

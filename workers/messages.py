@@ -102,11 +102,14 @@ class Riding:
 class WorkerError:
     """Worker -> router, instead of any delta: the request was refused."""
 
-    # "full" (429 / RESOURCE_EXHAUSTED), "invalid" (400 / INVALID_ARGUMENT); for
-    # the router to act on: "unavailable" (engine dead), "moved" (handed back unrun)
+    # "full" (429 / RESOURCE_EXHAUSTED), "invalid" (400 / INVALID_ARGUMENT),
+    # "failed" (500: the request alone failed in the engine); for the router
+    # to act on: "unavailable" (the engine was dead already: not taken),
+    # "died" (the engine died holding it), "moved" (handed back unrun)
     kind: str
     message: str
     field: str | None = None  # the request field at fault, for "invalid"
+    code: str | None = None  # a finer reason for the client (e.g. "poisoned_request")
 
 
 @dataclass(slots=True)
@@ -119,6 +122,8 @@ class WorkerInfo:
     block_size: int
     tensor_parallel_size: int
     worker: str
+    max_logprobs: int = 20  # the engine's per-request limits, which the router checks too
+    max_stop_strings: int = 64
 
 
 @dataclass(slots=True)

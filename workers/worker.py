@@ -19,7 +19,7 @@ from shoal.workers import replica_logs, tracing
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestMoved
+from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
 from shoal.workers.messages import (GenerateDelta, GenerateRequest, RequestFinished, Riding, Subscribe, WorkerError,
                                     WorkerInfo, WorkerLoad)  # fmt: skip
 from shoal.workers.core.outputs import RequestOutput
@@ -68,7 +68,8 @@ class Worker:
     def info(self) -> WorkerInfo:
         eng = self.engine.engine
         return WorkerInfo(eng.model_name, eng.max_model_len, eng.model_config.vocab_size,
-                          eng.block_manager.block_size, eng.args.tensor_parallel_size, self.name)  # fmt: skip
+                          eng.block_manager.block_size, eng.args.tensor_parallel_size, self.name,
+                          eng.limits.max_logprobs, eng.limits.max_stop_strings)  # fmt: skip
 
     def stats(self) -> WorkerLoad:
         load = WorkerLoad(**asdict(self.engine.stats()), worker=self.name)
@@ -90,7 +91,10 @@ class Worker:
         this stream yields Riding first. Logs one line per request (ids and
         counts, never its text)."""
         name = request.log_name
-        if self.engine.failed is None and self.engine.num_waiting >= self.max_waiting:
+        if self.engine.failed is not None:  # refused, not taken: the router may send it on at no cost
+            yield WorkerError("unavailable", f"worker {self.name}: the engine is dead: {self.engine.failed}")
+            return
+        if self.engine.num_waiting >= self.max_waiting:
             logger.info("%s refused: %d requests waiting", name, self.max_waiting)
             yield WorkerError("full", f"worker {self.name} has {self.max_waiting} requests waiting; try again later")
             return
@@ -128,10 +132,17 @@ class Worker:
             tracing.fail_span(span, e, "invalid")
             yield WorkerError("invalid", str(e), e.field)
         except EngineDeadError as e:
+            # 'died': the engine died while it held the request; the router
+            # counts such deaths, and a request on two of them is poisoned.
             logger.warning("%s ended by a dead engine after %d output tokens: %s", name, num_output_tokens, e)
             logged = True
             tracing.fail_span(span, e, "unavailable")
-            yield WorkerError("unavailable", f"worker {self.name}: {e}")
+            yield WorkerError("died", f"worker {self.name}: {e}")
+        except RequestFailedError as e:  # this request alone failed in the engine; the others went on
+            logger.warning("%s failed: %s", name, e)
+            logged = True
+            tracing.fail_span(span, e, "failed")
+            yield WorkerError("failed", str(e))
         except RequestMoved as e:  # handed back by release_waiting: the router sends it on
             logged = True
             tracing.fail_span(span, e, "moved")

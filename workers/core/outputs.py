@@ -30,7 +30,7 @@ class TokenLogprob:
 @dataclass(slots=True)
 class RequestOutput:
     """A delta: the tokens and text produced since the last one. The last
-    delta of a request has finish_reason set ('stop', 'length' or 'abort')."""
+    delta of a request has finish_reason set ('stop', 'length', 'abort' or 'error')."""
 
     request_id: str
     new_token_ids: list[int]
@@ -42,6 +42,7 @@ class RequestOutput:
     timings: RequestTimings
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    error: str | None = None  # finish_reason "error": this request failed alone (LLMEngine._fail)
 
     @property
     def finished(self) -> bool:
@@ -55,6 +56,7 @@ class RequestOutput:
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.error = later.error
         self.num_cached_tokens, self.num_output_tokens = later.num_cached_tokens, later.num_output_tokens
         self.timings = later.timings
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shoal.workers.errors import InvalidRequestError
@@ -32,47 +33,92 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> a number in [-100, 100] added to its logit (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, (list, tuple)) or self.stop is None:
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if not self.logit_bias:
+            self.logit_bias = None
         self.validate()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below vLLM's epsilon, dividing the logits would overflow them: argmax is what is meant.
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+        """Raise InvalidRequestError naming the first bad field. Every field
+        is checked for its type as well as its range: a SamplingParams may
+        come from anywhere (a pickle, a test, a client's JSON)."""
 
         def bad(name: str, why: str) -> None:
-            raise InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", field=name)
+            raise InvalidRequestError(f"{name} {why}, got {_show(getattr(self, name))}", field=name)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if not _is_int(v) and not (v is None and name in ("seed", "logprobs")):
+                bad(name, "must be an integer")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
+        if self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+        # Above the vocabulary top_k keeps every token: the sampler clamps it (as vLLM does).
+        if self.top_k < -1 or self.top_k == 0:
             bad("top_k", "must be -1 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            bad("seed", "must be in [-2**63, 2**64)")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(not _is_int(t) or t < 0 for t in self.logit_bias):
+                bad("logit_bias", "must map non-negative token ids to numbers")
+            if any(not _is_number(b) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                bad("logit_bias", "values must be numbers in [-100, 100]")
+
+
+SAMPLING_EPS = 1e-5
+MAX_REPETITION_PENALTY = 100.0
+_INT_FIELDS = ("max_tokens", "top_k", "min_tokens", "seed", "logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # not bool, not a subclass that compares oddly
+
+
+def _is_number(x) -> bool:
+    return type(x) in (int, float)
+
+
+def _show(value) -> str:
+    text = repr(value)  # a hostile value may be huge: the message names it, briefly
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -23,6 +23,7 @@ from shoal.workers.model_executor.layers.attention import (
     set_forward_context,
 )
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
+from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
@@ -68,6 +69,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.staging = StagingBuffer(self.device)
         self.sampler = Sampler()
+        self.fault_plan = FaultPlan.from_env()  # None unless a test asks for faults
         self._choose_attention_backend(attention_backend)
 
     def _choose_attention_backend(self, backend: str) -> None:
@@ -208,6 +210,8 @@ class ModelRunner:
         seqs, logits, metadata = self._run(sched.scheduled, sample=True)
         if not seqs:
             return ModelRunnerOutput([], [], [])
+        if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
+            self.fault_plan.before_sampling(seqs)
         out = self.sampler(logits, metadata)
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
 

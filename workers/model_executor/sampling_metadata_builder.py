@@ -51,6 +51,9 @@ class PendingSamplingMetadata:
             output_token_counts=self._token_counts("output", get, torch.int64),
             banned_rows=get("banned_rows"),
             banned_token_ids=get("banned_token_ids"),
+            bias_rows=get("bias_rows"),
+            bias_token_ids=get("bias_token_ids"),
+            bias_values=get("bias_values"),
             logprob_rows=get("logprob_rows"),
             num_logprobs=self.num_logprobs,
         )
@@ -79,6 +82,7 @@ class _RowKinds:
         self.repetition_rows: list[int] = []
         self.frequency_rows: list[int] = []
         self.banned: list[tuple[int, int]] = []
+        self.bias: list[tuple[int, int, float]] = []
         self.num_logprobs: dict[int, int] = {}
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -90,13 +94,15 @@ class _RowKinds:
                 self.frequency_rows.append(i)  # nothing to count before the first output token
             if seq.num_output_tokens < p.min_tokens:
                 self.banned += [(i, t) for t in p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)]
+            if p.logit_bias:
+                self.bias += [(i, t, b) for t, b in p.logit_bias.items()]
             if p.logprobs is not None:
                 self.num_logprobs[i] = p.logprobs
 
     @property
     def plain_greedy(self) -> bool:
         """Argmax alone: nothing to stage."""
-        return not (self.random_rows or self.repetition_rows or self.frequency_rows or self.banned
+        return not (self.random_rows or self.repetition_rows or self.frequency_rows or self.banned or self.bias
                     or self.num_logprobs)  # fmt: skip
 
 
@@ -128,7 +134,8 @@ def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: Stage
         # with their "off" value (top_p 1.0 can still cut the tail where
         # rounding takes the mass to 1: kept, for the same tokens).
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            add("top_k", [p.top_k if p.top_k > 0 else vocab_size for p in params], i64)
+            # top_k past the vocabulary keeps every token (and must not overflow int64)
+            add("top_k", [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], i64)
             add("top_p", [p.top_p for p in params], f32)
         if any(p.min_p > 0 for p in params):
             add("min_p", [p.min_p for p in params], f32)
@@ -146,6 +153,10 @@ def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: Stage
     if kinds.banned:
         add("banned_rows", [i for i, _ in kinds.banned], i64)
         add("banned_token_ids", [t for _, t in kinds.banned], i64)
+    if kinds.bias:
+        add("bias_rows", [i for i, _, _ in kinds.bias], i64)
+        add("bias_token_ids", [t for _, t, _ in kinds.bias], i64)
+        add("bias_values", [b for _, _, b in kinds.bias], f32)
     if kinds.num_logprobs:
         add("logprob_rows", list(kinds.num_logprobs), i64)
     return PendingSamplingMetadata(vocab_size, len(kinds.random_rows), num_tokens, kinds.num_logprobs)

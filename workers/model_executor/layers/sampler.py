@@ -25,9 +25,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [rows, vocab] float32, left unchanged."""
         raw = logits  # logprobs come from the unprocessed distribution
-        if not metadata.no_penalties or metadata.banned_rows is not None:
+        if not metadata.no_penalties or metadata.banned_rows is not None or metadata.bias_rows is not None:
             logits = logits.clone()  # only when some row is changed: a step's logits are megabytes
             self.apply_penalties(logits, metadata)
+            if metadata.bias_rows is not None:
+                logits.index_put_((metadata.bias_rows, metadata.bias_token_ids), metadata.bias_values, accumulate=True)
             if metadata.banned_rows is not None:
                 logits[metadata.banned_rows, metadata.banned_token_ids] = float("-inf")
 
@@ -72,7 +74,7 @@ class Sampler:
     def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """The tokens and the wanted rows' logprobs, in one fetch: token ids
         ride as float64 (exact below 2**53), float32 logprobs too."""
-        rows, k = metadata.logprob_rows, metadata.max_num_logprobs
+        rows, k = metadata.logprob_rows, min(metadata.max_num_logprobs, raw.shape[-1])
         lp = torch.log_softmax(raw[rows], dim=-1)  # from the unprocessed distribution
         parts = [tokens.double(), lp.gather(1, tokens[rows].unsqueeze(1)).double().flatten()]
         if k:
@@ -85,6 +87,7 @@ class Sampler:
         sampled, top_ids, top_values = flat[num_rows:head], flat[head : head + m * k], flat[head + m * k :]
         out: list = [None] * num_rows
         for j, (i, n) in enumerate(metadata.num_logprobs.items()):
+            n = min(n, k)
             ids = top_ids[j * k : j * k + n]
             out[i] = (sampled[j], dict(zip(map(int, ids), top_values[j * k : j * k + n])))
         return SamplerOutput(token_ids, out)

@@ -3,7 +3,7 @@ token, so the sampler needs nothing from the engine's sequences."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,8 +39,13 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None
     banned_token_ids: torch.Tensor | None
 
-    logprob_rows: torch.Tensor | None  # the rows of num_logprobs, in its order, on the device
-    num_logprobs: dict[int, int]  # row -> how many top logprobs it returns (0: the sampled token's only)
+    # (row, token id, bias) triples added to the logits: OpenAI's logit_bias
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+
+    logprob_rows: torch.Tensor | None = None  # the rows of num_logprobs, in its order, on the device
+    num_logprobs: dict[int, int] = field(default_factory=dict)  # row -> how many top logprobs (0: the sampled one's)
 
     @property
     def all_greedy(self) -> bool:

@@ -1,0 +1,75 @@
+"""The one check every request passes: at the router, for a clear early
+error, and again in the engine, which trusts nobody. Both import this
+function, so the rules are written once. No torch here: the router's
+processes import it."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.errors import InvalidRequestError
+
+MAX_STOP_STRING_CHARS = 1024
+
+
+@dataclass(slots=True, frozen=True)
+class RequestLimits:
+    """What the served model and the operator's flags allow one request."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int = 20  # --max-logprobs
+    max_stop_strings: int = 64  # --max-stop-strings (stop strings, and stop token ids)
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, limits: RequestLimits,
+                  num_resumed_tokens: int = 0) -> None:  # fmt: skip
+    """Raise InvalidRequestError naming the first bad field. The ids' last
+    num_resumed_tokens are output made already (a failover); the rest is
+    the prompt. Only checks: nothing is changed."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(params).__name__}")
+    params.validate()
+    vocab = limits.vocab_size
+    if not isinstance(prompt_ids, list) or not prompt_ids:
+        raise InvalidRequestError("prompt is empty", field="prompt")
+    try:
+        packed = array("q", prompt_ids)  # a non-integer or an id past int64 raises here, in C
+    except (TypeError, OverflowError):
+        raise InvalidRequestError("prompt must be token ids (integers)", field="prompt") from None
+    if min(packed) < 0 or max(packed) >= vocab:
+        raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", field="prompt")
+    if type(num_resumed_tokens) is not int or not 0 <= num_resumed_tokens < len(prompt_ids):
+        raise InvalidRequestError(f"num_resumed_tokens must be in [0, {len(prompt_ids)}), got "
+                                  f"{num_resumed_tokens!r}", field="num_resumed_tokens")  # fmt: skip
+    if num_resumed_tokens >= params.max_tokens:
+        raise InvalidRequestError(f"{num_resumed_tokens} tokens were made already; max_tokens is "
+                                  f"{params.max_tokens}", field="max_tokens")  # fmt: skip
+    n, limit = len(prompt_ids) - num_resumed_tokens, limits.max_model_len
+    if n >= limit:
+        raise InvalidRequestError(f"prompt has {n} tokens; max_model_len is {limit}", field="prompt")
+    if n + params.max_tokens > limit:
+        raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                  f"max_model_len ({limit})", field="max_tokens")  # fmt: skip
+    _check_limits(params, limits)
+
+
+def _check_limits(params: SamplingParams, limits: RequestLimits) -> None:
+    vocab = limits.vocab_size
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids holds ids outside the vocabulary [0, {vocab})",
+                                  field="stop_token_ids")  # fmt: skip
+    if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias has keys outside the vocabulary [0, {vocab})", field="logit_bias")
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise InvalidRequestError(f"logprobs must be at most {limits.max_logprobs} (--max-logprobs), got "
+                                  f"{params.logprobs}", field="logprobs")  # fmt: skip
+    for name in ("stop", "stop_token_ids"):
+        if len(getattr(params, name)) > limits.max_stop_strings:
+            raise InvalidRequestError(f"{name} has {len(getattr(params, name))} entries; at most "
+                                      f"{limits.max_stop_strings} are allowed (--max-stop-strings)", field=name)  # fmt: skip
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in params.stop):
+        raise InvalidRequestError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters",
+                                  field="stop")  # fmt: skip

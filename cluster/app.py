@@ -8,6 +8,7 @@ same application from its flags.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from ray import serve
 from ray.serve import Application
@@ -15,6 +16,7 @@ from ray.serve import Application
 from shoal.cluster.autoscaling import replica_options
 from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
+from shoal.router.options import API_KEY_ENV
 from shoal.router.request_router import request_router_config
 from shoal.workers.distributed.shard_group import tp_bundles
 from shoal.workers.tracing import otel_env
@@ -99,9 +101,36 @@ def on_kuberay() -> bool:
     return os.environ.get("SHOAL_KUBERAY") == "1"
 
 
+@contextmanager
+def api_key_for_local_cluster(key: str | None):
+    """Put the API key in this process's environment while a local Ray cluster
+    starts in it: the raylet inherits it, and so every replica it forks, and
+    the Router reads it there. Serve's init args and runtime_env are stored in
+    the cluster (and shown by its dashboard), so the key never goes through them."""
+    before = os.environ.get(API_KEY_ENV)
+    if key:
+        os.environ[API_KEY_ENV] = key
+    try:
+        yield
+    finally:
+        if key and before is None:
+            del os.environ[API_KEY_ENV]
+        elif key:
+            os.environ[API_KEY_ENV] = before
+
+
+def check_api_key(opts: ServeOptions) -> None:
+    """A key in the options that this process's environment does not carry
+    would reach no router: refuse it rather than serve an open API."""
+    if opts.api_key and opts.api_key != os.environ.get(API_KEY_ENV):
+        raise ValueError("api_key reaches the routers only as $SHOAL_API_KEY in the Ray nodes' environment "
+                         "(a Kubernetes Secret under the Helm chart), never in a Serve config's args")  # fmt: skip
+
+
 def build_app(args: dict | ServeOptions | None = None) -> Application:
     """The application for `serve run` / `serve deploy`; args are ServeOptions.to_dict()'s."""
     opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
+    check_api_key(opts)
     opts.check_cluster()
     gpu = opts.uses_gpu()
     worker = serve.deployment(Worker, name="Worker").options(**worker_deployment_options(opts, gpu))

@@ -176,8 +176,9 @@ class ServeOptions:
                                  f"{need} GPUs; the cluster has {have:g}")  # fmt: skip
 
     def router_options(self) -> RouterOptions:
+        # No api_key: the replicas read $SHOAL_API_KEY (router/options.py), never pickled init args.
         return RouterOptions(self.engine.model, self.host, self.http_port, self.grpc_port, self.num_workers,
-                             self.resolved_api_key(), self.max_request_bytes, self.drain_timeout_s,
+                             self.max_request_bytes, self.drain_timeout_s,
                              self.max_retries, self.routing, max_prompts=self.max_prompts,
                              max_concurrent_requests=self.max_concurrent_requests,
                              tokenizer_threads=self.tokenizer_threads,

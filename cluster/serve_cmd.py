@@ -30,19 +30,21 @@ def launch(opts: ServeOptions, address: str | None = None):
     import ray
     from ray import serve
 
-    from shoal.cluster.app import build_app
+    from shoal.cluster.app import api_key_for_local_cluster, build_app
 
-    if address:
-        ray.init(address=address, logging_level="WARNING")
-    else:
-        gpus = None if opts.engine.device in ("auto", "cuda") else 0
-        # Logical CPUs: each rank of a CPU worker asks for one, whatever the core count.
-        ranks = opts.num_workers * opts.tp_size
-        ray.init(num_cpus=max(os.cpu_count() or 1, ranks * int(opts.cpus_per_worker + 0.999)),
-                 num_gpus=gpus, include_dashboard=False, logging_level="WARNING")  # fmt: skip
-    # The router binds the ports itself, so Serve's own proxies stay off.
-    serve.start(proxy_location="Disabled")
-    return serve.run(build_app(opts), name=APP_NAME, route_prefix=None)
+    key = None if address else opts.resolved_api_key()
+    with api_key_for_local_cluster(key):  # the raylet this ray.init starts inherits it, so the Router does
+        if address:
+            ray.init(address=address, logging_level="WARNING")
+        else:
+            gpus = None if opts.engine.device in ("auto", "cuda") else 0
+            # Logical CPUs: each rank of a CPU worker asks for one, whatever the core count.
+            ranks = opts.num_workers * opts.tp_size
+            ray.init(num_cpus=max(os.cpu_count() or 1, ranks * int(opts.cpus_per_worker + 0.999)),
+                     num_gpus=gpus, include_dashboard=False, logging_level="WARNING")  # fmt: skip
+        # The router binds the ports itself, so Serve's own proxies stay off.
+        serve.start(proxy_location="Disabled")
+        return serve.run(build_app(opts), name=APP_NAME, route_prefix=None)
 
 
 def shut_down(address: str | None = None) -> None:
@@ -95,6 +97,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.print_config:
         return print_config(opts)
     opts.check_cluster()  # a size that cannot split the model: refused before Ray starts
+    if opts.api_key and ns.address:  # the routers there run in their nodes' environment, not this one's
+        raise ValueError("--api-key cannot reach the routers of a cluster started elsewhere: start its nodes "
+                         "(`ray start`) with SHOAL_API_KEY in their environment instead")  # fmt: skip
     if opts.routers > 1 and not ns.address:  # Serve would leave the rest pending forever
         raise ValueError(f"--routers {opts.routers} needs {opts.routers} Ray nodes (one router per node) and a "
                          "local cluster has one; start a cluster and pass --address")  # fmt: skip

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
+
+# Where a router replica finds the API key: its own environment (a Kubernetes
+# Secret, or what `shoal serve` hands the local Ray cluster it starts), never
+# its init args, which Serve pickles into the cluster's state.
+API_KEY_ENV = "SHOAL_API_KEY"
 
 
 @dataclass(slots=True)
@@ -14,7 +20,6 @@ class RouterOptions:
     http_port: int
     grpc_port: int
     num_workers: int
-    api_key: str | None
     max_request_bytes: int
     drain_timeout_s: float
     max_retries: int = 3  # re-sends of one request after its worker is lost (router/failover.py)
@@ -24,3 +29,18 @@ class RouterOptions:
     tokenizer_threads: int = 2  # the pool that tokenizes off the event loop
     allow_client_priority: bool = False  # honour gRPC's priority field
     allowed_hosts: str | None = None  # comma-separated Host headers answered (None: the default rule)
+    # Only for a router built in this process (tests); one that Serve deploys reads $SHOAL_API_KEY.
+    api_key: str | None = None
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "api_key")
+        return f"RouterOptions({shown}, api_key={'<hidden>' if self.api_key else None})"
+
+    def __getstate__(self):
+        # Serve pickles a replica's init args into the cluster's state: a key must never ride there.
+        if self.api_key is not None:
+            raise TypeError("RouterOptions.api_key is not pickled; a router replica reads $SHOAL_API_KEY")
+        return None, {f.name: getattr(self, f.name) for f in fields(self)}

@@ -47,7 +47,8 @@ EXAMPLES = {
          "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
     ),
     "values-cpu-demo.yaml": (
-        "--host 0.0.0.0 --device cpu --num-threads 2 --kv-cache-memory-bytes 536870912 --max-num-seqs 32",
+        "--host 0.0.0.0 --device cpu --num-threads 2 --kv-cache-memory-bytes 536870912 --max-num-seqs 32 "
+        "--allowed-hosts '*'",  # no API key: the Host names of a Service, not just loopback
         {},
     ),
 }  # fmt: skip
@@ -156,7 +157,7 @@ def test_every_manifest_validates_against_kubernetes(case):
         want = ["Ingress", "RayService", "Service", "Service", "Service", "ServiceMonitor"]
     elif case == "values-8gpu-tp2.yaml":
         want = ["RayService", "Service", "Service", "Service", "ServiceMonitor"]
-    assert kinds == want
+    assert kinds == sorted(want + ["NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget"])
     for doc in docs:
         if doc["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
@@ -247,7 +248,8 @@ def test_example_files_show_that_command(name):
 
 def test_default_values_serve_the_default_model_on_every_interface():
     config = render_serve_config()
-    assert config == serve_config(ServeOptions(host="0.0.0.0", engine=EngineArgs(device="cuda")), otel_env={})
+    opts = ServeOptions(host="0.0.0.0", allowed_hosts="*", engine=EngineArgs(device="cuda"))  # no key: any Host
+    assert config == serve_config(opts, otel_env={})
     assert ServeOptions.from_dict(config["applications"][0]["args"]).engine.model is None  # SmolLM2 in the image
 
 
@@ -400,11 +402,14 @@ def test_every_ray_container_has_probes_of_its_own():
         assert "httpGet" in container["readinessProbe"] and "httpGet" in container["livenessProbe"], name
 
 
-def test_api_key_reaches_every_pod_from_its_secret_only():
+def test_api_key_reaches_the_routers_from_its_secret_only():
     rs = rayservice(render(EVERYTHING))
-    assert "shoal-api-key" not in rs["spec"]["serveConfigV2"]
-    for name, group in groups(rs).items():
+    assert "shoal-api-key" not in rs["spec"]["serveConfigV2"] and "api_key" not in rs["spec"]["serveConfigV2"]
+    for name, group in groups(rs).items():  # the routers check it; the head and the workers never hold it
         env = {e["name"]: e for e in ray_container(group)["env"]}
+        if name != "routers":
+            assert "SHOAL_API_KEY" not in env, name
+            continue
         assert env["SHOAL_API_KEY"] == {"name": "SHOAL_API_KEY",
                                         "valueFrom": {"secretKeyRef": {"name": "shoal-api-key", "key": "api-key"}}}
     for group in groups(rayservice(render())).values():  # no Secret named: no key, no variable
@@ -441,11 +446,13 @@ def test_model_comes_from_a_pvc_a_host_path_or_the_image(model, volume):
     assert app["args"]["model"] == model["path"]
     for name, group in groups(rs).items():  # the app is built, and the tokenizer read, on any of them
         spec = group["template"]["spec"]
+        volumes = [v for v in spec["volumes"] if v["name"] == "model"]
+        mounts = [m for m in ray_container(group)["volumeMounts"] if m["name"] == "model"]
         if volume is None:
-            assert "volumes" not in spec and "volumeMounts" not in ray_container(group)
+            assert volumes == mounts == []
         else:
-            assert spec["volumes"] == [{"name": "model", **volume}]
-            assert ray_container(group)["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+            assert volumes == [{"name": "model", **volume}]
+            assert mounts == [{"name": "model", "mountPath": "/models", "readOnly": True}]
 
 
 def test_values_a_schema_cannot_compare_are_refused_by_the_templates():
@@ -481,6 +488,145 @@ def test_notes_say_how_to_reach_the_api_and_the_status_page():
     assert "grpcurl -plaintext" in notes and "127.0.0.1:9000 shoal.v1.Shoal/GetModelInfo" in notes
     assert "Status page" in notes and "http://127.0.0.1:8000/" in notes
     assert f"port-forward svc/{RELEASE}-grpc 9000:9000" in notes
+
+
+# ---- Locked down -------------------------------------------------------------
+
+# Ray's control plane: whoever reaches the GCS, the dashboard (Jobs API) or the client server runs code there.
+RAY_PORTS = {6379, 8265, 10001, "gcs-server", "dashboard", "client"}
+OUTSIDE = {"namespace": {"kubernetes.io/metadata.name": "elsewhere"}, "labels": {"app": "curious"}}
+OPERATOR = {"namespace": {"kubernetes.io/metadata.name": "kuberay"},
+            "labels": {"app.kubernetes.io/name": "kuberay-operator"}}  # fmt: skip
+
+
+def test_ray_token_authentication_is_on_with_the_token_from_a_secret(rayservice_schema):
+    cluster = rayservice(render())["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}  # KubeRay makes the Secret and sets RAY_AUTH_TOKEN from it
+    assert int(cluster["rayVersion"].split(".")[1]) >= 52  # token auth needs Ray 2.52
+    rs = rayservice(render({"rayAuth": {"secretName": "ray-token"}}))
+    assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    assert list(rayservice_schema.iter_errors(rs)) == []
+    assert "authOptions" not in rayservice(render({"rayAuth": {"enabled": False}}))["spec"]["rayClusterConfig"]
+
+
+def test_the_pinned_ray_is_the_charts_and_has_the_cve_fixes():
+    import tomllib
+
+    import ray
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (pin,) = [d for d in deps if d.startswith("ray[")]
+    version = pin.split("==")[1]
+    assert tuple(map(int, version.split("."))) >= (2, 54)  # CVE-2025-62593 (2.52), CVE-2026-27482 (2.54)
+    assert version == ray.__version__ == rayservice(render())["spec"]["rayClusterConfig"]["rayVersion"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_service_carries_rays_ports_and_the_head_keeps_its_own_internal(case):
+    docs = render(values_for(case))
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        for port in svc["spec"]["ports"]:
+            assert not {port["port"], port["targetPort"], port["name"]} & RAY_PORTS, svc["metadata"]["name"]
+    for ingress in (d for d in docs if d["kind"] == "Ingress"):
+        backends = {p["backend"]["service"]["name"] for r in ingress["spec"]["rules"] for p in r["http"]["paths"]}
+        assert backends == {RELEASE}
+    rs = rayservice(docs)
+    head = groups(rs)["head"]
+    # KubeRay's head Service carries the head container's ports: cluster-internal, and no Ray Client server.
+    assert head["serviceType"] == "ClusterIP" and "headService" not in head
+    assert {p["name"] for p in ray_container(head)["ports"]} == {"gcs-server", "dashboard", "metrics"}
+    for name, group in groups(rs).items():
+        if name != "head":
+            assert not {p["name"] for p in ray_container(group)["ports"]} & RAY_PORTS, name
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items() and not selector.get("matchExpressions")
+
+
+def _admitted(docs: list[dict], pod: dict, port: str, peer: dict) -> bool:
+    """NetworkPolicy's rules for ingress to `pod` (its template) on a named
+    container port from `peer` (its namespace's labels, None for the release's
+    own namespace, and its pod labels)."""
+    labels = pod["metadata"]["labels"]
+    policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and _selects(d["spec"]["podSelector"], labels)]
+    if not any("Ingress" in p["policyTypes"] for p in policies):
+        return True  # not isolated
+    for rule in (rule for policy in policies for rule in policy.get("ingress", [])):
+        if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+            continue
+        for source in rule.get("from", [{}]):
+            if source == {}:  # no `from`: anyone
+                return True
+            if "namespaceSelector" in source:
+                theirs = peer["namespace"]
+                in_namespace = theirs is not None and _selects(source["namespaceSelector"], theirs)
+            else:  # a bare podSelector: this namespace only
+                in_namespace = peer["namespace"] is None
+            if in_namespace and _selects(source.get("podSelector", {}), peer["labels"]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("monitor", [False, True])
+def test_network_policy_admits_from_outside_only_the_routers_api(monitor):
+    docs = render({"serviceMonitor": {"enabled": monitor}})
+    pods = {name: g["template"] for name, g in groups(rayservice(docs)).items()}
+    for name, pod in pods.items():
+        for port in [p["name"] for p in pod["spec"]["containers"][0]["ports"]] + ["raylet-or-worker-port"]:
+            for other in pods.values():  # the release's own pods reach everything
+                assert _admitted(docs, pod, port, {"namespace": None, "labels": other["metadata"]["labels"]})
+            from_outside = _admitted(docs, pod, port, OUTSIDE)
+            want = (name == "routers" and port in ("http", "grpc")) or (monitor and port == "metrics")
+            assert from_outside == want, (name, port)
+            assert _admitted(docs, pod, port, OPERATOR) == (want or (name == "head" and port == "dashboard"))
+    apis = render({"networkPolicy": {"apiFrom": [{"namespaceSelector": {"matchLabels": {"team": "edge"}}}]}})
+    router = groups(rayservice(apis))["routers"]["template"]
+    assert not _admitted(apis, router, "http", OUTSIDE)
+    assert _admitted(apis, router, "http", {"namespace": {"team": "edge"}, "labels": {}})
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize("case", [None, "values-8gpu-tp2.yaml"])
+def test_pods_hold_no_api_token_and_write_only_to_their_emptydirs(case):
+    rs = rayservice(render(values_for(case)))
+    autoscaling = case is not None
+    for name, group in groups(rs).items():
+        spec = group["template"]["spec"]
+        container = ray_container(group)
+        assert spec["automountServiceAccountToken"] is False, name
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+        for path in ("/tmp", "/dev/shm", "/home/shoal"):  # Ray's session and object store; torch's and Triton's caches
+            assert "emptyDir" in mounts[path], (name, path)
+        assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+        assert "/var/run/secrets/kubernetes.io/serviceaccount" not in mounts  # Serve's code never sees a token
+        assert ("kube-api-access" in volumes) == (autoscaling and name == "head"), name
+    cluster = rs["spec"]["rayClusterConfig"]
+    if autoscaling:  # only the autoscaler sidecar patches the RayCluster: it alone mounts the projected token
+        scaler = cluster["autoscalerOptions"]
+        assert {m["mountPath"]: m["name"] for m in scaler["volumeMounts"]} == {
+            "/tmp": "tmp", "/var/run/secrets/kubernetes.io/serviceaccount": "kube-api-access"}
+        assert scaler["securityContext"]["readOnlyRootFilesystem"] is True
+        sources = groups(rs)["head"]["template"]["spec"]["volumes"][-1]["projected"]["sources"]
+        assert sources[0]["serviceAccountToken"]["path"] == "token"
+    with open(os.path.join(DEPLOY, "Dockerfile")) as f:  # HOME of the image's user is what the chart mounts
+        assert "\nWORKDIR /home/shoal\n" in f.read()
+
+
+def test_router_pods_have_a_disruption_budget():
+    docs = render(load_values("values-8gpu-tp2.yaml"))
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    for name, group in groups(rayservice(docs)).items():
+        assert _selects(pdb["spec"]["selector"], group["template"]["metadata"]["labels"]) == (name == "routers")
+    (pdb,) = [d for d in render({"routerGroup": {"podDisruptionBudget": {"minAvailable": 1}}})
+              if d["kind"] == "PodDisruptionBudget"]  # fmt: skip
+    assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
+    assert not [d for d in render({"routerGroup": {"podDisruptionBudget": {"enabled": False}}})
+                if d["kind"] == "PodDisruptionBudget"]  # fmt: skip
 
 
 # ---- values.schema.json -----------------------------------------------------

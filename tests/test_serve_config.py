@@ -97,10 +97,40 @@ def test_routers_round_trip_through_the_cli_and_the_serve_config(tiny_model, cap
     assert "routers" not in ready_message(opts, ends[:1], 1.0)
 
 
-def test_api_key_comes_from_the_environment(monkeypatch):
+def test_api_key_reaches_the_router_from_its_environment_never_its_init_args(monkeypatch, tiny_model, capsys):
+    """Serve pickles a replica's init args into the cluster's state (and its
+    dashboard shows runtime_env): the key goes by the raylet's environment."""
+    import pickle
+
+    from ray import cloudpickle
+
+    from shoal.cluster.app import api_key_for_local_cluster, build_app
+    from shoal.cluster.cli import main
+    from shoal.router.options import RouterOptions
+
+    monkeypatch.delenv("SHOAL_API_KEY", raising=False)
+    opts = ServeOptions(api_key="flag-key", engine=EngineArgs(model=tiny_model, device="cpu"))
+    with pytest.raises(ValueError, match=r"only as \$SHOAL_API_KEY"):
+        build_app(opts)  # a key with nowhere to go is refused, never served as an open API
+    with api_key_for_local_cluster(opts.resolved_api_key()):  # what `shoal serve` does around ray.init
+        init_args = build_app(opts)._bound_deployment.init_args
+        router = init_args[1]
+        assert router.resolved_api_key() == "flag-key"  # what the Router reads, from the environment
+    assert "SHOAL_API_KEY" not in os.environ  # put back as it was
+    assert router.api_key is None and router.resolved_api_key() is None
+    assert b"flag-key" not in cloudpickle.dumps(init_args)
     monkeypatch.setenv("SHOAL_API_KEY", "from-env")
-    assert ServeOptions().router_options().api_key == "from-env"
-    assert ServeOptions(api_key="flag").router_options().api_key == "flag"
+    assert ServeOptions().router_options().resolved_api_key() == "from-env"
+    # A key set on the options directly (a router built in-process) is kept out of repr and of pickles.
+    direct = RouterOptions("m", "127.0.0.1", 8000, 9000, 1, 1 << 20, 30.0, api_key="sekret")
+    assert "sekret" not in repr(direct) and "api_key=<hidden>" in repr(direct)
+    with pytest.raises(TypeError, match="not pickled"):
+        pickle.dumps(direct)
+    keyless = ServeOptions().router_options()
+    assert pickle.loads(pickle.dumps(keyless)) == keyless
+    # `shoal serve --address`: the routers run in the nodes' environment, which this process cannot set.
+    assert main(["serve", "--model", tiny_model, "--address", "auto", "--api-key", "k"]) == 2
+    assert "start its nodes (`ray start`) with SHOAL_API_KEY" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -56,6 +56,12 @@ app.kubernetes.io/part-of: {{ include "shoal.name" .root }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* Every Ray pod of the release (head, workers, routers), of either cluster during an upgrade. */}}
+{{- define "shoal.rayPodSelector" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: {{ include "shoal.name" . }}
+{{- end }}
+
 {{- define "shoal.routerSelector" -}}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: router
@@ -95,8 +101,8 @@ Serve application's runtime_env.env_vars are made from the same map.
 {{/*
 The Serve config: what `shoal serve --print-config` prints for the same
 options (cluster/serve_config.py). args: the non-null shoal.* values, the
-model path, host 0.0.0.0 so the routers listen on the pod's address, and the
-device the worker pods have. Not "auto": the application is built when the
+model path, allowed_hosts "*" without an API key, host 0.0.0.0 so the routers
+listen on the pod's address, and the device the worker pods have. Not "auto": the application is built when the
 head is up, and GPU pods that have not joined yet (or that the autoscaler has
 not started) would make it a CPU deployment.
 */}}
@@ -104,6 +110,9 @@ not started) would make it a CPU deployment.
 {{- $device := ternary "cuda" "cpu" (gt (int .Values.workerGroup.gpusPerPod) 0) }}
 {{- $args := dict "host" "0.0.0.0" "device" $device }}
 {{- with .Values.model.path }}{{ $_ := set $args "model" . }}{{ end }}
+{{- /* No key: the routers would answer loopback Host names only (against DNS rebinding of a
+     laptop's server); behind a Service clients use its names, and the API is open anyway. */}}
+{{- if not .Values.apiKeySecret.name }}{{ $_ := set $args "allowed_hosts" "*" }}{{ end }}
 {{- range $k, $v := .Values.shoal }}
 {{- if not (kindIs "invalid" $v) }}{{ $_ := set $args $k $v }}{{ end }}
 {{- end -}}
@@ -174,6 +183,70 @@ maxReplicas: {{ ceil (divf $high $per) | int }}
 {{- end }}
 {{- end }}
 
+{{/*
+Writable scratch space: the root filesystem is read-only, so each path Ray and
+shoal write is an emptyDir: /tmp (Ray's session folder, logs, sockets, spilled
+objects), /dev/shm in memory (Ray's object store) and the image user's home
+(torch's extension cache and Triton's kernel cache, compiled on first use).
+*/}}
+{{- define "shoal.scratchVolumes" -}}
+{{- $s := .Values.scratch }}
+- name: tmp
+  emptyDir:
+    {{- with $s.tmpSizeLimit }}
+    sizeLimit: {{ . }}
+    {{- else }} {}
+    {{- end }}
+- name: shm
+  emptyDir:
+    medium: Memory
+    {{- with $s.shmSizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+- name: home
+  emptyDir:
+    {{- with $s.homeSizeLimit }}
+    sizeLimit: {{ . }}
+    {{- else }} {}
+    {{- end }}
+{{- end }}
+
+{{- define "shoal.scratchVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: shm
+  mountPath: /dev/shm
+- name: home
+  mountPath: {{ .Values.scratch.homePath }}
+{{- end }}
+
+{{/*
+The Kubernetes API token, for the Ray autoscaler alone: pods mount no
+service-account token (automountServiceAccountToken: false), and with
+autoscaling this projected volume, what Kubernetes would have mounted, goes
+only into the autoscaler sidecar (rayClusterConfig.autoscalerOptions), never
+into the Ray head container that runs the Serve controller.
+*/}}
+{{- define "shoal.apiAccessVolume" -}}
+- name: kube-api-access
+  projected:
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3607
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                apiVersion: v1
+                fieldPath: metadata.namespace
+{{- end }}
+
 {{- define "shoal.modelVolumeMounts" -}}
 {{- $m := .Values.model }}
 {{- if ne $m.source "image" }}
@@ -190,15 +263,21 @@ maxReplicas: {{ ceil (divf $high $per) | int }}
 {{- end }}
 {{- end }}
 
-{{/* Environment of every Ray container: the API key from its Secret, OTEL_*, extraEnv. */}}
+{{/*
+Environment of a Ray container (arguments: root, component): OTEL_*, extraEnv,
+and on the router pods alone the API key from its Secret: only the routers
+check it, so the head (which runs the Serve controller) and the workers never hold it.
+*/}}
 {{- define "shoal.env" -}}
+{{- $component := .component }}
+{{- with .root }}
 {{- /* Pods join after the app is built: build_app trusts the chart's groups
      (routers on the shoal_router pods, GPUs as their pods come) instead of
      the nodes alive at that moment (cluster/app.py, cluster/options.py). */}}
 - name: SHOAL_KUBERAY
   value: "1"
 {{- with .Values.apiKeySecret }}
-{{- if .name }}
+{{- if and .name (eq $component "router") }}
 - name: SHOAL_API_KEY
   valueFrom:
     secretKeyRef:
@@ -214,12 +293,13 @@ maxReplicas: {{ ceil (divf $high $per) | int }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+{{- end }}
 
 {{/*
 One Ray pod template. Arguments: root (the chart context), component (head,
 worker, router), group (its values), container (the container's name), and as
-YAML text: resources, ports, probes, lifecycle (optional); terminationGrace
-(optional).
+YAML text: resources, ports, probes, lifecycle (optional), extraVolumes
+(optional); terminationGrace (optional).
 */}}
 {{- define "shoal.podTemplate" -}}
 {{- $root := .root }}
@@ -246,6 +326,8 @@ spec:
   {{- with .terminationGrace }}
   terminationGracePeriodSeconds: {{ . }}
   {{- end }}
+  # Nothing in a Ray container talks to the Kubernetes API (see shoal.apiAccessVolume).
+  automountServiceAccountToken: false
   containers:
     # KubeRay takes the first container as Ray's and runs `ray start` in it.
     - name: {{ .container }}
@@ -255,7 +337,7 @@ spec:
       ports:
         {{- . | nindent 8 }}
       {{- end }}
-      {{- with include "shoal.env" $root | trim }}
+      {{- with include "shoal.env" (dict "root" $root "component" .component) | trim }}
       env:
         {{- . | nindent 8 }}
       {{- end }}
@@ -263,10 +345,11 @@ spec:
       resources:
         {{- . | nindent 8 }}
       {{- end }}
-      {{- with include "shoal.modelVolumeMounts" $root | trim }}
       volumeMounts:
+        {{- include "shoal.scratchVolumeMounts" $root | nindent 8 }}
+        {{- with include "shoal.modelVolumeMounts" $root | trim }}
         {{- . | nindent 8 }}
-      {{- end }}
+        {{- end }}
       {{- .probes | nindent 6 }}
       {{- with .lifecycle }}
       lifecycle:
@@ -276,10 +359,14 @@ spec:
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-  {{- with include "shoal.modelVolumes" $root | trim }}
   volumes:
+    {{- include "shoal.scratchVolumes" $root | nindent 4 }}
+    {{- with include "shoal.modelVolumes" $root | trim }}
     {{- . | nindent 4 }}
-  {{- end }}
+    {{- end }}
+    {{- with .extraVolumes }}
+    {{- . | nindent 4 }}
+    {{- end }}
   {{- with $group.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}

@@ -12,13 +12,17 @@ httpGet:
   port: 52365
 {{- end }}
 
+{{/*
+The head's ports, which KubeRay's head Service (ClusterIP, inside the release's
+NetworkPolicy) exposes: the GCS (nodes join), the dashboard (KubeRay submits the
+Serve config) and Ray's metrics. Not 10001, the Ray Client server: nothing here
+uses it, so no Service carries it.
+*/}}
 {{- define "shoal.headPorts" -}}
 - name: gcs-server
   containerPort: 6379
 - name: dashboard
   containerPort: 8265
-- name: client
-  containerPort: 10001
 - name: metrics
   containerPort: 8080
 {{- end }}

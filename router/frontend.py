@@ -222,15 +222,6 @@ class Frontend:
             out.append(s)
         return sorted(out, key=lambda s: s.worker)
 
-    async def ready(self) -> bool:
-        """Every expected worker answers (and the router is not draining)."""
-        if self.draining:
-            return False
-        try:
-            return len(await self.load()) >= self.info.num_workers
-        except Exception:
-            return False
-
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests, wait up to timeout_s for those in flight;
         return how many were still running at the deadline."""

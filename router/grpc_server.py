@@ -68,8 +68,10 @@ def _response(request_id: str, client_request_id: str, msg: GenerateDelta) -> pb
 
 
 class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, allow_client_priority: bool = False):
         self.fe = frontend
+        # The scheduler's queue order and preemption are the operator's: a client's priority only when allowed.
+        self.allow_client_priority = allow_client_priority
 
     async def _abort(self, context, e: ServingError):
         await context.abort(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), e.message)
@@ -80,12 +82,15 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
             which = request.WhichOneof("prompt")
             prompt = _prompt(request, which)
             sampling = _sampling(request.sampling)
+            if request.priority and not self.allow_client_priority:
+                raise ServingError("invalid", "priority is set by the operator here; send 0 (the server runs "
+                                              "without --allow-client-priority)", field="priority")  # fmt: skip
             client_id = self.fe.client_request_id(request.request_id, "request_id")
             rid = self.fe.new_request_id("gen")
             # The trace starts from the client's context, sent as gRPC metadata (traceparent).
             span = self.fe.start_span(tracing.context_from_metadata(context.invocation_metadata()),
                                       "chat" if which == "chat" else "text_completion", rid, client_id, True)  # fmt: skip
-            ids, params = self.fe.prepare(prompt, sampling, span)
+            ids, params = await self.fe.prepare(prompt, sampling, span)
             async for msg in self.fe.generate(ids, params, rid, client_id, request.priority, span=span):
                 yield _response(rid, request.request_id, msg)
         except ServingError as e:
@@ -112,7 +117,7 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
             prompt = _prompt(request, which)
             if request.HasField("add_special_tokens"):
                 prompt.add_special_tokens = request.add_special_tokens
-            ids = self.fe.tokenize(prompt)
+            ids = await self.fe.tokenize(prompt)
         except ServingError as e:
             await self._abort(context, e)
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.fe.info.max_model_len)
@@ -147,11 +152,14 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """start() binds host:port; set_serving() flips the health status."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int):
-        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(frontend)], options=[
+    def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int,
+                 max_concurrent_rpcs: int | None = None, allow_client_priority: bool = False):
+        # Past max_concurrent_rpcs calls in flight, grpc.aio answers RESOURCE_EXHAUSTED itself.
+        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(frontend)],
+                                      maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
             # SO_REUSEPORT: the routers on one host share the port (see ingress.reuse_port_socket).
             ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 1)])  # fmt: skip
-        shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend), self.server)
+        shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend, allow_client_priority), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)

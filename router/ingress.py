@@ -18,6 +18,7 @@ from shoal.router import tracing
 from shoal.router.failover import FailoverPool
 from shoal.router.frontend import Frontend, ModelInfo
 from shoal.router.grpc_server import GrpcServer
+from shoal.router.http_guards import host_allowlist
 from shoal.router.openai_app import OpenAIApp
 from shoal.router.options import RouterOptions
 from shoal.router.status_page import StatusPage
@@ -43,13 +44,17 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(app, host: str, port: int, headers: list[tuple[str, str]] | None = None):
+async def start_http(app, host: str, port: int, headers: list[tuple[str, str]] | None = None,
+                     max_concurrent_requests: int | None = None):
     """Run uvicorn on this event loop, on a port shared with the host's other
-    routers; every response carries `headers`. Return (server, its task) once it listens."""
+    routers; every response carries `headers`. Return (server, its task) once it listens.
+    The app answers 429 past max_concurrent_requests (http_guards.AdmissionLimit); uvicorn's
+    own limit, which counts idle keep-alive connections too and answers 503, is a backstop above it."""
     import uvicorn
 
+    backstop = None if max_concurrent_requests is None else 2 * max_concurrent_requests + 64
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2, headers=headers)  # fmt: skip
+                            timeout_graceful_shutdown=2, headers=headers, limit_concurrency=backstop)  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[reuse_port_socket(host, port)]))
     while not server.started:
@@ -86,14 +91,16 @@ class Router:
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.model).tokenizer
         self.frontend = Frontend(pool, tokenizer, ModelInfo.from_worker_info(info, options.num_workers),
-                                 options.api_key)  # fmt: skip
-        limit = options.max_request_bytes
-        self.grpc = GrpcServer(self.frontend, options.host, options.grpc_port, limit)
+                                 options.resolved_api_key(), options.max_prompts, options.tokenizer_threads)  # fmt: skip
+        limit, concurrent = options.max_request_bytes, options.max_concurrent_requests
+        self.grpc = GrpcServer(self.frontend, options.host, options.grpc_port, limit, concurrent,
+                               options.allow_client_priority)  # fmt: skip
         await self.grpc.start()
         try:
-            app = OpenAIApp(self.frontend, limit, StatusPage(self.frontend, self.name, options.routing)).app
+            app = OpenAIApp(self.frontend, limit, StatusPage(self.frontend, self.name, options.routing), concurrent,
+                            host_allowlist(options.allowed_hosts, self.frontend.api_key)).app  # fmt: skip
             self.http, self._http_task = await start_http(app, options.host, options.http_port,
-                                                          [("X-Shoal-Router", self.name)])  # fmt: skip
+                                                          [("X-Shoal-Router", self.name)], concurrent)  # fmt: skip
         except BaseException:
             await self.grpc.stop()
             raise

@@ -13,8 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shoal.router import tracing
+from shoal.router import strict_json, tracing
 from shoal.router.frontend import Frontend, ServingError
+from shoal.router.http_guards import AdmissionLimit, HostCheck, until_disconnect
 from shoal.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
 from shoal.router.status_page import StatusPage
 from shoal.workers.errors import InvalidRequestError
@@ -27,6 +28,7 @@ _ERRORS = {
     "unauthenticated": (401, "authentication_error", "invalid_api_key"),
     "not_found": (404, "invalid_request_error", "model_not_found"),
     "too_large": (413, "invalid_request_error", "request_too_large"),
+    "media_type": (415, "invalid_request_error", "unsupported_media_type"),
     "full": (429, "rate_limit_error", "server_full"),
     "unavailable": (503, "service_unavailable_error", "shutting_down"),
     "internal": (500, "internal_error", None),
@@ -47,17 +49,24 @@ def _dumps(obj) -> str:
 class OpenAIApp:
     """Holds the Frontend; `app` is the ASGI application to serve."""
 
-    def __init__(self, frontend: Frontend, max_request_bytes: int, status: StatusPage | None = None):
+    def __init__(self, frontend: Frontend, max_request_bytes: int, status: StatusPage | None = None,
+                 max_concurrent_requests: int | None = None, allowed_hosts: tuple[str, ...] | None = None):
+        """max_concurrent_requests: past it 429 (None: no cap); allowed_hosts:
+        the Host names answered (http_guards.host_allowlist; None: any)."""
         self.fe = frontend
         self.max_request_bytes = max_request_bytes
         status = status or StatusPage(frontend)
-        self.app = Starlette(routes=[
+        self.app = self.starlette = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             *status.routes(self._denied),  # /metrics, the status page and its JSON
         ])  # fmt: skip
+        if max_concurrent_requests is not None:
+            self.app = self.admission = AdmissionLimit(self.app, max_concurrent_requests)
+        if allowed_hosts is not None:
+            self.app = HostCheck(self.app, allowed_hosts)
 
     # ---- plumbing -----------------------------------------------------------
 
@@ -74,6 +83,11 @@ class OpenAIApp:
         return None
 
     async def _read_json(self, request: Request):
+        media_type, _, params = request.headers.get("content-type", "").partition(";")
+        charset = params.strip().lower().removeprefix("charset=").strip('"') if params.strip() else "utf-8"
+        if media_type.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+            raise ServingError("media_type", "the body must be JSON sent as Content-Type: application/json "
+                                             f"(UTF-8), not {request.headers.get('content-type')!r}")  # fmt: skip
         limit = self.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -84,19 +98,13 @@ class OpenAIApp:
             if size > limit:
                 raise ServingError("too_large", f"the request body exceeds {limit} bytes")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as e:
-            raise ServingError("invalid", f"malformed JSON body: {e}") from None
+        return strict_json.loads(b"".join(chunks))
 
-    async def _start(self, request: Request, parse, rid: str, client_id: str, chat: bool,
+    async def _start(self, request: Request, body, parse, rid: str, client_id: str, chat: bool,
                      ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:  # fmt: skip
-        """Read, check and dispatch; wait for each prompt's first delta so that a
+        """Check and dispatch; wait for each prompt's first delta so that a
         refusal (full, invalid) still gets its own status code. One prompt's
         engine id is `rid`; several prompts' are `rid-0`, `rid-1`, ..."""
-        self._authenticate(request)
-        client_id = self.fe.client_request_id(client_id, "X-Request-Id")
-        body = await self._read_json(request)
         try:
             parsed = parse(body)
         except InvalidRequestError as e:
@@ -109,14 +117,18 @@ class OpenAIApp:
         spans = [self.fe.start_span(parent, "chat" if chat else "text_completion", r, client_id, parsed.stream)
                  for r in rids]  # fmt: skip
         try:
-            prepared = [self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans)]
+            prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans)]
         except ServingError as e:
             for s in spans:
                 tracing.fail_request_span(s, e)
             raise
         streams = [self.fe.generate(ids, params, r, client_id, span=s)
                    for r, (ids, params), s in zip(rids, prepared, spans)]  # fmt: skip
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        except BaseException:  # cancelled: the client hung up before the first token
+            await _close(streams)
+            raise
         for f in firsts:
             if isinstance(f, BaseException):
                 await _close(streams)
@@ -126,7 +138,7 @@ class OpenAIApp:
     # ---- endpoints ----------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, parse_completion, chat=False)
+        return await self._serve(request, lambda body: parse_completion(body, self.fe.max_prompts), chat=False)
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, parse_chat, chat=True)
@@ -136,7 +148,20 @@ class OpenAIApp:
         headers = {"X-Request-Id": client_id} if client_id else None  # the client's own id, echoed
         rid = self.fe.new_request_id("chatcmpl" if chat else "cmpl")
         try:
-            parsed, streams, firsts = await self._start(request, parse, rid, client_id, chat)
+            self._authenticate(request)
+            client_id = self.fe.client_request_id(client_id, "X-Request-Id")
+            body = await self._read_json(request)
+        except ServingError as e:
+            return error_response(e, headers)
+        # From here the client may hang up at any time, before or after its first token.
+        answer = await until_disconnect(request.receive, self._answer(request, body, parse, rid, client_id, chat,
+                                                                      headers))  # fmt: skip
+        return answer if answer is not None else Response(status_code=499)  # nobody reads it
+
+    async def _answer(self, request: Request, body, parse, rid: str, client_id: str, chat: bool,
+                      headers: dict | None) -> Response:  # fmt: skip
+        try:
+            parsed, streams, firsts = await self._start(request, body, parse, rid, client_id, chat)
         except ServingError as e:
             return error_response(e, headers)
         want_lp = parsed.sampling.get("logprobs") is not None
@@ -186,9 +211,19 @@ class OpenAIApp:
                                                          "owned_by": "shoal", "max_model_len": info.max_model_len}]})  # fmt: skip
 
     async def health(self, request: Request) -> Response:
-        if await self.fe.ready():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "draining" if self.fe.draining else "not ready"}, 503)
+        """200 while this router can route to a worker (what a load balancer
+        needs: one worker restarting must not take every router out);
+        `?all=1`: only while every configured worker answers."""
+        if self.fe.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        try:
+            up = len(await self.fe.load())
+        except Exception:
+            up = 0
+        need = self.fe.info.num_workers if request.query_params.get("all") in ("1", "true") else 1
+        status = "ok" if up >= need else "not ready"
+        return JSONResponse({"status": status, "workers": up, "num_workers": self.fe.info.num_workers},
+                            200 if up >= need else 503)  # fmt: skip
 
 
 class _ChunkFormat:

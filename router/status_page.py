@@ -18,6 +18,9 @@ from shoal.router.frontend import Frontend
 from shoal.router.metrics import CONTENT_TYPE
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The page loads only its own files and may not be framed (clickjacking); its favicon is an empty data: URL.
+SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+                    "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff"}  # fmt: skip
 
 
 class StatusPage:
@@ -40,12 +43,13 @@ class StatusPage:
         return Response(self.fe.metrics.render(await self.fe.load()), media_type=CONTENT_TYPE)
 
     async def index(self, request: Request) -> Response:
-        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache",
+                                                                             **SECURITY_HEADERS})  # fmt: skip
 
     async def auth(self, request: Request) -> Response:
         """Whether requests need the key (open, like /health): the page asks
         for it before its first poll instead of drawing a 401."""
-        return JSONResponse({"api_key_required": self.fe.api_key is not None})
+        return JSONResponse({"api_key_required": self.fe.api_key is not None}, headers=SECURITY_HEADERS)
 
     async def status(self, request: Request) -> Response:
         if (refused := self._denied(request)) is not None:
@@ -64,4 +68,4 @@ class StatusPage:
                          "num_generation_tokens": s.num_generation_tokens} for s in loads],
             "router_stats": {"num_requests_running": fe.num_in_flight, "ttft_p50_s": p50, "ttft_p99_s": p99,
                              "window_s": fe.metrics.WINDOW_S},
-        }, headers={"Cache-Control": "no-cache"})  # fmt: skip
+        }, headers={"Cache-Control": "no-cache", **SECURITY_HEADERS})  # fmt: skip

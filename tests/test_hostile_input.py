@@ -38,6 +38,7 @@ HTTP_CASES = {
     "temperature_infinity": ('{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', 400, None),
     "temperature_1e400": ('{"prompt": "hi", "max_tokens": 2, "temperature": 1e400}', 400, None),
     "temperature_10_pow_400": ({"prompt": "hi", "max_tokens": 2, "temperature": BIG}, 400, "temperature"),
+    "temperature_past_float32": ({"prompt": "hi", "max_tokens": 2, "temperature": 1e300}, 400, "temperature"),
     "top_p_10_pow_400": ({"prompt": "hi", "max_tokens": 2, "top_p": BIG}, 400, "top_p"),
     "max_tokens_negative": ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     "max_tokens_huge": ({"prompt": "hi", "max_tokens": 2**64}, 400, "max_tokens"),

@@ -134,7 +134,7 @@ def test_malformed_json_oversize_unknown_model_and_chat_errors(tiny_model):
     async def main():
         fe = make_frontend(tiny_model)
         async with http_client(fe, max_request_bytes=1000) as c:
-            return [await c.post("/v1/completions", content=b"{not json"),
+            return [await c.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}),
                     await c.post("/v1/completions", json={"prompt": "x" * 2000}),
                     await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
                     await c.post("/v1/chat/completions", json={"messages": []}),

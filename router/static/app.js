@@ -132,7 +132,9 @@
       const total = num(w.num_total_blocks) || 0, used = Math.max(0, total - (num(w.num_free_blocks) || 0));
       const pct = total ? (100 * used) / total : 0;
       const bar = el("div", { class: "bar" + (pct >= 90 ? " hot" : pct >= 75 ? " warm" : "") });
-      bar.append(el("div", { class: "used", style: "width:" + pct.toFixed(1) + "%" }));
+      const usedBar = el("div", { class: "used" });
+      usedBar.style.width = pct.toFixed(1) + "%";  // through the CSSOM: the page's CSP refuses style attributes
+      bar.append(usedBar);
       const kv = el("td", { class: "kv", "data-used": used, "data-total": total });
       kv.append(bar, el("span", { class: "kvtext" }, used + " / " + total + " (" + pct.toFixed(0) + "%)"));
       const tr = el("tr", { class: "worker-row", "data-worker": w.worker });

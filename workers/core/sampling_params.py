@@ -66,8 +66,8 @@ class SamplingParams:
                 bad(name, "must be an integer")
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v):
-                bad(name, "must be a finite number")
+            if not _is_number(v) or not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+                bad(name, "must be a finite number")  # in float32, as the sampler holds it
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a boolean")
@@ -101,11 +101,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or any(not _is_int(t) or t < 0 for t in self.logit_bias):
                 bad("logit_bias", "must map non-negative token ids to numbers")
-            if any(not _is_number(b) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            if any(not _is_number(b) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):  # NaN fails too
                 bad("logit_bias", "values must be numbers in [-100, 100]")
 
 
 SAMPLING_EPS = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38
 MAX_REPETITION_PENALTY = 100.0
 _INT_FIELDS = ("max_tokens", "top_k", "min_tokens", "seed", "logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

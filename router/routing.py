@@ -63,7 +63,7 @@ DOES_NOT_FIT = 1e12
 class RequestNeed:
     """One request, as the scoring sees it."""
 
-    hashes: Sequence[int]  # the chain hashes of the prompt's full blocks
+    hashes: Sequence[bytes]  # the chain keys (block_hash.py) of the prompt's full blocks
     usable: int  # leading blocks a hit may cover: the engine always computes the last prompt token
     prompt_tokens: int
     blocks: int  # prompt + expected output
@@ -71,7 +71,7 @@ class RequestNeed:
 
 
 def request_need(num_prompt_tokens: int, max_tokens: int, block_size: int,
-                 hashes: Sequence[int] | None) -> RequestNeed:  # fmt: skip
+                 hashes: Sequence[bytes] | None) -> RequestNeed:  # fmt: skip
     expected = num_prompt_tokens + min(max_tokens, EXPECTED_OUTPUT_TOKENS)
     return RequestNeed(hashes or (), max(0, (num_prompt_tokens - 1) // block_size), num_prompt_tokens,
                        -(-expected // block_size), block_size)  # fmt: skip
@@ -104,7 +104,7 @@ def blocks_at(request, f: ReplicaFigures) -> tuple[int, int]:
     return need.blocks - hit, need.prompt_tokens - hit * need.block_size
 
 
-def prefix_hit(hashes: Sequence[int], held, limit: int | None = None) -> int:
+def prefix_hit(hashes: Sequence[bytes], held, limit: int | None = None) -> int:
     """How many leading hashes (at most `limit`) `held` contains, in
     O(log n) lookups: a binary search for the first one missing.
 

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stand_in import stand_in_step
+from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
@@ -36,6 +37,11 @@ def check(bm: BlockManager, live: list[Sequence]) -> None:
                 other, j = where[b]
                 assert i == j and s.token_ids[: (i + 1) * BS] == other.token_ids[: (j + 1) * BS]
             where[b] = (s, i)
+    # A registered block is keyed by its holder's chain (the router's keys): what a hit requires.
+    for s in live:
+        keys = chain_hashes(s.token_ids, BS)
+        for i, b in enumerate(s.block_table[: s.num_registered_blocks]):
+            assert pool.blocks[b].block_hash == (keys[i] if pool.enable_caching else None)
 
 
 op = st.one_of(

@@ -289,9 +289,9 @@ def test_block_pool_exports_cached_hashes_most_recent_first():
     pool = BlockPool(8, enable_caching=True)
     a, b = pool.get_new_blocks(3), pool.get_new_blocks(2)
     for i, block in enumerate(a):
-        pool.cache_block(block, 100 + i, (i,))
+        pool.cache_block(block, 100 + i)
     for i, block in enumerate(b):
-        pool.cache_block(block, 200 + i, (i,))
+        pool.cache_block(block, 200 + i)
     assert pool.cached_hashes_mru(10) == [100, 101, 102, 200, 201]  # in use: in the order cached
     pool.free(list(reversed(a)))  # as a sequence is freed: tail first
     assert pool.cached_hashes_mru(10) == [200, 201, 100, 101, 102]  # in use, then the freed, prefix first
@@ -316,11 +316,11 @@ def test_block_pool_keeps_its_in_use_cached_index_under_random_use():
             for b in blocks:
                 if rng.random() < 0.7:
                     h = rng.randrange(40)
-                    pool.cache_block(b, h, (h,))
+                    pool.cache_block(b, h)
             live.append(blocks)
         elif op < 0.6:
             h = rng.randrange(40)
-            b = pool.lookup(h, (h,))
+            b = pool.lookup(h)
             if b is not None:
                 pool.touch([b])
                 live.append([b])

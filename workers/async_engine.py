@@ -141,12 +141,13 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------
 
     async def generate(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                       priority: int = 0, num_resumed_tokens: int = 0,
-                       num_resumed_chars: int = 0) -> AsyncIterator[RequestOutput]:  # fmt: skip
+                       priority: int = 0, num_resumed_tokens: int = 0, num_resumed_chars: int = 0,
+                       block_hashes: list[bytes] | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream one request's deltas; the last has finish_reason set.
         Bad input raises InvalidRequestError before anything is queued; a
         dead engine raises EngineDeadError (before or amid the deltas).
-        num_resumed_*: a failover's reply so far (LLMEngine.add_request)."""
+        num_resumed_*: a failover's reply so far; block_hashes: the router's
+        prefix-cache keys of the prompt (LLMEngine.add_request)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
         request_id = request_id or f"req-{next(self._ids)}"
@@ -158,12 +159,12 @@ class AsyncEngine:
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params, num_resumed_tokens)
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._ensure_loop()
-        self._submit(("add", (request_id, prompt_ids, params, priority, None, num_resumed_tokens,
-                              num_resumed_chars)))  # fmt: skip
         finished = False
         try:
+            self._queues[request_id] = queue  # inside the try: every way out removes it
+            self._ensure_loop()
+            self._submit(("add", (request_id, prompt_ids, params, priority, None, num_resumed_tokens,
+                                  num_resumed_chars, block_hashes)))  # fmt: skip
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

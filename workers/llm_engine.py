@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.workers.core.block_hash import adopt_chain
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
@@ -203,7 +204,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, num_resumed_tokens: int = 0,
-                    num_resumed_chars: int = 0) -> None:  # fmt: skip
+                    num_resumed_chars: int = 0, block_hashes: list[bytes] | None = None) -> None:  # fmt: skip
         """Queue a request; raises InvalidRequestError (a ValueError) at once
         for bad input, leaving everything else untouched.
 
@@ -211,7 +212,10 @@ class LLMEngine:
         num_resumed_tokens ids are that reply so far, of whose text
         num_resumed_chars characters were sent. They count as output (the
         token budget, min_tokens, penalties, each draw's output index, the
-        stop strings' text), so the reply goes on as if never moved."""
+        stop strings' text), so the reply goes on as if never moved.
+        block_hashes: the prompt's prefix-cache keys as the router computed
+        them (block_hash.chain_hashes), taken when their shape fits, so a
+        prompt is hashed once on its way; else the engine hashes it."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
@@ -230,6 +234,8 @@ class LLMEngine:
                 detok.resume(prompt_ids[num_prompt:], num_resumed_chars)
         seq = Sequence(request_id, list(prompt_ids), num_prompt, params, next(self._arrivals), priority,
                        RequestTimings(arrival_time or time.time()))  # fmt: skip
+        if block_hashes:
+            seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
         if not params.greedy:
             seq.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.requests[request_id] = _Request(seq, detok)

@@ -26,7 +26,7 @@ class GenerateRequest:
     client_request_id: str | None = None  # the client's own id: logged and echoed, never a key
     # The prompt's prefix-cache chain (block_hash.chain_hashes), computed once
     # by the router, which scores replicas by it.
-    block_hashes: list[int] | None = None
+    block_hashes: list[bytes] | None = None
     # Failover (router/failover.py): the last num_resumed_tokens of
     # prompt_token_ids are output a lost worker already streamed, of whose
     # text the client has num_resumed_chars characters. The engine counts them

@@ -109,7 +109,7 @@ class Worker:
                 yield Riding(self.name)
             stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
                                           request.priority, request.num_resumed_tokens,
-                                          request.num_resumed_chars)  # fmt: skip
+                                          request.num_resumed_chars, request.block_hashes)  # fmt: skip
             async with aclosing(stream):
                 async for out in stream:
                     delta = self._delta(out)

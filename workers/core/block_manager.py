@@ -12,8 +12,10 @@ from shoal.workers.core.sequence import Sequence
 class BlockManager:
     """Maps each sequence's tokens onto blocks of `block_size` slots.
 
-    A full block's hash chains its parent's hash with its own token ids, so
-    equal hashes mean equal prefixes; a hit also compares the tokens.
+    A full block's key (block_hash.py) is SHA-256 of its parent's key and its
+    own token ids, so equal keys mean equal prefixes: a hit is a hit on the
+    whole chain. A sequence's keys are computed once (the prompt's usually
+    by the router, see Sequence.block_hashes) and extended as blocks fill.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
@@ -31,12 +33,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_hash(self, seq: Sequence, i: int) -> int:
-        """Hash of seq's i-th full block, computed once per sequence."""
+    def _block_hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """seq's keys, at least its first n (if it has n full blocks)."""
         hashes = seq.block_hashes
-        if len(hashes) <= i:
-            chain_hashes(seq.token_ids[: (i + 1) * self.block_size], self.block_size, hashes)
-        return hashes[i]
+        if len(hashes) < n:
+            chain_hashes(seq.token_ids, self.block_size, hashes, seq.block_hash_extra, n)
+        return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq (no reference taken yet).
@@ -45,10 +47,10 @@ class BlockManager:
         """
         if not self.pool.enable_caching:
             return []
-        bs = self.block_size
+        n = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for i in range((seq.num_tokens - 1) // bs):
-            block_id = self.pool.lookup(self._block_hash(seq, i), tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+        for h in self._block_hashes(seq, n)[:n]:
+            block_id = self.pool.lookup(h)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -84,10 +86,10 @@ class BlockManager:
         # keys and values are written before any attention reads them.
         if self.pool.enable_caching:
             num_full = (num_computed + num_new_tokens) // bs
-            for i in range(seq.num_registered_blocks, num_full):
-                self.pool.cache_block(
-                    seq.block_table[i], self._block_hash(seq, i), tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                )
+            if num_full > seq.num_registered_blocks:
+                hashes = self._block_hashes(seq, num_full)
+                for i in range(seq.num_registered_blocks, num_full):
+                    self.pool.cache_block(seq.block_table[i], hashes[i])
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         return True
 

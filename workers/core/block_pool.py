@@ -11,8 +11,9 @@ from dataclasses import dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and cached
-    token_ids: tuple[int, ...] | None = None  # kept to confirm a hash hit
+    # Set once the block is full and cached: its prefix-cache key (block_hash.py), which covers its
+    # tokens and its whole parent chain, so a hit needs nothing else compared.
+    block_hash: bytes | None = None
 
 
 class BlockPool:
@@ -32,7 +33,7 @@ class BlockPool:
         # OrderedDict: O(1) append, pop-oldest and removal from the middle
         # (a cached free block taken back by a hit).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block_hash -> block_id
+        self.cached: dict[bytes, int] = {}  # block_hash -> block_id
         # Blocks in use that hold a cached hash, in the order they became so
         # (for cached_hashes_mru: what the request router is told).
         self.in_use_cached: dict[int, None] = {}
@@ -55,17 +56,13 @@ class BlockPool:
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash = None
-                block.token_ids = None
             block.ref_cnt = 1
             out.append(block_id)
         return out
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block holding exactly these tokens after this prefix."""
-        block_id = self.cached.get(block_hash)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:
-            return None
-        return block_id
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The cached block with this key: the same tokens after the same prefix."""
+        return self.cached.get(block_hash)
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks found by lookup()."""
@@ -77,7 +74,7 @@ class BlockPool:
                     self.in_use_cached[block_id] = None
             block.ref_cnt += 1
 
-    def cache_block(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
         """Record a just-filled block in the prefix index (first one wins)."""
         if not self.enable_caching:
             return
@@ -85,7 +82,6 @@ class BlockPool:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
-        block.token_ids = token_ids
         self.cached.setdefault(block_hash, block_id)
         if block.ref_cnt:
             self.in_use_cached[block_id] = None
@@ -106,7 +102,7 @@ class BlockPool:
                     self.free_queue[block_id] = None
                     self.in_use_cached.pop(block_id, None)
 
-    def cached_hashes_mru(self, limit: int) -> list[int]:
+    def cached_hashes_mru(self, limit: int) -> list[bytes]:
         """Up to `limit` hashes of cached blocks, most recently used first
         (what a worker tells the request router it holds): those of blocks
         in use, in the order they came into use (a sequence's parents before
@@ -121,7 +117,7 @@ class BlockPool:
         if not self.enable_caching or limit <= 0:
             return []
         blocks = self.blocks
-        out: dict[int, None] = {}
+        out: dict[bytes, None] = {}
         for in_use, source in ((True, lambda: self.in_use_cached), (False, lambda: reversed(self.free_queue))):
             for _ in range(3):
                 try:

@@ -51,11 +51,14 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_expected_prefill: int = 0  # tokens it was expected to prefill when it arrived (the cache then less)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    # Prefix-cache keys of its full blocks (block_hash.py), extended as blocks fill; the prompt's may come
+    # precomputed from the router (block_hash.adopt_chain).
+    block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already in the prefix index
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     sampling_seed: int | None = None  # set for sampled requests: with the output index, fixes each draw
+    block_hash_extra: bytes = b""  # salts every block's key: what else changes its contents (none yet)
 
     @property
     def num_tokens(self) -> int:

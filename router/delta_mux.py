@@ -12,6 +12,9 @@ requests to a new worker stream on their own.
 
 A delta stream that ends or breaks ends its riders: their streams raise
 WorkerLost and the failover pool resumes them from what the client has.
+
+Every entry keyed by a request goes when its stream ends (close), and a
+worker's when its delta stream does.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class DeltaMux:
         self._inboxes: dict[str, asyncio.Queue] = {}  # request id -> what arrives for it
         self._readers: dict[str, asyncio.Task] = {}  # worker -> its stream's reader
         self._riders: dict[str, set[str]] = {}  # worker -> request ids riding its stream
-        self._retry_at: dict[str, float] = {}
+        self._retry_at: dict[str, float] = {}  # worker -> when to try its stream again (failed lately)
         self.num_batches = self.num_deltas = 0
 
     # ---- requests ---------------------------------------------------------------
@@ -66,14 +69,25 @@ class DeltaMux:
         self._inboxes.pop(request_id, None)
         if worker is not None and (riders := self._riders.get(worker)) is not None:
             riders.discard(request_id)
+            if not riders:
+                del self._riders[worker]
+
+    @property
+    def num_request_entries(self) -> int:
+        """Inboxes and rider entries held: requests in flight here."""
+        return len(self._inboxes) + sum(len(r) for r in list(self._riders.values()))
 
     # ---- streams ----------------------------------------------------------------
 
     def connect(self, worker: str) -> None:
         """Open this router's stream at `worker` unless it is open, opening,
         or failed to connect a moment ago."""
-        if worker in self._readers or time.monotonic() < self._retry_at.get(worker, 0.0):
+        if worker in self._readers:
             return
+        if (at := self._retry_at.get(worker)) is not None:
+            if time.monotonic() < at:
+                return
+            del self._retry_at[worker]
         self._readers[worker] = asyncio.get_running_loop().create_task(self._read(worker), name=f"shoal-mux-{worker}")
 
     async def _read(self, worker: str) -> None:
@@ -103,7 +117,10 @@ class DeltaMux:
         finally:
             del self._readers[worker]
             if not connected:
-                self._retry_at[worker] = time.monotonic() + self.RETRY_S
+                now = time.monotonic()
+                for w in [w for w, at in self._retry_at.items() if at <= now]:  # workers long gone go
+                    del self._retry_at[w]
+                self._retry_at[worker] = now + self.RETRY_S
             if not ended:
                 gen.cancel()
             riders = self._riders.pop(worker, ())

@@ -11,6 +11,10 @@ Two kinds of series:
 
 Each router owns a registry of its own (not prometheus_client's global
 one), so several fronts can live in one process, as they do in tests.
+Nothing here grows without bound: a worker's per-request series go when
+the worker leaves (forget_worker, called from the request router's
+registry, router/replica_stats.py), and the status page's TTFT window is
+pruned on every insert.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shoal.router import replica_stats
 from shoal.workers.messages import RequestFinished, WorkerLoad
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -91,8 +96,12 @@ class RouterMetrics:
     """This router's series. `finished()` takes one request's figures once
     it ends; `render(loads)` is the /metrics body."""
 
-    # The status page's TTFT percentiles are over the first tokens of the last WINDOW_S.
+    # The status page's TTFT percentiles are over the first tokens of the last WINDOW_S,
+    # at most MAX_FIRSTS of them (the latest): past ~1,000 first tokens a second the window is shorter.
     WINDOW_S = 10.0
+    MAX_FIRSTS = 10_000
+    # A request that finishes on a worker after it left (draining) brings its series back for this long.
+    LATE_S = 60.0
 
     def __init__(self, model: str, max_model_len: int):
         self.model = model
@@ -117,14 +126,22 @@ class RouterMetrics:
                                          buckets=tokens, registry=r)  # fmt: skip
         self._workers = _WorkerFigures(model)
         r.register(self._workers)
-        self._firsts: deque[tuple[float, float]] = deque()  # (monotonic time of a first token, its TTFT)
+        # (monotonic time of a first token, its TTFT), oldest first
+        self._firsts: deque[tuple[float, float]] = deque(maxlen=self.MAX_FIRSTS)
+        self._reasons: set[str] = set()  # finish reasons seen: a worker's series go by (worker, reason)
+        self._late: dict[str, float] = {}  # worker gone before its last requests here finished -> when seen
+        # The process's request router drops a worker when Serve says it left: its series go with it.
+        replica_stats.REGISTRY.on_departure(self.forget_worker)
 
     def finished(self, f: RequestFinished, gaps: list[float]) -> None:
         """One request ended: `f` from its last delta (with the router's
         TTFT and total), `gaps` its inter-token latencies seen here."""
         lv = (self.model, f.worker)
+        if self._late or replica_stats.REGISTRY.departed(f.worker):
+            self._sweep(f.worker)
         self.prompt_tokens.labels(*lv).inc(f.num_prompt_tokens)
         self.generation_tokens.labels(*lv).inc(f.num_output_tokens)
+        self._reasons.add(f.finish_reason)
         self.success.labels(*lv, f.finish_reason).inc()
         if f.num_output_tokens:
             self.ttft.labels(*lv).observe(f.time_to_first_token_s)
@@ -137,18 +154,46 @@ class RouterMetrics:
         self.generation_hist.labels(*lv).observe(f.num_output_tokens)
 
     def first_token(self, ttft_s: float) -> None:
-        """A request's first token reached the router (for the status page)."""
-        self._firsts.append((time.monotonic(), ttft_s))
+        """A request's first token reached the router (for the status page).
+        The window is pruned here, not only when the page reads it: nobody may."""
+        now = time.monotonic()
+        self._firsts.append((now, ttft_s))
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        cutoff, firsts = now - self.WINDOW_S, self._firsts
+        while firsts and firsts[0][0] < cutoff:
+            firsts.popleft()
+
+    def _sweep(self, worker: str) -> None:
+        """Count `worker` as late if it left; forget the late ones not seen for LATE_S."""
+        now = time.monotonic()
+        if replica_stats.REGISTRY.departed(worker):
+            self._late[worker] = now
+        for w, at in list(self._late.items()):
+            if now - at > self.LATE_S:
+                del self._late[w]
+                self.forget_worker(w)
+
+    def forget_worker(self, worker: str) -> None:
+        """The worker left (stopped, replaced, dead): its labelled series go,
+        so a cluster that replaces workers for months does not pile them up."""
+        lv = (self.model, worker)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+                       self.prompt_hist, self.generation_hist):  # fmt: skip
+            metric.remove(*lv)
+        for reason in list(self._reasons):
+            self.success.remove(*lv, reason)
 
     def render(self, loads: list[WorkerLoad]) -> bytes:
+        if self._late:
+            self._sweep("")
         self._workers.loads = loads
         return generate_latest(self.registry)
 
     def recent_ttft(self) -> tuple[float | None, float | None]:
         """(p50, p99) TTFT of the first tokens of the last WINDOW_S, or Nones."""
-        cutoff = time.monotonic() - self.WINDOW_S
-        while self._firsts and self._firsts[0][0] < cutoff:
-            self._firsts.popleft()
+        self._prune(time.monotonic())
         xs = sorted(t for _, t in self._firsts)
         if not xs:
             return None, None

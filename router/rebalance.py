@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from shoal.router import replica_stats
 
 logger = logging.getLogger(__name__)
+# Workers remembered as seen; past it the oldest no longer in the figures go.
+MAX_SEEN = 1024
 
 
 def shares(waiting: dict[str, int], new: Iterable[str]) -> dict[str, int]:
@@ -48,15 +50,19 @@ class Rebalancer:
 
     def __init__(self, handle):
         self._handle = handle
-        # Every worker seen report, gone or not: a worker draining away may
-        # show up again in the figures (its streams' deltas), and is not new.
-        self._seen: set[str] = set()
+        # Every worker seen report, gone or not (up to MAX_SEEN): a worker
+        # draining away may show up again in the figures, and is not new.
+        self._seen: dict[str, None] = {}
 
     def plan(self, stats: replica_stats.ReplicaStats) -> dict[str, int]:
         """The shares to ask for now (empty: none), given the figures."""
         ready = {name: f for name, f in list(stats.replicas.items()) if f.total_blocks}  # reported once at least
-        new = ready.keys() - self._seen
-        self._seen |= new
+        new = ready.keys() - self._seen.keys()
+        self._seen.update(dict.fromkeys(new))
+        if len(self._seen) > MAX_SEEN:  # oldest first; those still reporting stay
+            gone = [w for w in self._seen if w not in stats.replicas][: len(self._seen) - MAX_SEEN]
+            for w in gone:
+                del self._seen[w]
         return shares({name: f.waiting + len(f.sent) for name, f in ready.items()}, new)
 
     async def run(self) -> None:

@@ -19,13 +19,20 @@ until a report taken GRACE_S after it arrives (by then it sits in the
 report's waiting or running), whichever is first. Its prompt's hashes count
 as held there from the moment it is sent (SGLang's router assumes the same
 of its approximate tree), until a poll taken GRACE_S later says otherwise.
+
+Bounded: a request's entries go when its stream ends (done), even when Serve
+routes it only after its client went away (the id is remembered, briefly);
+a replica's go when it leaves, and whoever keeps figures per worker (the
+router's metrics) hears of it through on_departure.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -35,6 +42,9 @@ GRACE_S = 0.1
 # Hashes held per replica: a poll's (up to the worker's export, 1024) plus
 # those assumed since; past it the least recent go.
 MAX_HELD = 8192
+# Request ids whose stream ended before any reservation (a client gone while
+# Serve was still routing), and replicas that left: remembered this many deep.
+MAX_REMEMBERED = 4096
 
 
 @dataclass(slots=True)
@@ -49,9 +59,9 @@ class ReplicaFigures:
     waiting_tokens: int = 0  # prompt tokens it had still to prefill
     reported_at: float = 0.0  # wall time the figures were taken (0: never)
     poll_time: float = 0.0  # `time` of the last poll result taken in
-    # chain hash -> 0.0 (reported by the replica) or when this process sent it
-    # (assumed); insertion order is least recent first.
-    held: dict[int, float] = field(default_factory=dict)
+    # chain key (block_hash.py) -> 0.0 (reported by the replica) or when this
+    # process sent it (assumed); insertion order is least recent first.
+    held: dict[bytes, float] = field(default_factory=dict)
     # request id -> (blocks, prefill tokens, when), oldest first
     sent: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     sent_blocks: int = 0
@@ -69,6 +79,9 @@ class ReplicaStats:
         self._where: dict[str, str] = {}  # request id -> replica, while in flight
         self.version = 0  # changes when a replica's figures are made or dropped
         self._lock = threading.Lock()
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ids done before they were reserved
+        self._departed: OrderedDict[str, None] = OrderedDict()  # replicas dropped, latest last
+        self._on_departure: list[weakref.WeakMethod] = []
 
     def get(self, replica: str) -> ReplicaFigures:
         f = self.replicas.get(replica)
@@ -93,7 +106,10 @@ class ReplicaStats:
             self._supersede(f, taken_at - self.grace_s)
 
     def observe_worker_load(self, load) -> None:
-        """A GenerateDelta's `load` (a WorkerLoad), taken as of now."""
+        """A GenerateDelta's `load` (a WorkerLoad), taken as of now. A late
+        delta of a replica that left does not bring its figures back."""
+        if self.departed(load.worker):
+            return
         self.observe_load(load.worker, load.num_free_blocks, load.num_total_blocks, load.block_size,
                           load.num_running, load.num_waiting, None, load.num_waiting_tokens)  # fmt: skip
 
@@ -129,7 +145,7 @@ class ReplicaStats:
 
     # ---- what this process sends ----------------------------------------------
 
-    def reserve(self, request_id: str, replica: str, blocks: int, hashes: Sequence[int] = (),
+    def reserve(self, request_id: str, replica: str, blocks: int, hashes: Sequence[bytes] = (),
                 now: float | None = None, tokens: int = 0) -> None:  # fmt: skip
         """Count a request as sent to `replica` (again: moved there): the
         KV blocks and the prefill tokens it takes there."""
@@ -139,6 +155,9 @@ class ReplicaStats:
         now = time.time() if now is None else now
         f = self.get(replica)
         with self._lock:
+            if request_id in self._ended:  # its stream ended already: nobody would call done()
+                del self._ended[request_id]
+                return
             if prev is not None:
                 self._forget(request_id, prev)
             self._where[request_id] = replica
@@ -169,9 +188,11 @@ class ReplicaStats:
     def done(self, request_id: str) -> None:
         """The request's stream ended (finished, refused, failed or cancelled)."""
         replica = self._where.get(request_id)
-        if replica is not None:
-            with self._lock:
+        with self._lock:
+            if replica is not None:
                 self._forget(request_id, replica)
+            else:  # not reserved (yet): Serve may still be choosing a replica for it
+                _remember(self._ended, request_id)
 
     def _forget(self, request_id: str, replica: str) -> None:
         f = self.get(replica)
@@ -187,18 +208,49 @@ class ReplicaStats:
     def retain(self, replicas: Iterable[str]) -> None:
         """Forget replicas not in `replicas` (stopped, replaced)."""
         keep = set(replicas)
+        for replica in keep & self._departed.keys():  # declared dead, yet listed again
+            self._departed.pop(replica, None)
         for replica in [r for r in self.replicas if r not in keep]:
             self.drop(replica)
 
     def drop(self, replica: str) -> None:
         with self._lock:
-            self.replicas.pop(replica, None)
+            present = self.replicas.pop(replica, None) is not None
             self.version += 1
             for rid in [rid for rid, r in self._where.items() if r == replica]:
                 del self._where[rid]
+            _remember(self._departed, replica)
+            listeners = [m() for m in self._on_departure]
+            self._on_departure = [m for m, fn in zip(self._on_departure, listeners) if fn is not None]
+        if present:
+            for fn in listeners:
+                if fn is not None:
+                    fn(replica)
+
+    def on_departure(self, method: Callable[[str], None]) -> None:
+        """Call the bound `method` with a replica's name when it is dropped;
+        held weakly, so a router's metrics in a test do not outlive it here."""
+        with self._lock:
+            self._on_departure = [m for m in self._on_departure if m() is not None] + [weakref.WeakMethod(method)]
+
+    def departed(self, replica: str) -> bool:
+        """The replica was dropped (and not listed since), lately."""
+        return replica in self._departed
+
+    def num_request_entries(self) -> int:
+        """Entries keyed by request id of requests in flight (the ids
+        remembered as ended are capped at MAX_REMEMBERED)."""
+        return len(self._where) + sum(len(f.sent) for f in list(self.replicas.values()))
 
 
-def _bounded(held: dict[int, float]) -> dict[int, float]:
+def _remember(seen: OrderedDict, key: str) -> None:
+    seen[key] = None
+    seen.move_to_end(key)
+    while len(seen) > MAX_REMEMBERED:
+        seen.popitem(last=False)
+
+
+def _bounded(held: dict[bytes, float]) -> dict[bytes, float]:
     over = len(held) - MAX_HELD
     return dict(islice(held.items(), over, None)) if over > 0 else held
 

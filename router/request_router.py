@@ -135,6 +135,16 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
             return targeted
         return await super().choose_replicas(candidate_replicas, pending_request)
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """The figures the deltas brought (the status page's, the metrics')
+        go with the replicas that left, as under the other policies."""
+        super().update_replicas(replicas)
+        replica_stats.REGISTRY.retain(r.replica_id.unique_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        replica_stats.REGISTRY.drop(replica_id.unique_id)
+
 
 ROUTERS = {"kv": KVRequestRouter, "least-requests": LeastRequestsRouter, "pow2": Pow2Router,
            "round-robin": RoundRobinRouter}  # fmt: skip

@@ -55,10 +55,10 @@ class ServeWorkerPool:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         stats, mux, rid = replica_stats.REGISTRY, self.mux, request.request_id
         request.mux = mux.router_id
-        inbox = mux.open(rid)
-        gen = self._stream.remote(request)
-        done, first, worker, pump = False, True, None, None
+        done, first, worker, pump, gen = False, True, None, None, None
         try:
+            inbox = mux.open(rid)
+            gen = self._stream.remote(request)
             async for msg in gen:  # the request's own stream: its deltas, until it says Riding
                 if isinstance(msg, Riding):
                     worker = msg.worker
@@ -95,7 +95,7 @@ class ServeWorkerPool:
             mux.close(rid, worker)
             if pump is not None:
                 pump.cancel()
-            if not done:  # the client went away: abort in the engine, free its blocks
+            if not done and gen is not None:  # the client went away: abort in the engine, free its blocks
                 gen.cancel()
 
     async def info(self) -> WorkerInfo:

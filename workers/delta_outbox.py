@@ -49,16 +49,21 @@ class DeltaOutbox:
         """Yields an empty list first (the subscriber knows it is connected),
         then whatever was put since the last batch, once per wake-up: the
         requests of one engine step all put theirs before this runs again.
-        Ends after idle_s with no rider and nothing to send."""
-        yield []
-        while True:
-            if self.items:
-                items, self.items = self.items, []
-                yield items
-                continue
-            self._event.clear()
-            try:
-                await asyncio.wait_for(self._event.wait(), self.idle_s)
-            except TimeoutError:
-                if not self.riders and not self.items:
-                    return
+        Ends after idle_s with no rider and nothing to send. Once it ends
+        (or its subscriber goes), the box is closed and holds nothing."""
+        try:
+            yield []
+            while True:
+                if self.items:
+                    items, self.items = self.items, []
+                    yield items
+                    continue
+                self._event.clear()
+                try:
+                    await asyncio.wait_for(self._event.wait(), self.idle_s)
+                except TimeoutError:
+                    if not self.riders and not self.items:
+                        return
+        finally:
+            self.closed = True  # riders see it and stop putting (Worker.generate)
+            self.items = []

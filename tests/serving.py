@@ -38,17 +38,19 @@ def local_cluster_app(name: str, num_gpus: int = 0, **opts):
     import ray
     from ray import serve
 
-    from shoal.cluster.app import build_app
+    from shoal.cluster.app import api_key_for_local_cluster, build_app
 
-    ray.init(num_cpus=4, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING")
-    http, grpc_port = free_port(), free_port()
-    try:
-        serve.start(proxy_location="Disabled")
-        serve.run(build_app(dict(opts, http_port=http, grpc_port=grpc_port)), name=name, route_prefix=None)
-        yield f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    # An api_key reaches the Router as `shoal serve` hands it over: in the environment the raylet inherits.
+    with api_key_for_local_cluster(opts.get("api_key")):
+        ray.init(num_cpus=4, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING")
+        http, grpc_port = free_port(), free_port()
+        try:
+            serve.start(proxy_location="Disabled")
+            serve.run(build_app(dict(opts, http_port=http, grpc_port=grpc_port)), name=name, route_prefix=None)
+            yield f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 @asynccontextmanager

@@ -3,8 +3,12 @@ for three workers on a tiny model). A burst that queues on the one worker
 raises the workers to three, and the requests still waiting move to the
 new ones; idleness brings them back to one within the downscale delay,
 and a worker chosen to go drains first: its streams in flight finish, no
-new request reaches it. Every request completes and equals its
-undisturbed run."""
+new request reaches it. Every request of the burst and every long stream
+completes and equals its undisturbed run.
+
+Nothing here assumes the machine's speed: two hold requests fill the one
+worker's running slots until the burst has moved (the client then cancels
+them), and the long streams are sized from the pace measured here."""
 
 from __future__ import annotations
 
@@ -23,29 +27,60 @@ from tiny_models import make_tiny_model
 pytestmark = pytest.mark.slow
 APP = "shoal-autoscaling"
 UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 1.0, 5.0
-# One worker runs 2 sequences at once: a burst of 48 queues 46 deep, and
-# the policy asks for ceil(46 / 2) workers, bounded to 3.
-ENGINE = dict(max_num_seqs=2, num_kv_blocks=4096, num_threads=1)
+# The hold requests may grow to this context while the workers come: at the
+# tiny model's pace here that is minutes, and they are cancelled in seconds.
+HOLD_CONTEXT = 1 << 16
+HOLD = ["Hold the first slot", "Hold the second slot"]
+# One worker runs 2 sequences at once: with HOLD running, a burst of 48
+# queues 48 deep, and the policy asks for ceil(48 / 2) workers, bounded to 3.
+ENGINE = dict(max_num_seqs=2, num_kv_blocks=2 * HOLD_CONTEXT // 16 + 2048, num_threads=1)
 BURST = [f"{p} {i}" for i, p in enumerate(["The quick brown fox", "Paged attention keeps", "def add(a, b):",
                                            "Hello, world! How are", "Numbers: 0 1 2", "I am fine, thank"] * 8)]  # fmt: skip
 BURST_TOKENS = 256
-# Long enough to outlast the downscale delay: in flight when their workers are told to go.
+# In flight when their workers are told to go: each lasts LONG_S alone at the pace measured here,
+# the time this test allows the scale-down (DOWNSCALE_DELAY_S + 15 s), plus 5 s for the probes after it.
 LONG = ["Continuous batching rebuilds", "keys and values in"]
-LONG_TOKENS = 4000
+LONG_S = DOWNSCALE_DELAY_S + 20.0
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    """The tiny model, with room for LONG_TOKENS."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-long")), max_position_embeddings=8192)
+    """The tiny model, with room for the hold requests and the long streams."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-long")), max_position_embeddings=HOLD_CONTEXT)
+
+
+def _greedy(llm: LLM, prompt: str, max_tokens: int) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    return out.token_ids, time.perf_counter() - t0
+
+
+def long_tokens_lasting(llm: LLM, seconds: float) -> int:
+    """How many tokens one sequence alone takes `seconds` to generate here.
+    A step's cost grows with the context (attention), so two timed runs fit
+    t(n) = a n + b n^2, the inverse of which sizes the run."""
+    n1, n2 = 2048, 4096
+    t1, t2 = _greedy(llm, LONG[0], n1)[1], _greedy(llm, LONG[0], n2)[1]
+    b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
+    a = max(1e-6, t1 / n1 - b * n1)
+    n = seconds / a if b == 0 else (-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b)
+    return min(HOLD_CONTEXT - 64, max(n2, int(n)))
 
 
 @pytest.fixture(scope="module")
 def reference(model) -> dict[str, list[int]]:
+    """Greedy replies of the burst, and of LONG, sized so that each lasts
+    at least LONG_S alone (in the cluster each has a worker of one thread,
+    as here, sharing the cores with the others)."""
     llm = LLM(model=model, num_kv_blocks=4096, num_threads=1, max_num_seqs=64)
     outs = llm.generate(BURST, SamplingParams(temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True))
-    outs += llm.generate(LONG, SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True))
-    return {p: o.token_ids for p, o in zip(BURST + LONG, outs)}
+    ref = {p: o.token_ids for p, o in zip(BURST, outs)}
+    llm = LLM(model=model, num_kv_blocks=HOLD_CONTEXT // 16, num_threads=1, max_num_seqs=1)
+    n = long_tokens_lasting(llm, LONG_S)
+    for p in LONG:
+        ref[p], took = _greedy(llm, p, n)
+        print(f"\nlong stream: {n} tokens, {took:.1f} s alone here (sized for {LONG_S:g} s)")
+    return ref
 
 
 async def generate(addr: str, prompt: str, max_tokens: int) -> dict:
@@ -58,6 +93,20 @@ async def generate(addr: str, prompt: str, max_tokens: int) -> dict:
                 out["worker"], out["reason"] = m.finished.worker, m.finished.finish_reason
     out["end"] = time.monotonic()
     return out
+
+
+async def hold(addr: str, prompt: str, started: asyncio.Event) -> None:
+    """A stream that runs until cancelled (or its HOLD_CONTEXT ends): sets
+    `started` at its first token, when it has one of the worker's slots."""
+    async with grpc.aio.insecure_channel(addr) as ch:
+        sampling = pb.SamplingParams(max_tokens=HOLD_CONTEXT - 64, temperature=0, ignore_eos=True)
+        async for _ in pb_grpc.ShoalStub(ch).Generate(pb.GenerateRequest(text=prompt, sampling=sampling), timeout=600):
+            started.set()
+
+
+def load(addr: str) -> dict[str, pb.WorkerLoad]:
+    with grpc.insecure_channel(addr) as ch:
+        return {w.worker: w for w in pb_grpc.ShoalStub(ch).GetLoad(pb.GetLoadRequest(), timeout=10).workers}
 
 
 def workers_reporting(addr: str) -> list[str]:
@@ -101,7 +150,7 @@ def running(states: dict) -> int:
 def test_queue_depth_scales_workers_up_and_idleness_drains_them_back(model, reference):
     with local_cluster_app(APP, model=model, num_workers=1, min_workers=1, max_workers=3, target_queue_depth=2.0,
                            upscale_delay_s=UPSCALE_DELAY_S, downscale_delay_s=DOWNSCALE_DELAY_S,
-                           drain_timeout_s=60.0, **ENGINE) as (_, addr):  # fmt: skip
+                           drain_timeout_s=120.0, **ENGINE) as (_, addr):  # fmt: skip
         timeline = asyncio.run(scenario(addr, reference))
     print("\nautoscaling timeline (s):", {k: round(v, 1) for k, v in timeline.items()})
 
@@ -114,11 +163,31 @@ async def scenario(addr: str, reference: dict[str, list[int]]) -> dict[str, floa
         first = await asyncio.to_thread(workers_reporting, addr)
         assert len(first) == 1
 
+        # Two streams fill the one worker's slots, so a burst after them stays
+        # queued there, however fast the machine, until the client lets go.
+        started = [asyncio.Event() for _ in HOLD]
+        holds = [asyncio.ensure_future(hold(addr, p, e)) for p, e in zip(HOLD, started)]
+        deadline = time.monotonic() + 60
+        while not all(e.is_set() for e in started):
+            for t in holds:
+                if t.done():
+                    t.result()  # its error, if it failed
+            assert time.monotonic() < deadline, f"the hold requests never streamed: {[e.is_set() for e in started]}"
+            await asyncio.sleep(0.05)
+
         # A burst queues on the one worker: up to three, and its queue moves to the new ones.
         t0 = time.monotonic()
         burst = [asyncio.ensure_future(generate(addr, p, BURST_TOKENS)) for p in BURST]
         t_up = await replicas.until(lambda s: running(s) == 3, 90)
-        assert not all(t.done() for t in burst), "the burst ended before the new workers came"
+        # Moved: the first worker keeps its share of the queue, the mean over three.
+        deadline = time.monotonic() + 30
+        while len(now := await asyncio.to_thread(load, addr)) < 3 or now[first[0]].num_waiting > -(-len(BURST) // 3):
+            assert time.monotonic() < deadline, {w: (x.num_running, x.num_waiting) for w, x in now.items()}
+            await asyncio.sleep(0.1)
+        assert not any(t.done() for t in holds), "a hold request ended before the burst had moved"
+        for t in holds:
+            t.cancel()
+        await asyncio.gather(*holds, return_exceptions=True)
         results = await asyncio.gather(*burst)
         t_idle = time.monotonic()
         for p, r in zip(BURST, results):
@@ -132,7 +201,7 @@ async def scenario(addr: str, reference: dict[str, list[int]]) -> dict[str, floa
 
         # Two long streams start as the burst ends; with nothing waiting and 1
         # of 2 sequences running per worker, one worker is enough: two drain.
-        long = [asyncio.ensure_future(generate(addr, p, LONG_TOKENS)) for p in LONG]
+        long = [asyncio.ensure_future(generate(addr, p, len(reference[p]))) for p in LONG]
         t_down = await replicas.until(lambda s: running(s) == 1, DOWNSCALE_DELAY_S + 30)
         assert not any(t.done() for t in long), "the long streams ended before the scale-down"
         assert t_down - t_idle <= DOWNSCALE_DELAY_S + 15.0  # the delay, the metrics' push and the control loop

@@ -4,6 +4,7 @@ the default model, reached by the official openai client and by gRPC stubs."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from serving import free_port
 pytestmark = pytest.mark.slow
 KEY = "test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
+# The drain test's stream lasts about STREAM_S at the pace measured in it; the drain waits up to DRAIN_S for it.
+STREAM_S, DRAIN_S = 10.0, 60
 PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time"]
 
 
@@ -33,7 +36,7 @@ class Server:
         self.http, self.grpc = free_port(), free_port()
         cmd = [sys.executable, "-m", "shoal.cluster.cli", "serve", "--num-workers", "2", "--api-key", KEY,
                "--max-waiting", "2", "--max-num-seqs", "2", "--num-kv-blocks", "512", "--num-threads", "1",
-               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--drain-timeout", "20"]  # fmt: skip
+               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--drain-timeout", str(DRAIN_S)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -244,8 +247,11 @@ def test_auth_and_bad_requests(server):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="SmolLM2-135M-Instruct", **kwargs)
         assert err.value.body["param"] == param
-    bad = httpx.post(server.base + "/completions", content=b"{oops", headers={"Authorization": f"Bearer {KEY}"})
+    bad = httpx.post(server.base + "/completions", content=b"{oops", headers={"Authorization": f"Bearer {KEY}",
+                                                                              "Content-Type": "application/json"})
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    untyped = httpx.post(server.base + "/completions", content=b"{}", headers={"Authorization": f"Bearer {KEY}"})
+    assert untyped.status_code == 415 and untyped.json()["error"]["code"] == "unsupported_media_type"
     wrong_type = httpx.post(server.base + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"})  # fmt: skip
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"
@@ -266,24 +272,49 @@ def test_bench_serve_measures_an_openai_url(server, tmp_path):
     assert row["ttft_ms"]["p50"] > 0 and (tmp_path / "bench.svg").exists()
 
 
+def _seconds_per_token(server) -> float:
+    """A stream's decode pace on this server and machine, measured now: the
+    time between its first and last of 32 tokens."""
+    stamps = []
+    with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPTS[3], "max_tokens": 32, "ignore_eos": True, "stream": True}, timeout=60) as r:  # fmt: skip
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                stamps.append(time.monotonic())
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
 def test_ctrl_c_drains_streams_then_stops_the_cluster(server):
-    """Last: stops the module's server."""
-    result = {}
+    """Last: stops the module's server. The stream in flight is sized from the
+    pace measured here to last ~10 s, far longer than Ctrl-C takes to reach
+    the router, and well inside the drain timeout; nothing waits on a sleep."""
+    pace = _seconds_per_token(server)
+    max_tokens = min(4000, math.ceil(STREAM_S / pace))
+    print(f"\ndrained stream: {max_tokens} tokens at {pace * 1e3:.1f} ms/token")
+    result, streaming = {}, threading.Event()
 
     def stream():
         with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"prompt": PROMPTS[3], "max_tokens": 60, "ignore_eos": True, "stream": True}, timeout=60) as r:  # fmt: skip
-            result["lines"] = [ln for ln in r.iter_lines() if ln]
+                          json={"prompt": PROMPTS[3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
+                          timeout=DRAIN_S) as r:  # fmt: skip
+            lines = []
+            for ln in r.iter_lines():
+                if ln:
+                    lines.append(ln)
+                    streaming.set()
+            result["lines"] = lines
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(1.0)
+    assert streaming.wait(60), "the stream never started"
     server.proc.send_signal(signal.SIGINT)
-    time.sleep(1.0)
-    refused = httpx.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                         json={"prompt": "hi", "max_tokens": 2})  # fmt: skip
-    t.join(60)
-    assert refused.status_code == 503
+    # Admitted until the router hears of the drain, then refused; the stream goes on meanwhile.
+    while (refused := httpx.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                 json={"prompt": "hi", "max_tokens": 2})).status_code == 200:  # fmt: skip
+        assert t.is_alive(), f"the stream ({max_tokens} tokens) ended before the drain began"
+    assert refused.status_code == 503, refused.text
+    assert t.is_alive() and "lines" not in result, f"the stream ({max_tokens} tokens) ended before the refusal"
+    t.join(DRAIN_S)
     assert result["lines"][-1] == "data: [DONE]" and '"finish_reason":"length"' in result["lines"][-2]
     assert server.proc.wait(90) == 0
     assert any("stopped" in ln for ln in server.lines)

@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = b.add_subparsers(dest="bench", required=True)
     # The one edge from the command to the benchmarks: they never import this module.
-    from shoal.benchmarks import calibrate, gpu, latency, offline, routing, scheduler, serve, tp, tune_cb
+    from shoal.benchmarks import (calibrate, gpu, latency, offline, prepare_cost, routing, scheduler, serve, soak, tp,
+                                  tune_cb)
 
-    for bench in (offline, tune_cb, serve, latency, scheduler, tp, gpu, calibrate, routing):
+    for bench in (offline, tune_cb, serve, latency, scheduler, tp, gpu, calibrate, routing, soak, prepare_cost):
         bench.add_parser(bsub)
     return parser
 

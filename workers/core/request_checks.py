@@ -1,12 +1,14 @@
 """The one check every request passes: at the router, for a clear early
 error, and again in the engine, which trusts nobody. Both import this
 function, so the rules are written once. No torch here: the router's
-processes import it."""
+processes import it (numpy is fine there)."""
 
 from __future__ import annotations
 
-from array import array
+import struct
 from dataclasses import dataclass
+
+import numpy as np
 
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
@@ -35,11 +37,11 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: Request
     vocab = limits.vocab_size
     if not isinstance(prompt_ids, list) or not prompt_ids:
         raise InvalidRequestError("prompt is empty", field="prompt")
-    try:
-        packed = array("q", prompt_ids)  # a non-integer or an id past int64 raises here, in C
-    except (TypeError, OverflowError):
+    try:  # in C: a non-integer or an id past int64 raises here (a Python loop took 20 us a 1,000 ids)
+        packed = np.frombuffer(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), np.int64)
+    except struct.error:
         raise InvalidRequestError("prompt must be token ids (integers)", field="prompt") from None
-    if min(packed) < 0 or max(packed) >= vocab:
+    if packed.min() < 0 or packed.max() >= vocab:
         raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", field="prompt")
     if type(num_resumed_tokens) is not int or not 0 <= num_resumed_tokens < len(prompt_ids):
         raise InvalidRequestError(f"num_resumed_tokens must be in [0, {len(prompt_ids)}), got "

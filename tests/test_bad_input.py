@@ -4,10 +4,13 @@ field; requests already running go on untouched."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from shoal.workers import AsyncEngine, InvalidRequestError, LLMEngine, SamplingParams
+
+from engine_hold import EngineHold, until
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +87,11 @@ def test_bad_requests_do_not_disturb_running_ones(tiny_model):
         async def good():
             return [t async for d in engine.generate("b", [10, 11, 12, 13], params) for t in d.new_token_ids]
 
+        # "b" runs a few steps, then the engine holds it: it is running while the bad ones come, on any machine.
+        hold = EngineHold(SimpleNamespace(engine=engine), steps=3)
+        steps = engine.engine.num_steps
         task = asyncio.create_task(good())
-        await asyncio.sleep(0.01)
+        assert await until(lambda: hold.held(steps + 3)) < 10
         errors = 0
         for bad in ([], [999999], [5] * 5000):
             with pytest.raises(InvalidRequestError):
@@ -97,6 +103,7 @@ def test_bad_requests_do_not_disturb_running_ones(tiny_model):
         with pytest.raises(InvalidRequestError, match="top_k"):
             async for _ in engine.generate(None, [5], bad_params):
                 pass
+        hold.release()
         got = await asyncio.wait_for(task, 30)
         await engine.shutdown()
         return alone, got, errors

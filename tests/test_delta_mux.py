@@ -18,6 +18,7 @@ from shoal.router.worker_pool import ServeWorkerPool
 from shoal.workers import delta_outbox
 from shoal.workers.messages import Riding, Subscribe
 
+from engine_hold import EngineHold, until
 from tests.test_failover import PROMPTS, Result, all_free, request, run, same, workers
 
 
@@ -105,8 +106,9 @@ def test_riding_requests_equal_their_own_streams_and_share_batches(tiny_model):
             handle = StandInHandle(ws)
             pool = ServeWorkerPool(handle, "router-a")
             first = await _many(pool, [request(ws, PROMPTS[0], f"w{i}", temperature=0, max_tokens=4) for i in range(2)])
-            await asyncio.sleep(0.05)  # the first deltas opened the stream to each worker
-            opened = set(handle.subscribed)
+            # The first deltas opened the stream to each worker: later requests ride once it is up there.
+            up = await until(lambda: all(pool.mux.router_id in w._outboxes for w in ws))
+            opened = set(handle.subscribed) if up < 10 else set()
             got = await _many(pool, [request(ws, p, f"s{i}", temperature=0, max_tokens=16, ignore_eos=True)
                                      for i, p in enumerate(PROMPTS)])  # fmt: skip
             return refs, got, first, opened, {w.name for w in ws}, handle.riding, pool.mux, await all_free(ws)
@@ -131,11 +133,14 @@ def test_a_worker_lost_under_riding_requests_fails_them_over_without_gap_or_repe
             handle = StandInHandle(ws)
             pool = FailoverPool(ServeWorkerPool(handle, "router-b"), max_retries=2)
             await _many(pool, [request(ws, PROMPTS[0], f"w{i}", temperature=0, max_tokens=2) for i in range(2)])
-            await asyncio.sleep(0.05)
+            assert await until(lambda: all(pool.pool.mux.router_id in w._outboxes for w in ws)) < 10
+
+            # Worker 0 holds its requests mid-stream after 6 steps: they are riding at the kill on any machine.
+            steps = ws[0].engine.engine.num_steps
+            hold = EngineHold(ws[0], steps=6)
 
             async def kill_when_riding():
-                while ws[0].engine.engine.num_steps < 6 or not handle.riding:
-                    await asyncio.sleep(0.005)
+                assert await until(lambda: hold.held(steps + 6) and handle.riding == 4) < 10
                 handle.dead.add(0)
 
             killer = asyncio.create_task(kill_when_riding())

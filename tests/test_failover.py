@@ -20,6 +20,9 @@ from shoal.workers.messages import GenerateRequest, RequestFinished
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.worker import Worker
 
+from engine_hold import EngineHold, until
+from step_gate import StepGate
+
 PROMPTS = ["The quick brown fox", "Paged attention keeps", "def add(a, b):", "Hello, world! How are",
            "Numbers: 0 1 2", "Continuous batching rebuilds", "I am fine, thank", "keys and values in"]  # fmt: skip
 
@@ -31,10 +34,13 @@ class DyingWorkers:
     its request aborted in that worker's engine (gone, as a dead process's
     are); the delta that would pass the mark is never delivered. New
     requests go to the live, healthy worker with the fewest in flight (Serve
-    replaces a replica whose health check fails); every send is logged."""
+    replaces a replica whose health check fails); every send is logged.
+    gates (a StepGate per worker): each engine steps once per delta asked
+    for, so every delta is one token, however fast the machine."""
 
-    def __init__(self, workers: list[Worker], die_after: dict[int, int] | None = None):
-        self.workers, self.die_after = workers, dict(die_after or {})
+    def __init__(self, workers: list[Worker], die_after: dict[int, int] | None = None,
+                 gates: list[StepGate] | None = None):  # fmt: skip
+        self.workers, self.die_after, self.gates = workers, dict(die_after or {}), gates
         self.dead: set[int] = set()
         self.tokens = [0] * len(workers)
         self.in_flight = [0] * len(workers)
@@ -56,7 +62,10 @@ class DyingWorkers:
         i = min(live, key=self.in_flight.__getitem__)
         self.sent.append((i, request))
         self.in_flight[i] += 1
+        gate = self.gates[i] if self.gates else None
         try:
+            if gate:
+                gate.grant()  # the first token
             async with aclosing(self.workers[i].generate(request)) as stream:
                 async for msg in stream:
                     n = len(getattr(msg, "token_ids", ()))  # a WorkerError has none
@@ -66,6 +75,8 @@ class DyingWorkers:
                         raise WorkerLost(f"worker {i} died")
                     self.tokens[i] += n
                     yield msg
+                    if gate:
+                        gate.grant()  # the next token, now that the reader asks for it
         finally:
             self.in_flight[i] -= 1
 
@@ -226,40 +237,45 @@ def test_16_concurrent_streams_survive_a_worker_death(tiny_model):
 
 
 def test_spent_retry_budget_or_no_worker_left_gives_unavailable(tiny_model):
+    # The engines step once per delta read (StepGate): every delta is one token, so each cut below
+    # falls at the same token on any machine, and 20 tokens never fit in what the cuts allow.
     class EveryStreamDies(DyingWorkers):
         async def generate(self, request):
             n = 0
-            async for msg in super().generate(request):
-                if n == 2:
-                    raise WorkerLost("killed again")
-                n += 1
-                yield msg
+            async with aclosing(super().generate(request)) as stream:  # its request is aborted as it dies
+                async for msg in stream:
+                    if n == 2:
+                        raise WorkerLost("killed again")
+                    n += 1
+                    yield msg
 
-    async def consume(fe: Frontend, ids: list[int]) -> tuple[int, ServingError | None]:
+    async def consume(fe: Frontend, ids: list[int]) -> tuple[list[int], ServingError | None]:
         params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-        got = 0  # deltas
+        got = []  # tokens per delta
         try:
-            async for _ in fe.generate(ids, params, fe.new_request_id("cmpl")):
-                got += 1
+            async for out in fe.generate(ids, params, fe.new_request_id("cmpl")):
+                got.append(len(out.token_ids))
         except ServingError as e:
             return got, e
         return got, None
 
     async def main():
         async with workers(tiny_model) as ws:
+            gates = [StepGate(w) for w in ws]
             info = ModelInfo.from_worker_info(ws[0].info(), 2)
             ids = ws[0].engine.engine.tokenize(PROMPTS[3])
             tokenizer = ws[0].engine.engine.tokenizer
-            dying = EveryStreamDies(ws)
+            dying = EveryStreamDies(ws, gates=gates)
             spent = await consume(Frontend(FailoverPool(dying, max_retries=2, backoff_s=0.01), tokenizer, info), ids)
-            gone = DyingWorkers(ws, die_after={0: 3, 1: 3})
+            gone = DyingWorkers(ws, die_after={0: 3, 1: 3}, gates=gates)
             none_left = await consume(Frontend(FailoverPool(gone, backoff_s=0.01), tokenizer, info), ids)
-            return spent, len(dying.sent), none_left, await all_free(ws)
+            return spent, len(dying.sent), none_left, [i for i, _ in gone.sent], await all_free(ws)
 
-    (got, err), sends, (got2, err2), free = asyncio.run(main())
-    assert sends == 3 and got == 6  # the first send and two re-sends, each cut after two deltas
+    (got, err), sends, (got2, err2), where, free = asyncio.run(main())
+    assert sends == 3 and got == [1] * 6  # the first send and two re-sends, each cut after two deltas
     assert err.kind == "unavailable" and err.code == "worker_failed"
-    assert got2 >= 2 and err2.kind == "unavailable" and err2.code == "worker_failed"
+    assert where == [0, 1] and got2 == [1] * 6  # three tokens from each worker before it died
+    assert err2.kind == "unavailable" and err2.code == "worker_failed"
     assert free
 
 
@@ -273,9 +289,9 @@ def test_a_stalled_engine_fails_its_health_check_and_its_requests_finish_elsewhe
                 w.check_health()
             pool = DyingWorkers(ws)
             steps = ws[0].engine.engine.num_steps
+            hold = EngineHold(ws[0], steps=5)  # its requests are mid-stream when it hangs, on any machine
             tasks = [asyncio.ensure_future(run(FailoverPool(pool), r)) for r in reqs]
-            while not ws[0].engine.engine.requests or ws[0].engine.engine.num_steps < steps + 5:
-                await asyncio.sleep(0.005)
+            assert await until(lambda: hold.held(steps + 5)) < 10
             ws[0].engine.stall(30.0)  # the engine-core thread blocks, as in a hung step
             got = await asyncio.gather(*tasks)
             with pytest.raises(EngineDeadError, match="no progress"):

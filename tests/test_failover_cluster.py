@@ -6,6 +6,7 @@ every stream completes and equals its undisturbed run."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import time
@@ -22,6 +23,8 @@ APP = "shoal-failover"
 PROMPTS = ["The quick brown fox", "Paged attention keeps", "def add(a, b):", "Hello, world! How are",
            "Numbers: 0 1 2", "Continuous batching rebuilds", "I am fine, thank", "keys and values in"]  # fmt: skip
 GREEDY = dict(temperature=0.0, max_tokens=160, ignore_eos=True)
+ACT_S = 5.0  # a disturbed run's streams last at least about this long after their 10th chunk
+MAX_TOKENS = 480  # 16 streams of this many fit one worker's 512 blocks of 16 (after a failover)
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +93,29 @@ async def run_streams(base: str, addr: str, sampling: list[dict], act=None) -> t
                 victim = max(workers, key=lambda w: w.num_running).worker
                 t_act = time.monotonic()
                 await asyncio.to_thread(act, victim)
+                acted = time.monotonic()
                 break
-        return list(await asyncio.gather(*tasks)), victim, t_act
+        results = list(await asyncio.gather(*tasks))
+        if act is not None:
+            assert all(o["times"][-1] > acted for o in results), "a stream ended before the act was done"
+        return results, victim, t_act
     finally:
         for t in tasks:
             t.cancel()
+
+
+def paced(base: str, addr: str, sampling: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The undisturbed run of `sampling`, its streams made longer (from the
+    pace this run measured) where they did not last ACT_S after their 10th
+    chunk: then the act lands mid-stream on any machine. Returns the
+    sampling used and its results."""
+    ref, _, _ = asyncio.run(run_streams(base, addr, sampling))
+    took = min(r["times"][-1] - r["times"][9] for r in ref)
+    if took < ACT_S:
+        scale = ACT_S / max(took, 1e-3)
+        sampling = [dict(s, max_tokens=min(MAX_TOKENS, math.ceil(s["max_tokens"] * scale))) for s in sampling]
+        ref, _, _ = asyncio.run(run_streams(base, addr, sampling))
+    return sampling, ref
 
 
 def load(addr: str) -> list:
@@ -168,7 +189,7 @@ def gaps_ms(results: list[dict], t_act: float | None = None) -> list[float]:
 def test_killed_worker_process_16_greedy_streams_all_complete_as_undisturbed(cluster):
     base, addr = cluster
     sampling = [dict(GREEDY, max_tokens=GREEDY["max_tokens"] + i) for i in range(16)]
-    ref, _, _ = asyncio.run(run_streams(base, addr, sampling))
+    sampling, ref = paced(base, addr, sampling)
     got, victim, t_kill = asyncio.run(run_streams(base, addr, sampling, kill_process))
     same(got, ref)
     gaps, calm = gaps_ms(got, t_kill), gaps_ms(ref)
@@ -182,7 +203,7 @@ def test_killed_worker_seeded_sampled_streams_go_on_with_the_same_draws(cluster)
     base, addr = cluster
     wait_for_workers(addr, 2, 90)
     sampling = [dict(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=160, ignore_eos=True) for i in range(4)]
-    ref, _, _ = asyncio.run(run_streams(base, addr, sampling))
+    sampling, ref = paced(base, addr, sampling)
     got, victim, _ = asyncio.run(run_streams(base, addr, sampling, kill_process))
     same(got, ref)
     assert len({r["text"] for r in ref}) == 4
@@ -193,7 +214,7 @@ def test_stalled_engine_is_replaced_and_its_requests_finish_elsewhere(cluster):
     base, addr = cluster
     wait_for_workers(addr, 2, 90)
     sampling = [dict(GREEDY) for _ in range(8)]
-    ref, _, _ = asyncio.run(run_streams(base, addr, sampling))
+    sampling, ref = paced(base, addr, sampling)
     got, victim, t_stall = asyncio.run(run_streams(base, addr, sampling, stall_engine))
     same(got, ref)
     gaps = gaps_ms(got, t_stall)

@@ -18,6 +18,7 @@ from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.worker import logger as worker_logger
+from engine_hold import EngineHold
 from serving import grpc_server, make_frontend
 
 PROMPT = "The quick brown fox"
@@ -126,15 +127,18 @@ def test_cancel_and_deadline_abort_in_the_engine_and_free_the_blocks(tiny_model)
             async for m in call:
                 got += len(m.token_ids)
                 if got >= 3:
+                    # The engine steps no more (an add or an abort still goes in): the request is
+                    # running at the load read, and the next one outlasts its deadline, on any machine.
+                    hold = EngineHold(fe.pool.workers[0])
                     break
             busy = (await stub.GetLoad(pb.GetLoadRequest())).workers[0]
             call.cancel()
             freed_after = await _wait_free(stub)
-            # ~1000 tokens take seconds even on a fast machine; the deadline is 0.3 s.
             longer = pb.SamplingParams(max_tokens=1000, ignore_eos=True)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [m async for m in stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=longer), timeout=0.3)]
             deadline_freed_after = await _wait_free(stub)
+            hold.release()
         return busy, freed_after, err.value, deadline_freed_after
 
     busy, freed_after, err, deadline_freed_after = asyncio.run(main())

@@ -59,8 +59,17 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}})  # fmt: skip
             usages.append(_usage(chat.text))
-            await asyncio.sleep(0.05)
-            resp = await c.get("/metrics")
+            # The last stream's end reaches the workers' gauges a moment after its client has it: until idle.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while True:
+                resp = await c.get("/metrics")
+                idle = _scrape(resp.text)
+                busy = sum(_total(idle, f"shoal:{g}") for g in ("num_requests_running", "num_requests_waiting",
+                                                                 "kv_cache_usage_perc"))  # fmt: skip
+                if busy == 0 or loop.time() > deadline:
+                    break
+                await asyncio.sleep(0.01)
             status_denied = await c.get("/api/status")
             key_required = (await c.get("/api/auth")).json()  # open: tells the page to ask for the key
             status = (await c.get("/api/status", headers=auth)).json()

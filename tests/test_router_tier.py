@@ -5,6 +5,7 @@ only its own streams: the other goes on serving."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -108,11 +109,27 @@ def test_two_routers_on_two_nodes_share_the_ports_and_both_serve(routers):
         assert msgs[-1].HasField("finished") and msgs[-1].finished.usage.completion_tokens == 4
 
 
-def open_stream(base: str):
+STREAM_S = 20.0  # a long stream lasts at least about this long
+MAX_TOKENS = 960  # the tiny model's 1,024 positions, less the prompt
+
+
+def stream_tokens(base: str) -> int:
+    """Tokens a stream needs to last STREAM_S here, from the pace of two
+    measured completions (their difference leaves out the fixed cost)."""
+    took = []
+    for n in (8, 72):
+        t0 = time.monotonic()
+        assert complete(base, max_tokens=n).status_code == 200
+        took.append(time.monotonic() - t0)
+    per_token = max(took[1] - took[0], 1e-3) / 64
+    return max(100, min(MAX_TOKENS, math.ceil(STREAM_S / per_token)))
+
+
+def open_stream(base: str, max_tokens: int):
     """A long streamed completion on a connection of its own; returns
     (client, response, the router serving it) once its first event is in."""
     client = httpx.Client(timeout=60)
-    body = {"prompt": "Continuous batching rebuilds", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Continuous batching rebuilds", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     resp = client.send(client.build_request("POST", base + "/v1/completions", json=body), stream=True)
     lines = resp.iter_lines()
     assert resp.status_code == 200 and next(ln for ln in lines if ln).startswith("data: ")
@@ -124,10 +141,11 @@ def test_killing_one_router_loses_only_its_streams_and_the_other_keeps_serving(r
 
     handle, base, addr = routers
     ends = {e["router"]: e for e in router_endpoints(handle)}
-    # One long stream on each router.
+    # One long stream on each router, still running at the kill on any machine.
+    max_tokens = stream_tokens(base)
     streams = {}
     while len(streams) < 2:
-        client, resp, lines = open_stream(base)
+        client, resp, lines = open_stream(base, max_tokens)
         name = resp.headers["x-shoal-router"]
         if name in streams:  # that router has one already
             resp.close()
@@ -136,7 +154,7 @@ def test_killing_one_router_loses_only_its_streams_and_the_other_keeps_serving(r
             streams[name] = (client, resp, lines)
     victim, survivor = sorted(streams)
     # Traffic on fresh connections all along; a connection the kill catches is retried.
-    retried, done, failures = [], threading.Event(), []
+    retried, served, done, failures = [], [], threading.Event(), []
 
     def traffic():
         try:
@@ -150,12 +168,12 @@ def test_killing_one_router_loses_only_its_streams_and_the_other_keeps_serving(r
                 else:
                     raise AssertionError("5 connection errors in a row")
                 assert r.status_code == 200, r.text
+                served.append(r.headers["x-shoal-router"])
         except Exception as e:
             failures.append(repr(e))
 
     t = threading.Thread(target=traffic)
     t.start()
-    time.sleep(0.5)
     os.kill(ends[victim]["pid"], signal.SIGKILL)
     try:
         # The victim's stream is cut; the survivor's runs to its end.
@@ -164,7 +182,10 @@ def test_killing_one_router_loses_only_its_streams_and_the_other_keeps_serving(r
                 pass
         rest = [ln for ln in streams[survivor][2] if ln]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
-        time.sleep(1.0)
+        # The traffic goes on after both streams' ends: a few more requests served (or a failure).
+        n, deadline = len(served), time.monotonic() + 60
+        while len(served) < n + 5 and not failures and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         done.set()
         t.join(120)

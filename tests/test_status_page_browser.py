@@ -144,7 +144,9 @@ def test_status_page_in_a_real_browser(tiny_model):
             assert victim not in _rows(page)
             reply, _ = _play(page, "Still there?")
             assert reply
-            time.sleep(2)  # a few more polls
+            for _ in range(3):  # a few more polls drawn, so the screenshot shows the cluster after the kill
+                seen = page.evaluate("window.shoalStatus.lastStatus()?.receivedAt ?? 0")
+                page.wait_for_function(f"(window.shoalStatus.lastStatus()?.receivedAt ?? 0) > {seen}", timeout=30_000)
             page.screenshot(path=os.path.join(artifacts, "status_page_after_kill.png"), full_page=True)
             browser.close()
     assert not errors, errors  # the page asked for the key before sending anything that needs it

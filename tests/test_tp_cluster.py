@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import grpc
@@ -17,6 +18,9 @@ from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
+
+KILL_RUN_S = 10.0  # the killed run's streams last at least about this long undisturbed
+MAX_TOKENS = 480  # 4 streams of this many fill a replica's 128 blocks of 16 without preemption
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +55,10 @@ def shard_actors() -> list[dict]:
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("shoal-tp-")]
 
 
-async def stream_completions(base: str, n: int, max_tokens: int, **sampling) -> list[tuple[int, str]]:
-    """n concurrent streamed completions; each gives (status, text or error)."""
+async def stream_completions(base: str, n: int, max_tokens: int, ends: list[float] | None = None,
+                             **sampling) -> list[tuple[int, str]]:  # fmt: skip
+    """n concurrent streamed completions; each gives (status, text or error).
+    ends: each stream's end (time.monotonic()) is appended to it."""
     model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     async def one(c: httpx.AsyncClient, i: int):
@@ -64,6 +70,9 @@ async def stream_completions(base: str, n: int, max_tokens: int, **sampling) -> 
                 return r.status_code, text
         except httpx.HTTPError as e:  # the stream cut mid-way
             return -1, repr(e)
+        finally:
+            if ends is not None:
+                ends.append(time.monotonic())
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(90.0)) as c:
         return await asyncio.gather(*(one(c, i) for i in range(n)))
@@ -110,17 +119,28 @@ def test_a_killed_rank_gets_its_replica_replaced_and_its_streams_go_on(cluster):
     base, grpc_addr = cluster
     before = {w.worker for w in load(grpc_addr)}
     victim = shard_actors()[0]
-    undisturbed = asyncio.run(stream_completions(base, 8, 300, temperature=0))
+    # Streams long enough to outlast the kill on any machine: sized from the pace of a measured run.
+    max_tokens, t0 = 300, time.monotonic()
+    undisturbed = asyncio.run(stream_completions(base, 8, max_tokens, temperature=0))
+    per_token = (time.monotonic() - t0) / max_tokens
+    if per_token * max_tokens < KILL_RUN_S:
+        max_tokens = min(MAX_TOKENS, math.ceil(KILL_RUN_S / per_token))
+        undisturbed = asyncio.run(stream_completions(base, 8, max_tokens, temperature=0))
 
     async def kill_under_load():
-        task = asyncio.ensure_future(stream_completions(base, 8, 300, temperature=0))
-        await asyncio.sleep(2.0)
+        ends: list[float] = []
+        task = asyncio.ensure_future(stream_completions(base, 8, max_tokens, ends, temperature=0))
+        # Both replicas run streams (each in its first tokens): the kill lands under load.
+        while not (len(w := await asyncio.to_thread(load, grpc_addr)) == 2 and all(x.num_running for x in w)):
+            assert not task.done(), "the streams ended before both replicas ran some"
+            await asyncio.sleep(0.05)
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
         t0 = time.monotonic()
         results = await task
-        return results, time.monotonic() - t0
+        return results, time.monotonic() - t0, min(ends) - t0
 
-    results, took = asyncio.run(kill_under_load())
+    results, took, first_end = asyncio.run(kill_under_load())
+    assert first_end > 0, "a stream ended before the kill: it tested no failover"
     # Every stream went on (those of the dead rank's replica on the other
     # replica) and equals its undisturbed run; none hung.
     assert took < 90

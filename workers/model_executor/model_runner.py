@@ -26,6 +26,7 @@ from shoal.workers.model_executor.layers.parallel_state import num_local_kv_head
 from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+from shoal.workers.model_executor.cpu_memory import release_free_heap
 from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.sampling_metadata_builder import stage_sampling_metadata
 from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
@@ -128,6 +129,9 @@ class ModelRunner:
             attn.workspace = workspace
             attn.decode_kernel = self.decode_kernel
             attn.triton_kernel = self.triton_kernel
+        if self.device.type == "cpu":
+            # The heap now holds weights and cache; what loading left free goes back (cpu_memory.py).
+            release_free_heap()
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None

@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from html import escape
 
 from shoal.benchmarks.serve import _WORDS, _free_port
 
@@ -285,39 +284,12 @@ def kv_blocks(base: str, wait_s: float = 30.0) -> list[dict]:
 
 
 def rss_plot(procs: list[Proc], title: str, width: int = 720, height: int = 420) -> str:
-    """An SVG line per process: RSS (MB) over time (s)."""
-    from shoal.benchmarks.svg_plot import _COLORS
+    """An SVG line per process (the largest first): RSS (MB) over time (s)."""
+    from shoal.benchmarks.svg_plot import line_plot
 
-    left, right, top, bottom = 60, 230, 40, 50
-    pts = [(t, r / MB) for p in procs for t, r in p.rss] or [(0.0, 0.0)]
-    xmax = max(t for t, _ in pts) or 1.0
-    ymax = max(r for _, r in pts) * 1.05 or 1.0
-    pw, ph = width - left - right, height - top - bottom
-
-    def px(x: float, y: float) -> str:
-        return f"{left + pw * x / xmax:.1f},{top + ph * (1 - y / ymax):.1f}"
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
-             f'<text x="{(left + pw / 2):.0f}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
-             f'<polyline fill="none" stroke="black" points="{px(0, ymax)} {px(0, 0)} {px(xmax, 0)}"/>']  # fmt: skip
-    for i in range(6):
-        x, y = left + pw * i / 5, top + ph * (1 - i / 5)
-        parts.append(f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{xmax * i / 5:.0f}</text>')
-        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" text-anchor="end">{ymax * i / 5:.0f}</text>')
-    parts.append(f'<text x="{left + pw / 2}" y="{height - 10}" text-anchor="middle">seconds</text>')
-    parts.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
-                 f'text-anchor="middle">RSS (MB)</text>')  # fmt: skip
     shown = sorted(procs, key=lambda p: -max((r for _, r in p.rss), default=0))
-    for k, p in enumerate(shown):
-        color = _COLORS[k % len(_COLORS)] if k < 2 * len(_COLORS) else "#999999"
-        line = " ".join(px(t, r / MB) for t, r in p.rss)
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="{2 if k < 5 else 1}" points="{line}"/>')
-        if k < 20:
-            parts.append(f'<text x="{left + pw + 8}" y="{top + 14 * (k + 1)}" fill="{color}">'
-                         f'{escape(p.role)} ({p.pid})</text>')  # fmt: skip
-    parts.append("</svg>")
-    return "\n".join(parts)
+    series = {f"{p.role} ({p.pid})": [(t, r / MB) for t, r in p.rss] for p in shown}
+    return line_plot(series, title, "seconds", "RSS (MB)", width, height, legend_right=170)
 
 
 def print_report(report: dict) -> None:

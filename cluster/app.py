@@ -18,9 +18,8 @@ from shoal.cluster.options import ServeOptions
 from shoal.router.ingress import Router
 from shoal.router.options import API_KEY_ENV
 from shoal.router.request_router import request_router_config
-from shoal.workers.distributed.shard_group import tp_bundles
+from shoal.workers.distributed.placement import tp_bundles
 from shoal.workers.tracing import otel_env
-from shoal.workers.worker import Worker
 
 # Nodes for routers carry this custom Ray resource (e.g. `ray start --resources
 # '{"shoal_router": 1}'`); each router asks for a sliver of it, so any amount marks a node.
@@ -133,6 +132,8 @@ def build_app(args: dict | ServeOptions | None = None) -> Application:
     check_api_key(opts)
     opts.check_cluster()
     gpu = opts.uses_gpu()
+    from shoal.workers.worker import Worker  # the engine (torch): only when an application is built
+
     worker = serve.deployment(Worker, name="Worker").options(**worker_deployment_options(opts, gpu))
     router = serve.deployment(Router, name="Router").options(**router_deployment_options(opts))
     workers = worker.bind(opts.worker_engine_args(gpu), opts.max_waiting, stall_timeout_s=opts.stall_timeout_s)

@@ -10,9 +10,11 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+if typing.TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names only: the router's processes read EngineArgs and never import torch (the engine resolves them).
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def cli_field(default: Any, help: str, **flag: Any) -> Any:
@@ -102,22 +104,28 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
         return dataclass_from_cli_args(cls, ns)
 
-    def resolved_device(self) -> torch.device:
+    def resolved_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+    def resolved_dtype(self, device: "torch.device") -> "torch.dtype":
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
-    def resolved_weight_dtype(self, device: torch.device) -> torch.dtype:
+    def resolved_weight_dtype(self, device: "torch.device") -> "torch.dtype":
         """The weight matrices' storage dtype (the compute dtype unless narrowed)."""
         dtype = self.resolved_dtype(device)
-        if self.weight_dtype == "auto" or _DTYPES.get(self.weight_dtype) == dtype:
+        import torch
+
+        if self.weight_dtype == "auto" or (self.weight_dtype in _DTYPES and getattr(torch, self.weight_dtype) == dtype):
             return dtype
         if self.weight_dtype != "bfloat16":
             raise ValueError(f"weight_dtype must be auto or bfloat16; got {self.weight_dtype!r}")

@@ -32,6 +32,7 @@ from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
+from shoal.workers.core.stats import EngineStats
 from shoal.workers.distributed.shard_group import ShardGroup
 from shoal.workers.distributed.step_input import StepInputEncoder
 
@@ -48,26 +49,6 @@ def is_engine_fault(error: BaseException, device: torch.device) -> bool:
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
     return (accelerator_error is not None and isinstance(error, accelerator_error)) or "CUDA" in str(error)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """What a router needs to choose a worker, readable at any moment."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    block_size: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_waiting_tokens: int  # prompt tokens still to prefill (Scheduler.num_waiting_tokens)
-    # Counters since the engine started (metrics and the status page take rates of them).
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
-    prefix_cache_hits: int  # of those, tokens found cached
-    num_prompt_tokens: int  # prompt tokens of the requests added
-    num_generation_tokens: int  # tokens sampled
-    num_finished_requests: int  # requests ended (stop, length or abort)
 
 
 @dataclass(slots=True)

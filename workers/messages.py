@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.workers.llm_engine import EngineStats
+from shoal.workers.core.stats import EngineStats
 from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
 

@@ -18,20 +18,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shoal.workers.distributed.placement import tp_bundles
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.parallel_state import destroy_tp_group, init_tp_group
 
 logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
-
-
-def tp_bundles(tp_size: int, gpu: bool, cpus: float = 1.0) -> list[dict]:
-    """One bundle per rank. On GPUs the other ranks take no CPU, so they
-    schedule wherever the GPUs are (Ray: an actor in a GPU bundle needs
-    num_cpus=0 or a CPU in the bundle)."""
-    if gpu:
-        return [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1}] * (tp_size - 1)
-    return [{"CPU": cpus}] * tp_size
 
 
 class ShardGroup:

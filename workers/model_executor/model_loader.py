@@ -16,13 +16,18 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from shoal.workers.model_executor.dummy_weights import dummy_weights
+import numpy as np
+
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where weights are made, not here: the router reads a model's
+# config and tokenizer through load_model_files, in a process that never loads torch.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -81,6 +86,8 @@ def model_weights(loaded: LoadedModel, load_format: str, device: torch.device) -
     if load_format == "auto":
         return loaded.weights
     if load_format == "dummy":
+        from shoal.workers.model_executor.dummy_weights import dummy_weights
+
         return dummy_weights(loaded.config, device)
     raise ValueError(f"load_format must be auto or dummy; got {load_format!r}")
 
@@ -141,6 +148,8 @@ def _load_gguf(path: str) -> LoadedModel:
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
 
     def weights():
+        import torch
+
         for gname in g.tensors:
             parts = gname.split(".")
             if parts[0] == "blk":
@@ -171,6 +180,8 @@ def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.dev
     """The model (this rank's slice of it inside a tensor-parallel group)
     with the checkpoint's weights, ready for inference; weight_dtype, when
     narrower than dtype, is how its weight matrices are stored."""
+    import torch
+
     from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 
     with torch.device(device):

@@ -1,0 +1,51 @@
+"""The router's processes never load torch: every router and cluster module
+imports without it, and a router front built over the default model's
+tokenizer prepares a request without it (fresh interpreters, since this
+one has torch already)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from test_imports import module_files
+
+LIGHT = ("shoal.workers.messages", "shoal.workers.errors", "shoal.workers.engine_args",
+         "shoal.workers.core.request_checks", "shoal.workers.core.block_hash", "shoal.workers.core.stats")  # fmt: skip
+
+
+def _run(code: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"})  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_no_router_or_cluster_module_imports_torch():
+    names = sorted(n for n in module_files() if n.startswith(("shoal.router", "shoal.cluster")))
+    names += LIGHT
+    out = _run("import importlib, sys\n"
+               f"for name in {names!r}:\n"
+               "    importlib.import_module(name)\n"
+               "    assert 'torch' not in sys.modules, name\n"
+               "print(len(sys.modules))\n")  # fmt: skip
+    assert int(out.strip()) > 100  # they did import
+
+
+def test_a_router_front_prepares_a_request_without_torch(tiny_model):
+    out = _run(f"""
+import asyncio, sys
+from shoal.router.frontend import Frontend, ModelInfo
+from shoal.router.openai_app import OpenAIApp
+from shoal.router.prompt import Prompt
+from shoal.workers.model_executor.model_loader import load_model_files
+
+tok = load_model_files({tiny_model!r}).tokenizer
+fe = Frontend(None, tok, ModelInfo("tiny", 256, 512, 16, 1, 1))
+OpenAIApp(fe, 1 << 20)
+ids, params = asyncio.run(fe.prepare(Prompt(text="The quick brown fox"), {{"max_tokens": 4, "temperature": 0.5}}))
+assert ids and params.max_tokens == 4
+print("torch" in sys.modules)
+""")
+    assert out.strip() == "False"

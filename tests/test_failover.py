@@ -145,7 +145,8 @@ def test_greedy_stream_goes_on_elsewhere_without_gap_or_repeat(tiny_model, k):
         async with workers(tiny_model) as ws:
             req = request(ws, PROMPTS[0], temperature=0, max_tokens=24, ignore_eos=True)
             ref = await run(FailoverPool(DyingWorkers(ws)), req)
-            pool = DyingWorkers(ws, die_after={0: k})
+            # One token per delta (StepGate), so the death lands after exactly k tokens however fast the machine.
+            pool = DyingWorkers(ws, die_after={0: k}, gates=[StepGate(w) for w in ws])
             got = await run(FailoverPool(pool), req)
             return ref, got, pool, ws[1].name, await all_free(ws)
 
@@ -205,7 +206,7 @@ def test_stop_string_spanning_the_seam_is_found_and_cut(tiny_model):
                 pytest.skip("no token pair of 2+ characters each in this reply")
             stopped = request(ws, PROMPTS[2], stop=[stop], **base)
             ref = await run(FailoverPool(DyingWorkers(ws)), stopped)
-            pool = DyingWorkers(ws, die_after={0: j})
+            pool = DyingWorkers(ws, die_after={0: j}, gates=[StepGate(w) for w in ws])  # one token per delta
             got = await run(FailoverPool(pool), stopped)
             return text, end, stop, ref, got, pool, await all_free(ws)
 

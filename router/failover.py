@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from shoal.router import tracing
+from shoal.router.pool import WorkerPool
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class FailoverPool:
     # from each, is failed to its client ('poisoned_request'), never sent on.
     max_deaths = 2
 
-    def __init__(self, pool, max_retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
+    def __init__(self, pool: WorkerPool, max_retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
                  refused_timeout_s: float = 60.0):  # fmt: skip
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")

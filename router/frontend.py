@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shoal.router import tracing
 from shoal.router.metrics import RouterMetrics
+from shoal.router.pool import WorkerPool
 from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.request_checks import RequestLimits, check_request
@@ -59,7 +60,7 @@ class Frontend:
     """One per router replica. generate() yields the worker's deltas; the
     last one's `finished` gets the timings measured here."""
 
-    def __init__(self, pool, tokenizer, info: ModelInfo, api_key: str | None = None, max_prompts: int = 64,
+    def __init__(self, pool: WorkerPool, tokenizer, info: ModelInfo, api_key: str | None = None, max_prompts: int = 64,
                  tokenizer_threads: int = 2):  # fmt: skip
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
         self.api_key = api_key or None

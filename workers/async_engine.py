@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
 from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine
 from shoal.workers.core.outputs import RequestOutput
@@ -41,7 +42,7 @@ class AsyncEngine:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s or None  # None or 0: not watched
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list = []  # ("add", args) / ("abort", request_id), applied between steps
+        self._pending: list[EngineCommand] = []  # applied between steps, in order
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -66,7 +67,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running, counting those added since the last step."""
-        return self.engine.scheduler.num_waiting + sum(1 for kind, _ in self._pending if kind == "add")
+        return self.engine.scheduler.num_waiting + sum(1 for cmd in self._pending if isinstance(cmd, AddRequest))
 
     @property
     def failed(self) -> BaseException | None:
@@ -136,7 +137,7 @@ class AsyncEngine:
         """For tests: block the engine-core thread for `seconds` (ended early
         by shutdown), as a hung step or a dead rank would. The loop really
         stops stepping; only its health checks can tell."""
-        self._submit(("stall", seconds))
+        self._submit(Stall(seconds))
 
     # ---- requests -------------------------------------------------------------
 
@@ -163,8 +164,8 @@ class AsyncEngine:
         try:
             self._queues[request_id] = queue  # inside the try: every way out removes it
             self._ensure_loop()
-            self._submit(("add", (request_id, prompt_ids, params, priority, None, num_resumed_tokens,
-                                  num_resumed_chars, block_hashes)))  # fmt: skip
+            self._submit(AddRequest(request_id, prompt_ids, params, priority, num_resumed_tokens,
+                                    num_resumed_chars, block_hashes))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -188,7 +189,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step."""
-        self._submit(("abort", request_id))
+        self._submit(AbortRequest(request_id))
 
     def release_waiting(self, keep: int) -> list[str]:
         """Hand back the newest waiting requests past the first `keep` that
@@ -209,11 +210,11 @@ class AsyncEngine:
             self.abort(request_id)
         return moved
 
-    def _submit(self, op: tuple) -> None:
+    def _submit(self, cmd: EngineCommand) -> None:
         with self._lock:
-            if op[0] == "add" and not (self._pending or self.engine.has_unfinished_requests()):
+            if isinstance(cmd, AddRequest) and not (self._pending or self.engine.has_unfinished_requests()):
                 self._progress_at = time.monotonic()  # work arrives: the stall clock starts now
-            self._pending.append(op)
+            self._pending.append(cmd)
         self._wake.set()
 
     # ---- the engine-core thread ----------------------------------------------
@@ -222,18 +223,21 @@ class AsyncEngine:
         with self._lock:
             pending, self._pending = self._pending, []
         delivered = []
-        for kind, arg in pending:
-            if kind == "stall":
-                self._unstall.wait(arg)
-            elif kind == "add":
+        for cmd in pending:
+            if isinstance(cmd, Stall):
+                self._unstall.wait(cmd.seconds)
+            elif isinstance(cmd, AddRequest):
                 try:
-                    self.engine.add_request(*arg)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority,
+                                            num_resumed_tokens=cmd.num_resumed_tokens,
+                                            num_resumed_chars=cmd.num_resumed_chars,
+                                            block_hashes=cmd.block_hashes)
                 except Exception as e:  # validated already; never let one request stop the loop
-                    delivered.append((arg[0], e))
+                    delivered.append((cmd.request_id, e))
             else:
-                out = self.engine.abort_request(arg)
+                out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
-                    delivered.append((arg, out))
+                    delivered.append((cmd.request_id, out))
         return delivered
 
     def _run(self) -> None:

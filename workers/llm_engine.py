@@ -27,6 +27,7 @@ from shoal.workers.model_executor.memory_profiler import (
     profile_memory,
 )
 from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.runner import Runner
 from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
@@ -90,6 +91,7 @@ class LLMEngine:
         tp = args.tensor_parallel_size
         cfg.check_tp_size(tp)  # before any actor starts
         self.shards: ShardGroup | None = None
+        self.runner: Runner  # a ModelRunner, or a SimulatedRunner for load_format 'simulated'
         if tp > 1:
             self.shards = ShardGroup(args, tp, device)
         try:
@@ -105,10 +107,11 @@ class LLMEngine:
                                               load_cost_model(args.simulated_cost_model))  # fmt: skip
             else:
                 model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype,
-                                    weight_dtype)  # fmt: skip
+                                    weight_dtype, args.fused_ops)  # fmt: skip
                 self.runner = ModelRunner(model, args.block_size, self.eos_token_ids, args.attention_backend,
                                           max_len, args.max_num_seqs,
-                                          enforce_eager=args.enforce_eager or tp > 1)  # fmt: skip
+                                          enforce_eager=args.enforce_eager or tp > 1,
+                                          cpu_kernels=args.cpu_kernels)  # fmt: skip
             # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
             per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
             capacities = [self._kv_capacity(args, device, per_block, max_len)]
@@ -348,7 +351,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
-                           bm.num_total_blocks, bm.block_size, bm.prefix_cache_hit_rate,
+                           bm.num_total_blocks, bm.prefix_cache_hit_rate,
                            self.scheduler.num_preemptions, self.scheduler.num_waiting_tokens,
                            bm.pool.num_query_tokens, bm.pool.num_hit_tokens, self.num_prompt_tokens,
                            self.num_generation_tokens, self.num_finished_requests)  # fmt: skip

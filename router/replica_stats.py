@@ -9,8 +9,11 @@ unique id (the Worker's `name`, Serve's `replica_id.unique_id`). Two feeds:
   the delta), which ServeWorkerPool.generate hands over: the fresh path under
   load, as old as one engine step plus the hop back;
 - the Worker's `record_routing_stats` (Serve's poll, a few times a second):
-  the figures plus the cached chain hashes, most recently used first; the
-  path when idle, and the only one for the hashes.
+  the same WorkerLoad (as a dict) plus the cached chain hashes, most recently
+  used first; the path when idle, and the only one for the hashes.
+
+The block size is the model's, the same at every replica: the pools set it
+once from WorkerInfo (`block_size`), never from a load report.
 
 On top, optimistic accounting: what this process sent a replica that no
 report reflects yet. A send counts until its stream's first message comes
@@ -36,6 +39,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
+from shoal.workers.messages import WorkerLoad
+
 # A send is reflected in a report taken this long after it: the hop to the
 # worker plus the engine step it waits for (steps are ~10-50 ms on a GPU).
 GRACE_S = 0.1
@@ -53,7 +58,6 @@ class ReplicaFigures:
 
     free_blocks: int = 0
     total_blocks: int = 0  # 0: no report yet
-    block_size: int = 0
     running: int = 0
     waiting: int = 0
     waiting_tokens: int = 0  # prompt tokens it had still to prefill
@@ -76,6 +80,7 @@ class ReplicaStats:
     def __init__(self, grace_s: float = GRACE_S):
         self.grace_s = grace_s
         self.replicas: dict[str, ReplicaFigures] = {}
+        self.block_size = 0  # the model's (WorkerInfo.block_size), set by the pool; 0: not known yet
         self._where: dict[str, str] = {}  # request id -> replica, while in flight
         self.version = 0  # changes when a replica's figures are made or dropped
         self._lock = threading.Lock()
@@ -92,38 +97,40 @@ class ReplicaStats:
 
     # ---- reports ----------------------------------------------------------------
 
-    def observe_load(self, replica: str, free_blocks: int, total_blocks: int, block_size: int, running: int,
-                     waiting: int, taken_at: float | None = None, waiting_tokens: int = 0) -> None:  # fmt: skip
-        """A replica's figures (a delta's `load`, or a poll's scalars)."""
+    def observe_load(self, replica: str, free_blocks: int, total_blocks: int, running: int, waiting: int,
+                     taken_at: float | None = None, waiting_tokens: int = 0) -> None:  # fmt: skip
+        """A replica's figures (a delta's `load`, or a poll's)."""
         taken_at = time.time() if taken_at is None else taken_at
         f = self.get(replica)
         with self._lock:
             if taken_at < f.reported_at:  # an older report than the one held (a poll that lagged)
                 return
-            f.free_blocks, f.total_blocks, f.block_size = free_blocks, total_blocks, block_size
+            f.free_blocks, f.total_blocks = free_blocks, total_blocks
             f.running, f.waiting, f.waiting_tokens = running, waiting, waiting_tokens
             f.reported_at = taken_at
             self._supersede(f, taken_at - self.grace_s)
 
-    def observe_worker_load(self, load) -> None:
-        """A GenerateDelta's `load` (a WorkerLoad), taken as of now. A late
+    def observe_worker_load(self, load: WorkerLoad, taken_at: float | None = None) -> None:
+        """A WorkerLoad: a GenerateDelta's, taken as of now (its hop back is
+        part of what GRACE_S allows for), or a poll's, as of `taken_at`. A late
         delta of a replica that left does not bring its figures back."""
         if self.departed(load.worker):
             return
-        self.observe_load(load.worker, load.num_free_blocks, load.num_total_blocks, load.block_size,
-                          load.num_running, load.num_waiting, None, load.num_waiting_tokens)  # fmt: skip
+        self.observe_load(load.worker, load.num_free_blocks, load.num_total_blocks, load.num_running,
+                          load.num_waiting, taken_at, load.num_waiting_tokens)  # fmt: skip
 
     def observe_poll(self, replica: str, stats: dict) -> None:
-        """A `record_routing_stats` result (Worker.record_routing_stats)."""
+        """A `record_routing_stats` result: a WorkerLoad as a dict, and `cached`."""
         t = stats.get("time")
-        if t is None or not stats.get("total_blocks"):
+        if t is None or not stats.get("num_total_blocks"):
             return
         f = self.get(replica)
         if t == f.poll_time:  # the same poll, broadcast again
             return
         f.poll_time = t
-        self.observe_load(replica, stats["free_blocks"], stats["total_blocks"], stats["block_size"], stats["running"],
-                          stats["waiting"], t, stats.get("waiting_tokens", 0))  # fmt: skip
+        load = WorkerLoad.from_dict(stats)
+        self.observe_load(replica, load.num_free_blocks, load.num_total_blocks, load.num_running, load.num_waiting,
+                          t, load.num_waiting_tokens)  # fmt: skip
         cutoff = t - self.grace_s
         # Least recent first; assumed hashes sent since the poll's cutoff stay.
         held = dict.fromkeys(reversed(stats.get("cached", ())), 0.0)

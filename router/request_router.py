@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from shoal.router import replica_stats, routing, tracing
+from shoal.router import replica_stats, routing
 from shoal.workers.messages import GenerateRequest, Subscribe
 # Serve's poll of Worker.record_routing_stats: the figures when deltas do
 # not flow (an idle worker), and the cached hashes. Serve's controller and
@@ -54,16 +54,17 @@ class KVRequestRouter(RequestRouter):
 
     policy = "kv"
     _turn = 0
-    _figs_of: tuple = (None, None, None, [])  # (candidates, registry, its version, their figures)
+    _figs_of: tuple = (None, None, None, [], [])  # (candidates, registry, its version, their names, figures)
 
-    def _figures(self, candidates: list[RunningReplica], stats) -> list:
-        """The candidates' figures, looked up again only when Serve's list
-        (rebuilt on every change, never edited) or the registry's set changes."""
-        of, reg, version, figs = self._figs_of
+    def _figures(self, candidates: list[RunningReplica], stats) -> tuple[list[str], list]:
+        """The candidates' names and figures, looked up again only when Serve's
+        list (rebuilt on every change, never edited) or the registry's set changes."""
+        of, reg, version, names, figs = self._figs_of
         if of is not candidates or reg is not stats or version != stats.version:
-            figs = [stats.get(r.replica_id.unique_id) for r in candidates]
-            self._figs_of = (candidates, stats, stats.version, figs)
-        return figs
+            names = [r.replica_id.unique_id for r in candidates]
+            figs = [stats.get(n) for n in names]
+            self._figs_of = (candidates, stats, stats.version, names, figs)
+        return names, figs
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
@@ -74,16 +75,9 @@ class KVRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         stats = replica_stats.REGISTRY
-        figs = self._figures(candidate_replicas, stats)
-        request = _request(pending_request)
-        order, blocks, tokens = routing.choose(self.policy, request, figs, self._turn)
+        names, figs = self._figures(candidate_replicas, stats)
+        order = routing.route(stats, self.policy, _request(pending_request), names, figs, self._turn)
         self._turn += 1
-        if request is not None:
-            stats.reserve(request.request_id, candidate_replicas[order[0]].replica_id.unique_id, blocks,
-                          request.block_hashes or (), tokens=tokens)  # fmt: skip
-            if request.trace_context:  # the request's routing span: what each candidate looked like
-                tracing.trace_route(request.trace_context, [r.replica_id.unique_id for r in candidate_replicas],
-                                    figs, order[0], self.policy)  # fmt: skip
         return [[candidate_replicas[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -94,8 +88,9 @@ class KVRequestRouter(RequestRouter):
             return
         stats, replica = replica_stats.REGISTRY, replica_id.unique_id
         if stats.where(request.request_id) != replica:
-            f = stats.get(replica)
-            blocks, tokens = routing.blocks_at(request, f) if self.policy == "kv" else (0, 0)
+            blocks, tokens = 0, 0
+            if self.policy == "kv" and stats.block_size:
+                blocks, tokens = routing.blocks_at(request, stats.get(replica), stats.block_size)
             stats.reserve(request.request_id, replica, blocks, request.block_hashes or (), tokens=tokens)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -33,7 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.router.replica_stats import ReplicaFigures
+from shoal.router import tracing
+from shoal.router.replica_stats import ReplicaFigures, ReplicaStats
 
 # The output a request is expected to need room for: max_tokens is only a
 # bound (an OpenAI chat request without one gets the rest of the context),
@@ -53,7 +54,6 @@ RUNNING_TOKENS = 128.0
 # Memory pressure breaks ties between equally loaded replicas (the emptier
 # wins), small beside a hit or a queued request: a full replica preempts.
 MEM_TOKENS = 256.0
-DEFAULT_BLOCK_SIZE = 16
 # Added to the cost where the request does not fit: past any cost a
 # replica that fits can have, so those always come first.
 DOES_NOT_FIT = 1e12
@@ -77,29 +77,43 @@ def request_need(num_prompt_tokens: int, max_tokens: int, block_size: int,
                        -(-expected // block_size), block_size)  # fmt: skip
 
 
-def need_of(request, figs: Sequence[ReplicaFigures]) -> RequestNeed:
-    """A GenerateRequest's need; the block size is the replicas' (16 until one reports)."""
-    bs = next((f.block_size for f in figs if f.block_size), DEFAULT_BLOCK_SIZE)
-    return request_need(len(request.prompt_token_ids), request.params.max_tokens, bs, request.block_hashes)
+def need_of(request, block_size: int) -> RequestNeed:
+    """A GenerateRequest's need, in blocks of the model's `block_size` (WorkerInfo's)."""
+    return request_need(len(request.prompt_token_ids), request.params.max_tokens, block_size, request.block_hashes)
 
 
-def choose(policy: str, request, figs: Sequence[ReplicaFigures], turn: int = 0) -> tuple[list[int], int, int]:
+def choose(policy: str, request, figs: Sequence[ReplicaFigures], block_size: int,
+           turn: int = 0) -> tuple[list[int], int, int]:  # fmt: skip
     """The replicas' order for `request` (a GenerateRequest, or None) under
     `policy`, best first, and what it takes at the first: KV blocks, and
     prompt tokens to prefill (0 and 0 for the policies that do not look)."""
     if policy == "kv":
-        if request is None:
+        if request is None or not block_size:  # (no size: no WorkerInfo read in this process yet)
             return least_requests_rank(figs), 0, 0
-        ranked = kv_rank(figs, need_of(request, figs))
+        ranked = kv_rank(figs, need_of(request, block_size))
         return [r[0] for r in ranked], *(ranked[0][1:] if ranked else (0, 0))
     order = least_requests_rank(figs) if policy == "least-requests" else round_robin_rank(len(figs), turn)
     return order, 0, 0
 
 
-def blocks_at(request, f: ReplicaFigures) -> tuple[int, int]:
+def route(stats: ReplicaStats, policy: str, request, names: Sequence[str], figs: Sequence[ReplicaFigures],
+          turn: int = 0) -> list[int]:  # fmt: skip
+    """Choose, reserve, trace: the one routing step of both pools (Serve's
+    request router and the in-process pool). The replicas' order for
+    `request` (None for a call that is no request) over `figs` (those of
+    `names`, from `stats`); the request counts as sent to the first."""
+    order, blocks, tokens = choose(policy, request, figs, stats.block_size, turn)
+    if request is not None and order:
+        stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens)
+        if request.trace_context:  # the request's routing span: what each candidate looked like
+            tracing.trace_route(request.trace_context, list(names), figs, order[0], policy)
+    return order
+
+
+def blocks_at(request, f: ReplicaFigures, block_size: int) -> tuple[int, int]:
     """What `request` takes at replica f: KV blocks (its need less what f
     holds) and prompt tokens to prefill."""
-    need = need_of(request, (f,))
+    need = need_of(request, block_size)
     hit = prefix_hit(need.hashes, f.held, need.usable)
     return need.blocks - hit, need.prompt_tokens - hit * need.block_size
 

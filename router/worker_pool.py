@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from shoal.router import rebalance, replica_stats, routing, tracing
+from shoal.router import rebalance, replica_stats, routing
 from shoal.router.delta_mux import DeltaMux, MuxEnded
 from shoal.router.failover import WorkerLost
 from shoal.router.replica_stats import ReplicaStats
@@ -99,7 +99,9 @@ class ServeWorkerPool:
                 gen.cancel()
 
     async def info(self) -> WorkerInfo:
-        return await self._handle.options(method_name="info").remote()
+        info = await self._handle.options(method_name="info").remote()
+        replica_stats.REGISTRY.block_size = info.block_size  # the request router's, in this process
+        return info
 
     async def stats(self) -> list[WorkerLoad | BaseException]:
         """Every live worker's stats, read now (a control-plane broadcast)."""
@@ -136,12 +138,11 @@ class LocalWorkerPool:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         stats, names = self.replica_stats, self._names()
         self._poll(names)
-        order, blocks, tokens = routing.choose(self.policy, request, [stats.get(n) for n in names], self._turn)
+        if not stats.block_size and hasattr(self.workers[0], "info"):
+            stats.block_size = self.workers[0].info().block_size
+        order = routing.route(stats, self.policy, request, names, [stats.get(n) for n in names], self._turn)
         self._turn += 1
         worker = self.workers[order[0]]
-        stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens)
-        if request.trace_context:
-            tracing.trace_route(request.trace_context, names, [stats.get(n) for n in names], order[0], self.policy)
         first = True
         try:
             async with aclosing(worker.generate(request)) as stream:
@@ -153,7 +154,9 @@ class LocalWorkerPool:
             stats.done(request.request_id)
 
     async def info(self) -> WorkerInfo:
-        return self.workers[0].info()
+        info = self.workers[0].info()
+        self.replica_stats.block_size = info.block_size
+        return info
 
     async def stats(self) -> list[WorkerLoad | BaseException]:
         await asyncio.sleep(0)

@@ -128,15 +128,15 @@ def test_a_new_worker_gets_the_mean_share_of_the_waiting_requests():
 
     stats = ReplicaStats()
     r = rebalance.Rebalancer(handle=None)
-    stats.observe_load("a", 100, 128, 16, running=2, waiting=10)
+    stats.observe_load("a", 100, 128, running=2, waiting=10)
     assert r.plan(stats) == {}  # the first worker seen is new, but none is old
     stats.get("b")  # known to the router, not reported yet: not ready
     assert r.plan(stats) == {}
-    stats.observe_load("b", 128, 128, 16, running=0, waiting=0)
+    stats.observe_load("b", 128, 128, running=0, waiting=0)
     assert r.plan(stats) == {"a": 5}
     assert r.plan(stats) == {}  # once per new worker
     stats.drop("b")  # b drains away; a delta of its last stream brings its figures back: not new
-    stats.observe_load("b", 128, 128, 16, running=1, waiting=0)
+    stats.observe_load("b", 128, 128, running=1, waiting=0)
     assert r.plan(stats) == {}
 
 

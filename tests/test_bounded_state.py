@@ -125,7 +125,7 @@ def test_the_request_router_removes_the_series_of_replicas_that_left(monkeypatch
     monkeypatch.setattr(replica_stats, "REGISTRY", stats)
     m = RouterMetrics("m", 1024)
     for w in ("w-a", "w-b", "w-c"):
-        stats.observe_load(w, 10, 10, 16, 0, 0)  # as the deltas' loads make them known
+        stats.observe_load(w, 10, 10, 0, 0)  # as the deltas' loads make them known
         m.finished(_finished(w), [0.01])
     cls = ROUTERS[policy]
     router = cls.__new__(cls)  # as Serve calls it, without its state
@@ -157,10 +157,10 @@ def test_the_rebalancer_forgets_workers_long_gone():
     r = rebalance.Rebalancer(handle=None)
     stats = ReplicaStats()
     for i in range(3 * rebalance.MAX_SEEN):  # workers replaced one after another
-        stats.observe_load(f"w{i}", 10, 10, 16, 0, 0)
+        stats.observe_load(f"w{i}", 10, 10, 0, 0)
         r.plan(stats)
         stats.drop(f"w{i}")
-    stats.observe_load("live", 10, 10, 16, 0, 0)
+    stats.observe_load("live", 10, 10, 0, 0)
     r.plan(stats)
     assert len(r._seen) <= rebalance.MAX_SEEN + 1 and "live" in r._seen
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +17,13 @@ from shoal.router.replica_stats import GRACE_S, ReplicaFigures, ReplicaStats
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.messages import GenerateRequest
+from shoal.workers.messages import GenerateRequest, WorkerLoad
 
 BS = 16
 
 
 def fig(free=200, total=200, running=0, waiting=0, held=(), waiting_tokens=0) -> ReplicaFigures:
-    return ReplicaFigures(free, total, BS, running, waiting, waiting_tokens, reported_at=1.0,
+    return ReplicaFigures(free, total, running, waiting, waiting_tokens, reported_at=1.0,
                           held=dict.fromkeys(held, 0.0))  # fmt: skip
 
 
@@ -37,7 +38,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def first(figs, req) -> int:
-    return routing.choose("kv", req, figs)[0][0]
+    return routing.choose("kv", req, figs, BS)[0][0]
 
 
 # ---- scoring -------------------------------------------------------------------
@@ -57,12 +58,12 @@ def test_an_emptier_replica_wins():
 def test_a_prefix_holder_wins_when_blocks_allow_and_loses_when_it_cannot_fit():
     ids = prompt(640)  # 40 blocks
     req = request(ids, max_tokens=2000)  # expected output capped: need = ceil((640 + 256) / 16) = 56 blocks
-    need = routing.need_of(req, [fig()])
+    need = routing.need_of(req, BS)
     assert (need.prompt_tokens, need.blocks, need.usable) == (640, 56, 39)
     holder = chain_hashes(ids, BS)[:30]
     # The holder is busier and fuller, yet 30 blocks of prefill saved outweigh that.
     figs = [fig(free=150, running=2), fig(free=100, running=3, held=holder)]
-    order, blocks, tokens = routing.choose("kv", req, figs)
+    order, blocks, tokens = routing.choose("kv", req, figs, BS)
     assert order == [1, 0] and blocks == 56 - 30 and tokens == 640 - 30 * BS
     # With 20 free blocks it cannot take the 26 the request still needs: the other one wins.
     assert first([fig(free=150, running=2), fig(free=20, held=holder)], req) == 0
@@ -91,7 +92,7 @@ def test_a_deep_queue_outweighs_a_prefix_hit():
 def burst(stats: ReplicaStats, names: list[str], reqs: list[GenerateRequest], reserve: bool = True) -> list[str]:
     out = []
     for req in reqs:
-        order, blocks, tokens = routing.choose("kv", req, [stats.get(n) for n in names])
+        order, blocks, tokens = routing.choose("kv", req, [stats.get(n) for n in names], BS)
         out.append(names[order[0]])
         if reserve:
             stats.reserve(req.request_id, out[-1], blocks, req.block_hashes, tokens=tokens)
@@ -122,6 +123,7 @@ def test_optimistic_accounting_spreads_a_burst():
 
 def _stats_with(figs: dict[str, ReplicaFigures]) -> ReplicaStats:
     stats = ReplicaStats()
+    stats.block_size = BS
     stats.replicas.update(figs)
     return stats
 
@@ -134,11 +136,11 @@ def test_a_fresher_report_supersedes_the_optimistic_counts():
     f = stats.get("a")
     assert (len(f.sent), f.sent_blocks, f.in_flight) == (3, 15, 3)
     assert routing.queue_depth(f) == 3
-    stats.observe_load("a", 200, 200, BS, 0, 0, taken_at=t0 + 0.05)  # too soon to count them: they stay
+    stats.observe_load("a", 200, 200, 0, 0, taken_at=t0 + 0.05)  # too soon to count them: they stay
     assert len(f.sent) == 3
-    stats.observe_load("a", 190, 200, BS, 0, 1, taken_at=t0 + 0.015 + GRACE_S)  # counts the first two
+    stats.observe_load("a", 190, 200, 0, 1, taken_at=t0 + 0.015 + GRACE_S)  # counts the first two
     assert (list(f.sent), f.sent_blocks, f.waiting) == (["q2"], 5, 1)
-    stats.observe_load("a", 200, 200, BS, 0, 0, taken_at=t0)  # older than the one held: ignored
+    stats.observe_load("a", 200, 200, 0, 0, taken_at=t0)  # older than the one held: ignored
     assert (f.free_blocks, f.waiting) == (190, 1)
     stats.ack("q2")  # its first delta came back: the worker counts it
     assert (f.sent, f.sent_blocks, f.in_flight) == ({}, 0, 3)
@@ -159,8 +161,8 @@ def test_a_poll_brings_hashes_and_assumed_ones_last_until_a_later_poll():
     ids = prompt(320)
     hashes = chain_hashes(ids, BS)
     t0 = 1000.0
-    poll = {"time": t0, "free_blocks": 180, "total_blocks": 200, "block_size": BS, "running": 1, "waiting": 0,
-            "cached": hashes[:10]}  # fmt: skip
+    load = WorkerLoad(1, 0, 180, 200, 0.0, 0, 0, 0, 0, 0, 0, 0, worker="a", time=t0)
+    poll = asdict(load) | {"cached": hashes[:10]}
     stats.observe_poll("a", poll)
     f = stats.get("a")
     assert (f.free_blocks, f.running) == (180, 1) and routing.prefix_hit(hashes, f.held) == 10
@@ -176,7 +178,7 @@ def test_a_poll_brings_hashes_and_assumed_ones_last_until_a_later_poll():
 def test_round_robin_and_least_requests():
     assert routing.round_robin_rank(3, 0) == [0, 1, 2]
     assert routing.round_robin_rank(3, 4) == [1, 2, 0]
-    assert [routing.choose("round-robin", None, [fig()] * 3, t)[0][0] for t in range(4)] == [0, 1, 2, 0]
+    assert [routing.choose("round-robin", None, [fig()] * 3, BS, t)[0][0] for t in range(4)] == [0, 1, 2, 0]
     stats = _stats_with({"a": fig(running=2), "b": fig(running=1, waiting=1), "c": fig(running=1)})
     figs = [stats.get(n) for n in "abc"]
     assert routing.least_requests_rank(figs) == [2, 0, 1]
@@ -206,7 +208,7 @@ def test_binary_search_hit_count_equals_a_linear_scan():
         assert routing.prefix_hit(query, held, limit) == min(linear, limit)
         # kv_rank inlines the same search: the blocks it charges are the need less that hit.
         need = routing.RequestNeed(query, limit, 4 * len(query) + 1, len(query) + 3, 4)
-        f = ReplicaFigures(free_blocks=1000, total_blocks=1000, block_size=4, held=dict.fromkeys(held, 0.0))
+        f = ReplicaFigures(free_blocks=1000, total_blocks=1000, held=dict.fromkeys(held, 0.0))
         hit = min(linear, limit)
         assert routing.kv_rank([f], need) == [(0, len(query) + 3 - hit, 4 * len(query) + 1 - 4 * hit)]
 
@@ -250,6 +252,7 @@ def test_choose_cost_at_32_replicas(monkeypatch):
     ids = prompt(2000)
     hashes = chain_hashes(ids, BS)
     stats = ReplicaStats()
+    stats.block_size = BS
     for i in range(32):
         held = [rng.getrandbits(63) for _ in range(1000)] + hashes[: rng.choice([0, 0, 0, 10, 60, 124])]
         stats.replicas[f"r{i}"] = fig(free=rng.randrange(500, 4000), total=4000, running=rng.randrange(8),
@@ -264,7 +267,7 @@ def test_choose_cost_at_32_replicas(monkeypatch):
             fn()
         return (time.thread_time() - t) / n * 1e6
 
-    pure = min(per_call_us(lambda: routing.choose("kv", req, figs)) for _ in range(3))
+    pure = min(per_call_us(lambda: routing.choose("kv", req, figs, BS)) for _ in range(3))
     # The whole choose_replicas as Serve awaits it, with the reservation (and its release).
     monkeypatch.setattr(replica_stats, "REGISTRY", stats)
     router, reps, pending = KVRequestRouter.__new__(KVRequestRouter), [_replica(f"r{i}") for i in range(32)], _pending(req)
@@ -367,7 +370,10 @@ def test_local_pool_routes_a_shared_prefix_to_its_holder_and_exports_it(tiny_mod
     holder = next(w for w in workers if w.name == firsts[0].worker)
     stats = holder.record_routing_stats()
     assert set(chain_hashes(shared, BS)) <= set(stats["cached"])
-    assert stats["total_blocks"] == 64 and stats["running"] == 0 and holder.record_routing_stats() is stats
+    assert stats["num_total_blocks"] == 64 and stats["num_running"] == 0 and holder.record_routing_stats() is stats
+    # One report, the deltas' WorkerLoad, as a dict: its fields and the hashes, read back whole.
+    assert set(stats) == {f.name for f in fields(WorkerLoad)} | {"cached"}
+    assert WorkerLoad.from_dict(stats).worker == holder.name
     for w in workers:
         asyncio.run(w.engine.shutdown())
 

@@ -8,7 +8,7 @@ module; the workers never import the router.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from shoal.workers.core.stats import EngineStats
 from shoal.workers.core.outputs import TokenLogprob
@@ -129,6 +129,15 @@ class WorkerInfo:
 @dataclass(slots=True)
 class WorkerLoad(EngineStats):
     """A worker's engine stats (running, waiting, free blocks, ...), read at
-    the moment it is asked, and the worker's name."""
+    the moment it is asked, its name and that moment: the one load report,
+    on a step's deltas, on the stats broadcast, and (as a dict, for Ray Serve)
+    on the routing-stats poll. The block size is not in it: WorkerInfo has it."""
 
     worker: str
+    time: float = 0.0  # wall time the figures were read
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WorkerLoad:
+        """The report back from `dataclasses.asdict` (Serve's poll carries a
+        dict), ignoring what else the dict carries."""
+        return cls(**{f.name: d[f.name] for f in fields(cls)})

@@ -72,7 +72,7 @@ class Worker:
                           eng.limits.max_logprobs, eng.limits.max_stop_strings)  # fmt: skip
 
     def stats(self) -> WorkerLoad:
-        load = WorkerLoad(**asdict(self.engine.stats()), worker=self.name)
+        load = WorkerLoad(**asdict(self.engine.stats()), worker=self.name, time=time.time())
         load.num_waiting = self.engine.num_waiting  # counting requests added since the engine's last step
         return load
 
@@ -217,18 +217,16 @@ class Worker:
 
     def record_routing_stats(self) -> dict:
         """Serve's poll for the request router (each request_routing_stats_period_s):
-        the load and the MRU cached chain hashes. Figures unchanged since the
-        last poll return the same dict, so an idle worker sets off no broadcast."""
+        the load (the deltas' WorkerLoad, as a dict: Serve wants one) and the MRU
+        cached chain hashes. Figures unchanged since the last poll return the
+        same dict, so an idle worker sets off no broadcast."""
         load = self.stats()
         key = (self.engine.engine.num_steps, load.num_free_blocks, load.num_running, load.num_waiting,
                load.num_waiting_tokens)
         if key != self._routing_key:
             cached = self.engine.engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
             self._routing_key = key
-            self._routing_stats = {"worker": self.name, "time": time.time(), "free_blocks": load.num_free_blocks,
-                                   "total_blocks": load.num_total_blocks, "block_size": load.block_size,
-                                   "running": load.num_running, "waiting": load.num_waiting,
-                                   "waiting_tokens": load.num_waiting_tokens, "cached": cached}  # fmt: skip
+            self._routing_stats = asdict(load) | {"cached": cached}
         return self._routing_stats
 
     # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/rebalance.py)

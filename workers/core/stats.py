@@ -14,8 +14,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_free_blocks: int
-    num_total_blocks: int
-    block_size: int
+    num_total_blocks: int  # of the engine's block size, which WorkerInfo carries
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_waiting_tokens: int  # prompt tokens still to prefill (Scheduler.num_waiting_tokens)

@@ -71,33 +71,26 @@ def router_deployment_options(opts: ServeOptions) -> dict:
     one per node (each binds the HTTP and gRPC ports on its node), on the
     nodes that carry ROUTER_RESOURCE when the cluster has any."""
     actor = {"num_cpus": 0, "runtime_env": replica_runtime_env()}
-    if cluster_has_router_nodes():
+    if cluster_has_router_nodes(opts.nodes_join_later):
         actor["resources"] = {ROUTER_RESOURCE: ROUTER_RESOURCE_SHARE}
     return {"num_replicas": opts.routers, "max_replicas_per_node": 1, "ray_actor_options": actor,
             "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": opts.drain_timeout_s + 10.0}  # fmt: skip
 
 
-def cluster_has_router_nodes() -> bool:
+def cluster_has_router_nodes(nodes_join_later: bool = False) -> bool:
     """Whether a live node of the connected Ray cluster carries ROUTER_RESOURCE.
 
     Read when the application is built: by `shoal serve` on its driver, and,
     for a Serve config (`serve run`/`serve deploy`, a KubeRay RayService), in
     the task Serve runs on the cluster to call build_app. So placement follows
     the nodes alive then: marked nodes that join later count from the next
-    deploy, except under the Helm chart (on_kuberay), whose router pods are
-    marked from the start. Outside Ray (False) the routers may go to any node."""
+    deploy, except with ServeOptions.nodes_join_later (the Helm chart), whose
+    router pods are marked from the start. Outside Ray (False) the routers may go to any node."""
     import ray
 
-    if on_kuberay():  # the chart's router pods carry it, whether or not they have joined yet
+    if nodes_join_later:  # the chart's router pods carry it, whether or not they have joined yet
         return True
     return ray.is_initialized() and ray.cluster_resources().get(ROUTER_RESOURCE, 0) > 0
-
-
-def on_kuberay() -> bool:
-    """Built on a cluster from the Helm chart, which sets SHOAL_KUBERAY=1 on
-    every pod: its groups (router pods, GPU pods) may join after the app is
-    built, so the nodes alive then are not the cluster's shape."""
-    return os.environ.get("SHOAL_KUBERAY") == "1"
 
 
 @contextmanager

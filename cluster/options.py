@@ -14,6 +14,8 @@ from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field,
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
 # --routing: the Worker deployment's request router (router/request_router.py).
 ROUTING_POLICIES = ("kv", "least-requests", "pow2", "round-robin")
+# The Helm chart sets it on every pod; read once here, the option is what the code reads.
+_ENV_KUBERAY = os.environ.get("SHOAL_KUBERAY") == "1"
 
 
 @dataclass(slots=True)
@@ -24,6 +26,10 @@ class ServeOptions:
     num_workers: int = cli_field(1, "worker replicas (each with --tensor-parallel-size GPUs on a GPU cluster)")
     routers: int = cli_field(1, "router replicas, at most one per node (on nodes with the Ray resource shoal_router "
                                 "when the cluster has it); each binds both ports on its node")  # fmt: skip
+    nodes_join_later: bool = cli_field(_ENV_KUBERAY, "the cluster's node groups (router pods, GPU pods) may join "
+                                                     "after the app is built, as under the Helm chart ($SHOAL_KUBERAY=1 "
+                                                     "sets the default on): routers go to shoal_router nodes before "
+                                                     "any has joined, and GPUs are not counted up front")  # fmt: skip
     api_key: str | None = cli_field(None, "require this bearer key (default: $SHOAL_API_KEY)")
     max_waiting: int = cli_field(256, "waiting requests per worker; past it 429 / RESOURCE_EXHAUSTED")
     max_request_bytes: int = cli_field(4 << 20, "request body limit")
@@ -169,7 +175,7 @@ class ServeOptions:
         import ray
 
         # Under the Helm chart GPU pods join as the Ray autoscaler or KubeRay brings them: not countable yet.
-        if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu() and os.environ.get("SHOAL_KUBERAY") != "1":
+        if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu() and not self.nodes_join_later:
             need, have = self.num_workers * self.tp_size, ray.cluster_resources().get("GPU", 0)
             if have < need:
                 raise ValueError(f"{self.num_workers} worker(s) x tensor_parallel_size {self.tp_size} need "

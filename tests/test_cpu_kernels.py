@@ -22,7 +22,7 @@ from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 @pytest.fixture(scope="module")
 def kernel():
     k = cpu_kernels.load()
-    assert k is not None, "the CPU kernels did not build (is a C++ compiler installed? SHOAL_CPU_KERNEL=0 set?)"
+    assert k is not None, "the CPU kernels did not build (is a C++ compiler installed? a compiler error in the log?)"
     return k
 
 
@@ -240,6 +240,15 @@ def _llm(tiny_model, backend: str, weight_dtype: str = "auto") -> LLM:
     else:
         assert model.cpu_kernels is not None, "the CPU kernels did not build"
     return llm
+
+
+def test_no_cpu_kernels_leaves_every_layer_on_the_torch_path(tiny_model):
+    """EngineArgs.cpu_kernels off (--no-cpu-kernels, or SHOAL_CPU_KERNEL=0's default): nothing is bound."""
+    runner = LLM(tiny_model, num_kv_blocks=64, cpu_kernels=False).engine.runner
+    assert runner.decode_kernel is None
+    assert all(getattr(m, "cpu_kernels", None) is None for m in runner.model.modules())
+    with pytest.raises(RuntimeError, match="cpu_kernels on"):
+        LLM(tiny_model, num_kv_blocks=64, attention_backend="cpu_kernel", cpu_kernels=False)
 
 
 class _PathSpy:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -90,3 +93,18 @@ def test_serve_options_round_trip_through_flags_and_config_args():
     assert ServeOptions.from_cli_args(ns).drain_timeout_s == 5.0
     with pytest.raises(ValueError, match="unknown engine option 'host'"):
         ServeOptions.from_dict({"engine": {"host": "0.0.0.0"}})
+
+
+def test_the_older_environment_switches_set_the_defaults_once():
+    """SHOAL_FUSED_OPS=1, SHOAL_CPU_KERNEL=0 and SHOAL_KUBERAY=1 still work: they set
+    the options' defaults when the modules are imported, and a flag wins over them."""
+    code = ("import argparse; from shoal.cluster.options import ServeOptions; "
+            "from shoal.workers.engine_args import EngineArgs; e = EngineArgs(); "
+            "ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(['--cpu-kernels']); "
+            "print(e.fused_ops, e.cpu_kernels, ServeOptions().nodes_join_later, EngineArgs.from_cli_args(ns).cpu_kernels)")  # fmt: skip
+    env = os.environ | {"SHOAL_FUSED_OPS": "1", "SHOAL_CPU_KERNEL": "0", "SHOAL_KUBERAY": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.split() == ["True", "False", "True", "True"]
+    clean = {k: v for k, v in os.environ.items() if k not in ("SHOAL_FUSED_OPS", "SHOAL_CPU_KERNEL", "SHOAL_KUBERAY")}
+    run = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.split() == ["False", "True", "False", "True"]

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 import shlex
+import subprocess
+import sys
 
 import helm_python as helm
 import jsonschema
@@ -380,18 +382,22 @@ def test_routers_land_on_their_own_pods_behind_the_services():
     assert routers["template"]["spec"]["terminationGracePeriodSeconds"] >= 30 + 5
 
 
-def test_pods_tell_build_app_that_routers_and_gpus_come_from_the_chart(monkeypatch):
+def test_pods_tell_build_app_that_routers_and_gpus_come_from_the_chart():
     """The app is built as soon as the head is up, before the router and GPU
-    pods join: SHOAL_KUBERAY=1 on every pod makes build_app place routers on
-    the shoal_router pods and skip counting GPUs that have not joined yet."""
+    pods join: SHOAL_KUBERAY=1 on every pod sets ServeOptions.nodes_join_later,
+    which makes build_app place routers on the shoal_router pods and skip
+    counting GPUs that have not joined yet."""
     from shoal.cluster.app import cluster_has_router_nodes
 
     for name, group in groups(rayservice(render(load_values("values-8gpu-tp2.yaml")))).items():
         assert {"name": "SHOAL_KUBERAY", "value": "1"} in ray_container(group)["env"], name
-    monkeypatch.delenv("SHOAL_KUBERAY", raising=False)
+    code = "from shoal.cluster.options import ServeOptions; print(ServeOptions().nodes_join_later)"
+    for env, expected in (("0", "False"), ("1", "True")):
+        run = subprocess.run([sys.executable, "-c", code], env=os.environ | {"SHOAL_KUBERAY": env},
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        assert run.stdout.strip() == expected
     assert not cluster_has_router_nodes()  # outside Ray, no marked node
-    monkeypatch.setenv("SHOAL_KUBERAY", "1")
-    assert cluster_has_router_nodes()
+    assert cluster_has_router_nodes(nodes_join_later=True)
 
 
 def test_every_ray_container_has_probes_of_its_own():
@@ -670,7 +676,7 @@ def test_schema_and_values_list_every_shoal_serve_option():
     three the chart sets), and the schema types each one: a new option fails here."""
     fields = {f.name for f in dataclasses.fields(ServeOptions)} - {"engine"}
     fields |= {f.name for f in dataclasses.fields(EngineArgs)}
-    chart_set = {"host", "model", "api_key"}
+    chart_set = {"host", "model", "api_key", "nodes_join_later"}
     with open(os.path.join(CHART, "values.schema.json")) as f:
         schema = json.load(f)
     props = schema["properties"]["shoal"]["properties"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ if typing.TYPE_CHECKING:
 
 # Names only: the router's processes read EngineArgs and never import torch (the engine resolves them).
 _DTYPES = ("float32", "bfloat16", "float16")
+# Older switches that still set the defaults, read once here: the options themselves are what the code reads.
+_ENV_CPU_KERNELS = os.environ.get("SHOAL_CPU_KERNEL", "1") != "0"
+_ENV_FUSED_OPS = os.environ.get("SHOAL_FUSED_OPS") == "1"
 
 
 def cli_field(default: Any, help: str, **flag: Any) -> Any:
@@ -89,6 +93,13 @@ class EngineArgs:
                                        choices=("auto", "torch", "cpu_kernel", "triton", "flash_attn"))  # fmt: skip
     enforce_eager: bool = cli_field(False, "never replay CUDA graphs: every step runs eagerly (graphs capture "
                                            "decode-only steps at bucketed batch sizes on CUDA)")  # fmt: skip
+    cpu_kernels: bool = cli_field(_ENV_CPU_KERNELS, "build and use the compiled CPU kernels (csrc/: decode "
+                                                    "attention, few-row linear, norm, activation, rotary); off: the "
+                                                    "torch path, the reference ($SHOAL_CPU_KERNEL=0 sets the default "
+                                                    "off)")  # fmt: skip
+    fused_ops: bool = cli_field(_ENV_FUSED_OPS, "run the fused Triton norm, activation and rotary kernels off CUDA "
+                                                "too (the tests, under TRITON_INTERPRET=1); on CUDA they always run "
+                                                "($SHOAL_FUSED_OPS=1 sets the default on)")  # fmt: skip
     tensor_parallel_size: int = cli_field(1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors",
                                           aliases=("-tp",))  # fmt: skip
     # Per-request limits, enforced by the engine itself (the fronts import the same check).

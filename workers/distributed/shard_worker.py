@@ -44,7 +44,7 @@ class ShardWorker:
         loaded = load_model_files(args.model)
         weights = model_weights(loaded, args.load_format, self.device)
         self.model = build_model(loaded.config, weights, max_model_len, self.device, self.dtype,
-                                 args.resolved_weight_dtype(self.device))  # fmt: skip
+                                 args.resolved_weight_dtype(self.device), args.fused_ops)  # fmt: skip
         self.model_max_len = max_model_len
         per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
         return ModelRunner.kv_budget_bytes(args, self.device) // per_block
@@ -54,7 +54,8 @@ class ShardWorker:
         args = self.args
         # No CUDA graphs under tensor parallelism: rank 0 runs every step eagerly too.
         self.runner = ModelRunner(self.model, args.block_size, eos_token_ids, args.attention_backend,
-                                  self.model_max_len, args.max_num_seqs, enforce_eager=True)  # fmt: skip
+                                  self.model_max_len, args.max_num_seqs, enforce_eager=True,
+                                  cpu_kernels=args.cpu_kernels)  # fmt: skip
         self.runner.initialize_kv_cache(num_blocks)
 
     def run(self) -> None:

@@ -176,16 +176,17 @@ def _load_gguf(path: str) -> LoadedModel:
 
 
 def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.device, dtype: torch.dtype,
-                weight_dtype: torch.dtype | None = None):  # fmt: skip
+                weight_dtype: torch.dtype | None = None, fused_ops: bool = False):  # fmt: skip
     """The model (this rank's slice of it inside a tensor-parallel group)
     with the checkpoint's weights, ready for inference; weight_dtype, when
-    narrower than dtype, is how its weight matrices are stored."""
+    narrower than dtype, is how its weight matrices are stored; fused_ops
+    as EngineArgs.fused_ops."""
     import torch
 
     from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, fused_ops)
     model.to(dtype)
     model.load_weights(weights)
     if weight_dtype is not None and weight_dtype != dtype:

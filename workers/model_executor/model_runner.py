@@ -56,8 +56,9 @@ class _Row:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, eos_token_ids: list[int], attention_backend: str,
-                 max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False):  # fmt: skip
-        """Call initialize_kv_cache before the first step."""
+                 max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False,
+                 cpu_kernels: bool = True):  # fmt: skip
+        """Call initialize_kv_cache before the first step; cpu_kernels as EngineArgs.cpu_kernels."""
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # banned before min_tokens
@@ -71,9 +72,9 @@ class ModelRunner:
         self.staging = StagingBuffer(self.device)
         self.sampler = Sampler()
         self.fault_plan = FaultPlan.from_env()  # None unless a test asks for faults
-        self._choose_attention_backend(attention_backend)
+        self._choose_attention_backend(attention_backend, cpu_kernels)
 
-    def _choose_attention_backend(self, backend: str) -> None:
+    def _choose_attention_backend(self, backend: str, use_cpu_kernels: bool = True) -> None:
         if backend not in ("auto", "torch", "cpu_kernel", "triton", "flash_attn"):
             raise ValueError(f"attention_backend must be auto, torch, cpu_kernel, triton or flash_attn; got {backend!r}")
         # The varlen kernels (triton, flash_attn) read the whole step from one
@@ -94,12 +95,13 @@ class ModelRunner:
         # their few rows by the weights through the compiled kernels when
         # they build; the torch path is the fallback and the reference.
         self.decode_kernel = None
-        if backend in ("auto", "cpu_kernel") and self.device.type == "cpu" and self.dtype == torch.float32:
+        cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if backend in ("auto", "cpu_kernel") and cpu_float32 and use_cpu_kernels:
             from shoal.workers.model_executor.layers import cpu_kernels
 
             self.decode_kernel = cpu_kernels.load()
         if backend == "cpu_kernel" and self.decode_kernel is None:
-            raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32 and a C++ compiler")
+            raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32, a C++ compiler and cpu_kernels on")
         # The matmul, small ops and one-call decode step are AVX2 code.
         kernels = self.decode_kernel if getattr(self.decode_kernel, "has_avx2", False) else None
         for module in self.model.modules():

@@ -3,8 +3,9 @@ paged KV cache, and the few-row linear layer of a decode step.
 
 Built once with torch's extension loader and cached under
 ~/.cache/torch_extensions (`make install` builds it ahead). load() returns
-None where it cannot be built (no compiler) or SHOAL_CPU_KERNEL=0 is set:
-the pure-torch path then runs, and it stays the reference either way.
+None where it cannot be built (no compiler): the pure-torch path then runs,
+and it stays the reference either way. The model runner calls it only under
+EngineArgs.cpu_kernels (off: --no-cpu-kernels, or $SHOAL_CPU_KERNEL=0).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ def load():
     if _tried:
         return _kernel
     _tried = True
-    if os.environ.get("SHOAL_CPU_KERNEL", "1") == "0":
-        return None
     try:
         from torch.utils.cpp_extension import load as load_extension
 

@@ -3,7 +3,7 @@ SiLU-and-multiply and the rotary embedding, where eager torch launches
 several. Math in float32; results in the input's dtype.
 
 The layers call these on CUDA tensors, and on CPU tensors only when
-SHOAL_FUSED_OPS=1 asks for it and TRITON_INTERPRET=1 was set before this
+EngineArgs.fused_ops asks for it and TRITON_INTERPRET=1 was set before this
 module was first imported (Triton picks interpreted or compiled when a
 kernel is decorated). The layers import this module lazily, so a CPU-only
 install needs no triton.

@@ -1,42 +1,42 @@
 """RMSNorm, computed in float32 as transformers does, so float32 runs match
 it bit for bit and half-precision runs match its rounding. On CUDA (or
-with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel does the residual
+with EngineArgs.fused_ops, see fused_ops) one Triton kernel does the residual
 add and the norm; on the CPU, where the model runner gives the layer the
 compiled kernels, one C++ call (csrc/cpu_ops.cpp)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from shoal.workers.model_executor.layers.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
+
+class RMSNorm(CustomOp):
+    """forward(x) is norm(x); forward(x, residual) is (norm(residual + x),
+    residual + x) as vLLM's, the fused kernels updating residual in place."""
+
+    def __init__(self, hidden_size: int, eps: float, fused_ops: bool = False):
+        super().__init__(fused_ops)
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.cpu_kernels = None
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """norm(x); given a residual, (norm(residual + x), residual + x) as
-        vLLM's, the fused kernel updating residual in place."""
-        if x.is_cuda or os.environ.get("SHOAL_FUSED_OPS") == "1":
-            from shoal.workers.model_executor.layers import fused_ops
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        from shoal.workers.model_executor.layers import fused_ops
 
-            if residual is None:
-                return fused_ops.rms_norm(x, self.weight, self.eps)
-            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
-        if self.cpu_kernels is not None and x.dtype == torch.float32 and x.dim() == 2:
-            return self._cpu(x, residual)
+        if residual is None:
+            return fused_ops.rms_norm(x, self.weight, self.eps)
+        return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         residual = residual + x
         return self._norm(residual), residual
 
-    def _cpu(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.cpu_kernels is None or x.dtype != torch.float32 or x.dim() != 2:
+            return self.forward_native(x, residual)
         if residual is None:
             return self.cpu_kernels.rms_norm(x, None, self.weight, self.eps)
         # In place, as the Triton kernel: residual is a sum this layer owns

@@ -4,10 +4,10 @@ Qwen2 and long-context configs: default, linear, llama3 and yarn."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
-from torch import nn
+
+from shoal.workers.model_executor.layers.custom_op import CustomOp
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -68,31 +68,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Holds cos/sin for every position up to max_positions (computed in
     float32 as transformers does, then cast once)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
-        super().__init__()
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, fused_ops: bool = False):
+        super().__init__(fused_ops)
         inv_freq, attn_scale = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cached", emb.cos() * attn_scale, persistent=False)
         self.register_buffer("sin_cached", emb.sin() * attn_scale, persistent=False)
-        self.cpu_kernels = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA (or
-        with SHOAL_FUSED_OPS=1, see fused_ops) one Triton kernel for both;
-        on the CPU with the compiled kernels, one C++ call that rotates them
-        in place (they are views of this layer's own q/k/v output)."""
-        if q.is_cuda or os.environ.get("SHOAL_FUSED_OPS") == "1":
-            from shoal.workers.model_executor.layers import fused_ops
+    # q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA (or with
+    # EngineArgs.fused_ops, see fused_ops) one Triton kernel for both; on the
+    # CPU with the compiled kernels, one C++ call that rotates them in place
+    # (they are views of this layer's own q/k/v output).
+    def forward_fused(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        from shoal.workers.model_executor.layers import fused_ops
 
-            return fused_ops.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
+        return fused_ops.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
+
+    def forward_cpu(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.cpu_kernels is not None and q.dtype == torch.float32 == self.cos_cached.dtype:
             self.cpu_kernels.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
             return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

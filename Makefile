@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install browser serve generate proto docs test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
+.PHONY: install browser serve generate proto docs lint test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -40,7 +40,7 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/shoal generate "$(PROMPT)"
 
-test: $(STAMP) browser docs
+test: $(STAMP) browser docs lint
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
 
@@ -72,6 +72,11 @@ bench-gpu: $(STAMP)
 # the nav. The flag reference it includes is generated: scripts/gen_config_reference.py (a test fails when stale).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The linter and the formatter (pyproject.toml's [tool.ruff]); `ruff format .` fixes what the second reports.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Regenerate the gRPC stubs from proto/v1/shoal.proto (a test fails when they are stale).
 proto: $(STAMP)

@@ -40,11 +40,16 @@ def run(ns) -> int:
     args = EngineArgs.from_cli_args(ns)
     t0 = time.perf_counter()
     threads = args.num_threads or torch.get_num_threads()
-    print(f"timing the real engine ({args.model or 'default model'}, {args.dtype}, {args.resolved_device()}, "
-          f"{threads} threads, {ns.reps} rounds of every shape) ...", flush=True)  # fmt: skip
+    print(
+        f"timing the real engine ({args.model or 'default model'}, {args.dtype}, {args.resolved_device()}, "
+        f"{threads} threads, {ns.reps} rounds of every shape) ...",
+        flush=True,
+    )
     cases = measure_calibration(args, ns.reps, log=lambda line: print(line, file=sys.stderr, flush=True))
-    source = (f"shoal bench calibrate: {args.model or 'default model'} {args.dtype} on {args.resolved_device()} "
-              f"({threads} threads, {os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}")  # fmt: skip
+    source = (
+        f"shoal bench calibrate: {args.model or 'default model'} {args.dtype} on {args.resolved_device()} "
+        f"({threads} threads, {os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}"
+    )
     model = fit_calibration(cases, source)
     seconds = time.perf_counter() - t0
 
@@ -55,11 +60,21 @@ def run(ns) -> int:
         predicted = model.step_seconds(c.shape)
         error = predicted / c.seconds - 1
         note = "" if c.fitted else "  (held out)"
-        print(f"{c.shape.describe():<36} {c.num_steps:>5} {1e3 * c.seconds:>12.1f} {1e3 * predicted:>9.1f} "
-              f"{100 * error:>+6.1f}%{note}")  # fmt: skip
-        rows.append({"name": c.name, "shape": dataclasses.asdict(c.shape),
-                     "steps": c.num_steps, "measured_s": c.seconds, "model_s": predicted, "error": error,
-                     "fitted": c.fitted})  # fmt: skip
+        print(
+            f"{c.shape.describe():<36} {c.num_steps:>5} {1e3 * c.seconds:>12.1f} {1e3 * predicted:>9.1f} "
+            f"{100 * error:>+6.1f}%{note}"
+        )
+        rows.append(
+            {
+                "name": c.name,
+                "shape": dataclasses.asdict(c.shape),
+                "steps": c.num_steps,
+                "measured_s": c.seconds,
+                "model_s": predicted,
+                "error": error,
+                "fitted": c.fitted,
+            }
+        )
     print(f"\ncalibrated in {seconds:.0f} s")
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
@@ -95,8 +110,9 @@ def fit_calibration(cases: list[CalibrationCase], source: str = "") -> StepCostM
     return fit_cost_model([c.shape for c in fitted], [c.seconds for c in fitted], source)
 
 
-def measure_calibration(engine_args=None, reps: int = 5,
-                        log: Callable[[str], None] | None = None) -> list[CalibrationCase]:  # fmt: skip
+def measure_calibration(
+    engine_args=None, reps: int = 5, log: Callable[[str], None] | None = None
+) -> list[CalibrationCase]:
     """Runs the real engine (engine_args, default: the default model on the
     CPU in float32) over pure prefills, pure decodes and one mixed step, and
     times ModelRunner.execute: the part of a step the simulated runner
@@ -113,9 +129,12 @@ def measure_calibration(engine_args=None, reps: int = 5,
     longest = max(*CALIBRATION_PREFILLS, *(c for _, c in CALIBRATION_DECODES), CALIBRATION_CHECK[2])
     # A decode case's requests share all but their last prompt token, so a
     # few hundred blocks hold any case; random prompts never hit the prefix cache.
-    args = dataclasses.replace(args, load_format="auto" if args.load_format == "simulated" else args.load_format,
-                               num_kv_blocks=args.num_kv_blocks or 512,
-                               max_model_len=args.max_model_len or longest + max_tokens + 1)  # fmt: skip
+    args = dataclasses.replace(
+        args,
+        load_format="auto" if args.load_format == "simulated" else args.load_format,
+        num_kv_blocks=args.num_kv_blocks or 512,
+        max_model_len=args.max_model_len or longest + max_tokens + 1,
+    )
     engine = LLMEngine(args)
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
@@ -187,10 +206,16 @@ def measure_calibration(engine_args=None, reps: int = 5,
     cases = []
     for name, runs in got.items():
         n = len(runs)
-        shape = StepShape(*(round(sum(getattr(s, f) for s, _ in runs) / n) for f in
-                            ("prefill_tokens", "decode_seqs", "decode_context_tokens")))  # fmt: skip
+        shape = StepShape(
+            *(
+                round(sum(getattr(s, f) for s, _ in runs) / n)
+                for f in ("prefill_tokens", "decode_seqs", "decode_context_tokens")
+            )
+        )
         cases.append(CalibrationCase(name, shape, min(t for _, t in runs), n, fitted=name != check_name))
         if log:
-            log(f"  {name}: {n} steps, fastest {1e3 * cases[-1].seconds:.1f} ms, median "
-                f"{1e3 * statistics.median(t for _, t in runs):.1f} ms")  # fmt: skip
+            log(
+                f"  {name}: {n} steps, fastest {1e3 * cases[-1].seconds:.1f} ms, median "
+                f"{1e3 * statistics.median(t for _, t in runs):.1f} ms"
+            )
     return cases

@@ -127,12 +127,21 @@ def run_decode(args: EngineArgs, ns, batches: list[int], rate: float, name: str,
         out["weight_bytes"] = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
         out["floor_ms"] = 1000 * out["weight_bytes"] / rate  # every weight read once per step
         bm, graphs = eng.block_manager, eng.cuda_graphs
-        out["start"] = {"load_s": eng.load_time_s, "kv_blocks": bm.num_total_blocks,
-                        "cuda_graphs": None if graphs is None else dataclasses.asdict(graphs)}  # fmt: skip
-        kv_gb = bm.num_total_blocks * eng.runner.kv_bytes_per_block(eng.model_config, bm.block_size,
-                                                                    eng.runner.dtype) / 1e9  # fmt: skip
-        table.add("start", name, "engine", f"{eng.load_time_s:.1f} s; KV cache {bm.num_total_blocks} blocks "
-                  f"({kv_gb:.1f} GB); " + ("eager" if graphs is None else graphs.describe()))  # fmt: skip
+        out["start"] = {
+            "load_s": eng.load_time_s,
+            "kv_blocks": bm.num_total_blocks,
+            "cuda_graphs": None if graphs is None else dataclasses.asdict(graphs),
+        }
+        kv_gb = (
+            bm.num_total_blocks * eng.runner.kv_bytes_per_block(eng.model_config, bm.block_size, eng.runner.dtype) / 1e9
+        )
+        table.add(
+            "start",
+            name,
+            "engine",
+            f"{eng.load_time_s:.1f} s; KV cache {bm.num_total_blocks} blocks "
+            f"({kv_gb:.1f} GB); " + ("eager" if graphs is None else graphs.describe()),
+        )
         vocab = eng.model_config.vocab_size
         for b in batches:
             try:
@@ -177,8 +186,10 @@ def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table) -> d
     except Exception as e:
         out["transformers_cb"] = _error(e)
     ours, theirs = out["shoal"], out["transformers_cb"]
-    result = "; ".join(f"{who} {r['error']}" if "error" in r else f"{who} {r['output_tok_s']:.0f} tok/s"
-                       for who, r in (("shoal", ours), ("transformers CB", theirs)))  # fmt: skip
+    result = "; ".join(
+        f"{who} {r['error']}" if "error" in r else f"{who} {r['output_tok_s']:.0f} tok/s"
+        for who, r in (("shoal", ours), ("transformers CB", theirs))
+    )
     if "error" not in ours and "error" not in theirs:
         out["shoal_vs_cb"] = ours["output_tok_s"] / theirs["output_tok_s"]
         result += f"; shoal {out['shoal_vs_cb']:.2f}x"
@@ -204,8 +215,9 @@ def run(ns) -> int:
         report["tokens"] = run_tokens(ns, table)
         _free(device)
     for name, (shape, folder) in shapes.items():
-        args = dataclasses.replace(base, model=folder, load_format="dummy",
-                                   max_model_len=base.max_model_len or shape.max_model_len)  # fmt: skip
+        args = dataclasses.replace(
+            base, model=folder, load_format="dummy", max_model_len=base.max_model_len or shape.max_model_len
+        )
         got = report["shapes"][name] = {}
         if "decode" not in skip:
             batches = [int(b) for b in ns.batch_sizes.split(",")] if ns.batch_sizes else list(shape.batch_sizes)

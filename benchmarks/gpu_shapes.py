@@ -9,8 +9,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "bos_token_id": 1,
-          "eos_token_id": 2}  # fmt: skip
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -29,20 +34,61 @@ class Shape:
 
 
 SHAPES = {
-    "smollm2-1.7b": Shape(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                               num_key_value_heads=32, vocab_size=49152, max_position_embeddings=8192,
-                               rope_theta=130000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
-                          (1, 16, 64, 256), offline=True),  # fmt: skip
-    "llama-3.1-8b": Shape(dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                               rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-                          (1, 64), offline=False, max_model_len=4096),  # fmt: skip
+    "smollm2-1.7b": Shape(
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=24,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rope_theta=130000.0,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+        ),
+        (1, 16, 64, 256),
+        offline=True,
+    ),
+    "llama-3.1-8b": Shape(
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        (1, 64),
+        offline=False,
+        max_model_len=4096,
+    ),
     # For the CPU test of the whole command.
-    "tiny": Shape(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5),
-                  (1, 16, 64, 256), offline=True),  # fmt: skip
+    "tiny": Shape(
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-5,
+        ),
+        (1, 16, 64, 256),
+        offline=True,
+    ),
 }
 
 

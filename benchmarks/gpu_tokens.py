@@ -15,11 +15,14 @@ CHUNK = 48  # a prefill budget that splits every long prompt into chunks
 def regimes(prompts: list[list[int]], tokens: int, block_size: int) -> dict[str, dict]:
     # Preempting: room for the prompts (and the longest sequence) but not for
     # their outputs, so the running sequences outgrow the cache as they decode.
-    blocks = max(sum(math.ceil(len(p) / block_size) for p in prompts),
-                 math.ceil((max(map(len, prompts)) + tokens) / block_size))  # fmt: skip
-    return {"plain": dict(num_kv_blocks=1024),
-            "chunked prefill": dict(num_kv_blocks=1024, max_num_batched_tokens=CHUNK),
-            "preempting": dict(num_kv_blocks=blocks)}  # fmt: skip
+    blocks = max(
+        sum(math.ceil(len(p) / block_size) for p in prompts), math.ceil((max(map(len, prompts)) + tokens) / block_size)
+    )
+    return {
+        "plain": dict(num_kv_blocks=1024),
+        "chunked prefill": dict(num_kv_blocks=1024, max_num_batched_tokens=CHUNK),
+        "preempting": dict(num_kv_blocks=blocks),
+    }
 
 
 def check_prompts(n: int, vocab: int) -> list[list[int]]:
@@ -54,10 +57,18 @@ def check_regimes(args: EngineArgs, n_prompts: int, tokens: int, tie_tol: float,
                 preemptions = llm.engine.stats().num_preemptions
             diffs = [(j, first_difference(hf, *por)) for j, por in enumerate(zip(prompts, ours, refs))]
             diffs = [(j, d) for j, d in diffs if d is not None]
-            notes = [f"prompt {j} differs at token {i}, top-2 gap {gap:.2e} "
-                     + ("(near-tie)" if gap < tie_tol else "BEYOND a near-tie") for j, (i, gap) in diffs]
-            results[name] = {"prompts": len(prompts), "equal": len(prompts) - len(diffs), "notes": notes,
-                             "preemptions": preemptions, "ok": all(gap < tie_tol for _, (_, gap) in diffs)}  # fmt: skip
+            notes = [
+                f"prompt {j} differs at token {i}, top-2 gap {gap:.2e} "
+                + ("(near-tie)" if gap < tie_tol else "BEYOND a near-tie")
+                for j, (i, gap) in diffs
+            ]
+            results[name] = {
+                "prompts": len(prompts),
+                "equal": len(prompts) - len(diffs),
+                "notes": notes,
+                "preemptions": preemptions,
+                "ok": all(gap < tie_tol for _, (_, gap) in diffs),
+            }
         except Exception as e:  # one regime's failure leaves the others to run
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         report(name, results[name])

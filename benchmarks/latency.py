@@ -25,8 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--num-iters-warmup", type=int, default=2)
     p.add_argument("--read-mib", type=int, default=512, help="size of the tensor the read bandwidth is measured on")
-    p.add_argument("--profile", action="store_true",
-                   help="then profile one more request's decode steps (torch.profiler) and print where a step goes")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile one more request's decode steps (torch.profiler) and print where a step goes",
+    )
     p.add_argument("--output", default="bench_results/latency.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the prompts
     p.set_defaults(func=run)
@@ -101,20 +104,35 @@ def run(ns) -> int:
     nbytes = weight_bytes(model)
     floor = nbytes / bw
     tpot50, tpot99 = statistics.median(tpots), _pct(tpots, 0.99)
-    report = {"model": engine.model_name, "dtype": str(model.dtype), "weight_dtype": str(model.lm_head.weight.dtype),
-              "device": str(device),
-              "threads": args.num_threads or os.cpu_count(), "input_len": ns.input_len, "output_len": ns.output_len,
-              "num_iters": ns.num_iters, "ttft_ms": {"p50": statistics.median(ttfts) * 1e3, "p99": _pct(ttfts, 0.99) * 1e3},
-              "tpot_ms": {"p50": tpot50 * 1e3, "p99": tpot99 * 1e3}, "weight_bytes": nbytes,
-              "read_bandwidth_gb_s": bw / 1e9, "memory_floor_ms": floor * 1e3, "tpot_over_floor": tpot50 / floor}  # fmt: skip
-    print(f"{report['model']} ({report['dtype']}, weights {report['weight_dtype']}, {report['device']}), "
-          f"prompt {ns.input_len}, {ns.output_len} out, "
-          f"{ns.num_iters} requests after {ns.num_iters_warmup} warm-up")  # fmt: skip
+    report = {
+        "model": engine.model_name,
+        "dtype": str(model.dtype),
+        "weight_dtype": str(model.lm_head.weight.dtype),
+        "device": str(device),
+        "threads": args.num_threads or os.cpu_count(),
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "num_iters": ns.num_iters,
+        "ttft_ms": {"p50": statistics.median(ttfts) * 1e3, "p99": _pct(ttfts, 0.99) * 1e3},
+        "tpot_ms": {"p50": tpot50 * 1e3, "p99": tpot99 * 1e3},
+        "weight_bytes": nbytes,
+        "read_bandwidth_gb_s": bw / 1e9,
+        "memory_floor_ms": floor * 1e3,
+        "tpot_over_floor": tpot50 / floor,
+    }
+    print(
+        f"{report['model']} ({report['dtype']}, weights {report['weight_dtype']}, {report['device']}), "
+        f"prompt {ns.input_len}, {ns.output_len} out, "
+        f"{ns.num_iters} requests after {ns.num_iters_warmup} warm-up"
+    )
     print(f"  time to first token   p50 {report['ttft_ms']['p50']:8.1f} ms   p99 {report['ttft_ms']['p99']:8.1f} ms")
-    print(f"  time per output token p50 {report['tpot_ms']['p50']:8.2f} ms   p99 {report['tpot_ms']['p99']:8.2f} ms"
-          f"   ({1 / tpot50:.1f} tok/s)")  # fmt: skip
-    print(f"  memory floor          {floor * 1e3:8.2f} ms   ({nbytes / 1e6:.0f} MB of weights / "
-          f"{bw / 1e9:.1f} GB/s read)")  # fmt: skip
+    print(
+        f"  time per output token p50 {report['tpot_ms']['p50']:8.2f} ms   p99 {report['tpot_ms']['p99']:8.2f} ms"
+        f"   ({1 / tpot50:.1f} tok/s)"
+    )
+    print(
+        f"  memory floor          {floor * 1e3:8.2f} ms   ({nbytes / 1e6:.0f} MB of weights / {bw / 1e9:.1f} GB/s read)"
+    )
     print(f"  per-token time / floor {tpot50 / floor:.2f}x")
     if ns.profile:
         report["profile"] = profile(engine, prompts[-1], ns.output_len)
@@ -137,8 +155,9 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
 
     runner = engine.runner
     model = runner.model
-    parts = dict.fromkeys(("decoder layers", "LM head", "sampler", "forward", "runner", "scheduler",
-                           "detokenizer", "step"), 0.0)  # fmt: skip
+    parts = dict.fromkeys(
+        ("decoder layers", "LM head", "sampler", "forward", "runner", "scheduler", "detokenizer", "step"), 0.0
+    )
     restore = []
 
     def timed(obj, name, part):
@@ -199,24 +218,35 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
         else:
             setattr(obj, name, own)  # an attribute of the instance (the runner's sampler)
     step = parts["step"]
-    rows = [("decoder layers", parts["decoder layers"]), ("LM head", parts["LM head"]),
-            ("rest of the forward (embedding, final norm, Python)",
-             parts["forward"] - parts["decoder layers"] - parts["LM head"]),
-            ("sampler", parts["sampler"]),
-            ("input staging (token ids, positions, slots, one copy)",
-             parts["runner"] - parts["forward"] - parts["sampler"]),
-            ("scheduler (schedule, update from output)", parts["scheduler"]),
-            ("detokenizer and output deltas", parts["detokenizer"]),
-            ("rest of the step (engine bookkeeping)",
-             step - parts["runner"] - parts["scheduler"] - parts["detokenizer"])]  # fmt: skip
-    print(f"  one decode step, {1e3 * step / steps:.2f} ms ({steps} steps of one request; "
-          f"{'decoder layers in one compiled call' if fused else 'per-layer torch path'}):")  # fmt: skip
+    rows = [
+        ("decoder layers", parts["decoder layers"]),
+        ("LM head", parts["LM head"]),
+        (
+            "rest of the forward (embedding, final norm, Python)",
+            parts["forward"] - parts["decoder layers"] - parts["LM head"],
+        ),
+        ("sampler", parts["sampler"]),
+        (
+            "input staging (token ids, positions, slots, one copy)",
+            parts["runner"] - parts["forward"] - parts["sampler"],
+        ),
+        ("scheduler (schedule, update from output)", parts["scheduler"]),
+        ("detokenizer and output deltas", parts["detokenizer"]),
+        ("rest of the step (engine bookkeeping)", step - parts["runner"] - parts["scheduler"] - parts["detokenizer"]),
+    ]
+    print(
+        f"  one decode step, {1e3 * step / steps:.2f} ms ({steps} steps of one request; "
+        f"{'decoder layers in one compiled call' if fused else 'per-layer torch path'}):"
+    )
     for name, sec in rows:
         print(f"    {name:52} {1e3 * sec / steps:7.2f} ms {100 * sec / step:5.1f}%")
-    matrices = {"qkv_proj": [l.self_attn.qkv_proj for l in model.layers],
-                "o_proj": [l.self_attn.o_proj for l in model.layers],
-                "gate_up_proj": [l.mlp.gate_up_proj for l in model.layers],
-                "down_proj": [l.mlp.down_proj for l in model.layers], "lm_head": [model.lm_head]}  # fmt: skip
+    matrices = {
+        "qkv_proj": [layer.self_attn.qkv_proj for layer in model.layers],
+        "o_proj": [layer.self_attn.o_proj for layer in model.layers],
+        "gate_up_proj": [layer.mlp.gate_up_proj for layer in model.layers],
+        "down_proj": [layer.mlp.down_proj for layer in model.layers],
+        "lm_head": [model.lm_head],
+    }
     nbytes = {n: sum(m.weight.numel() * m.weight.element_size() for m in ms) for n, ms in matrices.items()}
     rates, report = {}, {"step_ms": 1e3 * step / steps, "parts_ms": {n: 1e3 * s / steps for n, s in rows}}
 
@@ -227,8 +257,10 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     if fused:  # each op as it ran inside the steps above
         ops = {n: 1e3 * s / steps for n, s in op_seconds.items()}
         report["decoder_ops_ms"] = ops
-        print(f"  inside the decoder layers, each op over all {len(model.layers)} layers, per step "
-              "(a matrix's rate is its bytes over its op's time):")
+        print(
+            f"  inside the decoder layers, each op over all {len(model.layers)} layers, per step "
+            "(a matrix's rate is its bytes over its op's time):"
+        )
         for name, ms in ops.items():
             print(f"    {name:22} {rate(name, ms) if name in nbytes else f'{ms:18.2f} ms'}")
         print(f"    {'lm_head':22} {rate('lm_head', report['parts_ms']['LM head'])}")

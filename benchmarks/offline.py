@@ -77,18 +77,32 @@ CB_SETTINGS = {
 
 def add_parser(sub) -> None:
     p = sub.add_parser("offline", help="offline throughput against transformers")
-    p.add_argument("--workload", default="default",
-                   help=f"{', '.join(PRESETS)}, a comma list of them, or all: each in turn, then one table "
-                        "(default: default)")  # fmt: skip
-    p.add_argument("--num-prompts", type=int,
-                   help="requests of each workload run (default: the preset's: "
-                        f"{', '.join(f'{w.name} {w.num_prompts}' for w in PRESETS.values())})")  # fmt: skip
-    p.add_argument("--input-len", type=int, nargs=2, help="prompt lengths, uniform: the default workload only "
-                                                          "(its default: 32 512); refused with another")  # fmt: skip
-    p.add_argument("--output-len", type=int, nargs=2, help="output lengths, uniform: the default workload only "
-                                                           "(its default: 32 256); refused with another")  # fmt: skip
-    p.add_argument("--peers", help="comma list of: cb, generate (or none); default: cb,generate for one "
-                                   "workload, cb for several")  # fmt: skip
+    p.add_argument(
+        "--workload",
+        default="default",
+        help=f"{', '.join(PRESETS)}, a comma list of them, or all: each in turn, then one table (default: default)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help="requests of each workload run (default: the preset's: "
+        f"{', '.join(f'{w.name} {w.num_prompts}' for w in PRESETS.values())})",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        help="prompt lengths, uniform: the default workload only (its default: 32 512); refused with another",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        help="output lengths, uniform: the default workload only (its default: 32 256); refused with another",
+    )
+    p.add_argument(
+        "--peers", help="comma list of: cb, generate (or none); default: cb,generate for one workload, cb for several"
+    )
     p.add_argument("--generate-batch", type=int, default=16)
     p.add_argument("--output", default="bench_results/offline.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
@@ -102,9 +116,15 @@ def chosen_workloads(ns) -> list[Workload]:
         raise ValueError(f"--workload takes {', '.join(PRESETS)}, a comma list of them, or all; got {ns.workload!r}")
     if (ns.input_len or ns.output_len) and names != ["default"]:
         raise ValueError(f"--input-len and --output-len shape the default workload only; got --workload {ns.workload}")
-    return [dataclasses.replace(PRESETS[n], num_prompts=ns.num_prompts or PRESETS[n].num_prompts,
-                                input_len=tuple(ns.input_len or PRESETS[n].input_len),
-                                output_len=tuple(ns.output_len or PRESETS[n].output_len)) for n in names]  # fmt: skip
+    return [
+        dataclasses.replace(
+            PRESETS[n],
+            num_prompts=ns.num_prompts or PRESETS[n].num_prompts,
+            input_len=tuple(ns.input_len or PRESETS[n].input_len),
+            output_len=tuple(ns.output_len or PRESETS[n].output_len),
+        )
+        for n in names
+    ]
 
 
 def chosen_peers(ns, num_workloads: int) -> list[str]:
@@ -146,9 +166,16 @@ def run_shoal(args: EngineArgs, work) -> dict:
     steps = eng.num_steps - steps0
     # Parameters of the whole model (each rank holds 1/K of most of them).
     params = sum(p.numel() for p in eng.runner.model.parameters()) if args.tensor_parallel_size == 1 else None
-    result = {"seconds": dt, "preemptions": stats.num_preemptions, "load_s": eng.load_time_s, "steps": steps,
-              "step_ms": 1000 * (eng.step_seconds - step_s0) / max(steps, 1), "params": params,
-              "tensor_parallel_size": eng.args.tensor_parallel_size, "outputs": [o.token_ids for o in outs]}  # fmt: skip
+    result = {
+        "seconds": dt,
+        "preemptions": stats.num_preemptions,
+        "load_s": eng.load_time_s,
+        "steps": steps,
+        "step_ms": 1000 * (eng.step_seconds - step_s0) / max(steps, 1),
+        "params": params,
+        "tensor_parallel_size": eng.args.tensor_parallel_size,
+        "outputs": [o.token_ids for o in outs],
+    }
     llm.shutdown()
     return result
 
@@ -159,8 +186,9 @@ def hf_model(path: str, dtype):
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=dtype, attn_implementation="sdpa").eval()  # fmt: skip
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, attn_implementation="sdpa"
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
 
@@ -170,8 +198,9 @@ def run_hf_cb(model, work, settings: CBSettings | None = None) -> dict:
 
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(**dataclasses.asdict(settings)) if settings else ContinuousBatchingConfig()
-    with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cb,
-                                                   block=True, timeout=30) as manager:  # fmt: skip
+    with model.continuous_batching_context_manager(
+        generation_config=gc, continuous_batching_config=cb, block=True, timeout=30
+    ) as manager:
         # As run_shoal: the cache's allocation and a 4-token warm-up on the first two prompts are not timed.
         _finish(manager, {f"w{i}": (p, 4) for i, (p, _) in enumerate(work[:2])})
         t0 = time.perf_counter()
@@ -205,9 +234,11 @@ def cb_stated(manager) -> dict:
 
 
 def describe_cb(st: dict) -> str:
-    return (f"{st['attn_implementation']}, {st['scheduler_type']}, {st['num_blocks']} pages of {st['page_size']}, "
-            f"{st['max_batch_tokens']} tokens and {st['max_requests_per_batch']} requests a step"
-            + (", prefix sharing" if st["allow_block_sharing"] else ""))  # fmt: skip
+    return (
+        f"{st['attn_implementation']}, {st['scheduler_type']}, {st['num_blocks']} pages of {st['page_size']}, "
+        f"{st['max_batch_tokens']} tokens and {st['max_requests_per_batch']} requests a step"
+        + (", prefix sharing" if st["allow_block_sharing"] else "")
+    )
 
 
 def run_hf_generate(model, work, batch: int) -> dict:
@@ -225,8 +256,15 @@ def run_hf_generate(model, work, batch: int) -> dict:
             ids[j, width - len(p) :] = torch.tensor(p)
             mask[j, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(n for _, n in chunk),
-                           min_new_tokens=max(n for _, n in chunk), eos_token_id=None, pad_token_id=0)  # fmt: skip
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(n for _, n in chunk),
+                min_new_tokens=max(n for _, n in chunk),
+                eos_token_id=None,
+                pad_token_id=0,
+            )
     return {"seconds": time.perf_counter() - t0}
 
 
@@ -253,8 +291,11 @@ class Bench:
         args = self.args
         work = make_workload(w.num_prompts, args.seed, w.input_len, w.output_len, self.vocab, w.shared_prefix)
         n_in, n_out = sum(len(p) for p, _ in work), sum(n for _, n in work)
-        print(f"\nworkload {w.name}: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens "
-              f"(seed {args.seed})", flush=True)  # fmt: skip
+        print(
+            f"\nworkload {w.name}: {len(work)} requests, {n_in} prompt tokens, {n_out} output tokens "
+            f"(seed {args.seed})",
+            flush=True,
+        )
         results = self.run_shoals(work)
         params = next(iter(results.values()))["params"]
         if "cb" in self.peers:
@@ -269,8 +310,10 @@ class Bench:
             r["output_tok_s"] = n_out / r["seconds"]
             r["roofline_fraction"] = flops / r["seconds"] / self.peak
         print_table(results)
-        print(f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
-              f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s")  # fmt: skip
+        print(
+            f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
+            f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s"
+        )
         shape = dataclasses.asdict(w) | {"seed": args.seed, "prompt_tokens": n_in, "output_tokens": n_out}
         report = {"workload": shape, "params": params, "results": results}
         if CB in results:
@@ -286,14 +329,19 @@ class Bench:
             print(f"shoal K=1: {one['seconds']:.1f} s, {one['step_ms']:.1f} ms/step", flush=True)
         s = run_shoal(args, work)
         results["shoal" if tp == 1 else f"shoal K={tp}"] = s
-        print(f"shoal{'' if tp == 1 else f' K={tp}'}: {s['seconds']:.1f} s, {s['step_ms']:.1f} ms/step "
-              f"({s['preemptions']} preemptions)", flush=True)  # fmt: skip
+        print(
+            f"shoal{'' if tp == 1 else f' K={tp}'}: {s['seconds']:.1f} s, {s['step_ms']:.1f} ms/step "
+            f"({s['preemptions']} preemptions)",
+            flush=True,
+        )
         if tp > 1:
             results["shoal K=1"] = one
             s["same_tokens_as_k1"] = s["outputs"] == one["outputs"]
             s["params"] = one["params"]
-            print(f"K={tp} step time is {s['step_ms'] / one['step_ms']:.2f}x K=1's on these {os.cpu_count()} "
-                  f"cores (all-reduce over gloo); same tokens as K=1: {s['same_tokens_as_k1']}")  # fmt: skip
+            print(
+                f"K={tp} step time is {s['step_ms'] / one['step_ms']:.2f}x K=1's on these {os.cpu_count()} "
+                f"cores (all-reduce over gloo); same tokens as K=1: {s['same_tokens_as_k1']}"
+            )
         for r in results.values():
             r.pop("outputs")
         return results
@@ -307,20 +355,26 @@ def print_table(results: dict[str, dict]) -> None:
     print(f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {first + ' is':>12} {'% roofline':>10} {'ms/step':>8}")
     for name, r in results.items():
         step = f"{r['step_ms']:>8.1f}" if "step_ms" in r else f"{'':>8}"
-        print(f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {r['seconds'] / base:>11.2f}x "
-              f"{100 * r['roofline_fraction']:>9.1f}% {step}")  # fmt: skip
+        print(
+            f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {r['seconds'] / base:>11.2f}x "
+            f"{100 * r['roofline_fraction']:>9.1f}% {step}"
+        )
 
 
 def print_summary(reports: dict[str, dict]) -> None:
     """One row a workload: shoal against transformers' continuous batching, with the settings it ran."""
-    print(f"\n{'workload':<10} {'requests':>8} {'shoal s':>8} {'out tok/s':>10} {'CB s':>8} {'shoal vs CB':>11} "
-          f"{'% roofline':>10}  transformers CB settings")  # fmt: skip
+    print(
+        f"\n{'workload':<10} {'requests':>8} {'shoal s':>8} {'out tok/s':>10} {'CB s':>8} {'shoal vs CB':>11} "
+        f"{'% roofline':>10}  transformers CB settings"
+    )
     for name, rep in reports.items():
         s, cb = next(iter(rep["results"].values())), rep["results"].get(CB)
         peer = f"{cb['seconds']:>8.1f} {rep['shoal_vs_cb']:>10.2f}x" if cb else f"{'-':>8} {'-':>11}"
         stated = describe_cb(cb["settings"]) if cb else "-"
-        print(f"{name:<10} {rep['workload']['num_prompts']:>8} {s['seconds']:>8.1f} {s['output_tok_s']:>10.1f} "
-              f"{peer} {100 * s['roofline_fraction']:>9.1f}%  {stated}")  # fmt: skip
+        print(
+            f"{name:<10} {rep['workload']['num_prompts']:>8} {s['seconds']:>8.1f} {s['output_tok_s']:>10.1f} "
+            f"{peer} {100 * s['roofline_fraction']:>9.1f}%  {stated}"
+        )
 
 
 def run(ns) -> int:

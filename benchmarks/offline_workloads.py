@@ -22,16 +22,20 @@ class Workload:
     shared_prefix: int = 0  # tokens of the one system prompt every prompt starts with
 
 
-PRESETS = {w.name: w for w in (
-    Workload("default", 64, (32, 512), (32, 256)),
-    Workload("short", 256, (16, 128), (16, 64)),
-    Workload("long", 16, (1024, 2048), (128, 512)),
-    Workload("chat", 64, (16, 128), (32, 256), shared_prefix=300),
-)}  # fmt: skip
+PRESETS = {
+    w.name: w
+    for w in (
+        Workload("default", 64, (32, 512), (32, 256)),
+        Workload("short", 256, (16, 128), (16, 64)),
+        Workload("long", 16, (1024, 2048), (128, 512)),
+        Workload("chat", 64, (16, 128), (32, 256), shared_prefix=300),
+    )
+}
 
 
-def make_workload(n: int, seed: int, input_len, output_len, vocab: int,
-                  shared_prefix: int = 0) -> list[tuple[list[int], int]]:  # fmt: skip
+def make_workload(
+    n: int, seed: int, input_len, output_len, vocab: int, shared_prefix: int = 0
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     # Drawn first, and nothing drawn without one, so `default` is the same seed for seed as before presets.
     prefix = [rng.randrange(vocab) for _ in range(shared_prefix)]

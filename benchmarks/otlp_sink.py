@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 
 class _Counter(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: "OtlpSink"):
+    def __init__(self, sink: OtlpSink):
         self.sink = sink
 
     def Export(self, request, context):
@@ -32,7 +32,7 @@ class OtlpSink:
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "OtlpSink":
+    def __enter__(self) -> OtlpSink:
         self._server.start()
         return self
 

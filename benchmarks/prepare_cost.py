@@ -66,8 +66,14 @@ def shoal_tree(src: str, dest: str) -> str:
 
 def time_tree(path: str, num_tokens: int, block_size: int, calls: int) -> float:
     env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-c", _SNIPPET, str(num_tokens), str(block_size), str(calls)], env=env,
-                         capture_output=True, text=True, check=True, cwd=path)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _SNIPPET, str(num_tokens), str(block_size), str(calls)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=path,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -76,21 +82,31 @@ def run(ns) -> int:
         worktree = os.path.join(tmp, "baseline")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", worktree, ns.baseline], check=True)
         try:
-            trees = {"baseline": shoal_tree(worktree, os.path.join(tmp, "ns-baseline")),
-                     "current": shoal_tree(ROOT, os.path.join(tmp, "ns-current"))}  # fmt: skip
+            trees = {
+                "baseline": shoal_tree(worktree, os.path.join(tmp, "ns-baseline")),
+                "current": shoal_tree(ROOT, os.path.join(tmp, "ns-current")),
+            }
             rows = []
             for n in ns.tokens:
                 best = {name: float("inf") for name in trees}
                 for _ in range(ns.rounds):
                     for name, path in trees.items():
                         best[name] = min(best[name], time_tree(path, n, ns.block_size, ns.calls))
-                rows.append({"tokens": n, "baseline_us": best["baseline"], "current_us": best["current"],
-                             "added_us": best["current"] - best["baseline"]})  # fmt: skip
+                rows.append(
+                    {
+                        "tokens": n,
+                        "baseline_us": best["baseline"],
+                        "current_us": best["current"],
+                        "added_us": best["current"] - best["baseline"],
+                    }
+                )
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", worktree], check=False)
     rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", ns.baseline], capture_output=True, text=True)
-    print(f"router-side preparation from token ids, block size {ns.block_size}, best of {ns.rounds} rounds of "
-          f"{ns.calls} (baseline {rev.stdout.strip()})")  # fmt: skip
+    print(
+        f"router-side preparation from token ids, block size {ns.block_size}, best of {ns.rounds} rounds of "
+        f"{ns.calls} (baseline {rev.stdout.strip()})"
+    )
     print(f"{'tokens':>8} {'baseline us':>12} {'current us':>11} {'added us':>9}")
     for r in rows:
         print(f"{r['tokens']:>8} {r['baseline_us']:>12.1f} {r['current_us']:>11.1f} {r['added_us']:>+9.1f}")

@@ -70,34 +70,61 @@ UNIQUE_SLACK = 0.05
 
 def add_parser(sub) -> None:
     p = sub.add_parser("routing", help="every routing policy on the same seeded arrivals: TTFT, hit rate, KV spread")
-    p.add_argument("--workers-kind", choices=("simulated", "real"), default="simulated",
-                   help="simulated: load_format simulated workers; real: the model on logical GPUs (CPU compute)")
+    p.add_argument(
+        "--workers-kind",
+        choices=("simulated", "real"),
+        default="simulated",
+        help="simulated: load_format simulated workers; real: the model on logical GPUs (CPU compute)",
+    )
     p.add_argument("--num-workers", type=int, default=16)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--workloads", default="shared,unique,hot")
     p.add_argument("--duration-s", type=float, default=15.0, help="seconds of arrivals in each run")
     p.add_argument("--warmup-s", type=float, default=4.0, help="arrivals before this are not counted")
-    p.add_argument("--sim-speedup", type=float, default=4.0,
-                   help="simulated workers: every step takes 1/this of the cost model's time (the same engine, "
-                        "faster: more requests per minute of the bench, and the router's figures as old, relative "
-                        "to a step, as on a GPU)")  # fmt: skip
+    p.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=4.0,
+        help="simulated workers: every step takes 1/this of the cost model's time (the same engine, "
+        "faster: more requests per minute of the bench, and the router's figures as old, relative "
+        "to a step, as on a GPU)",
+    )
     p.add_argument("--rates", default=None, help="comma-separated requests/s to run at, skipping the knee")
-    p.add_argument("--sweep-rates", default=None,
-                   help="pow2's rates (req/s) on `shared` to find its knee (default: %s req/s per worker, "
-                        "times --sim-speedup for simulated ones)" % ",".join(map(str, SWEEP_PER_WORKER)))  # fmt: skip
+    p.add_argument(
+        "--sweep-rates",
+        default=None,
+        help="pow2's rates (req/s) on `shared` to find its knee (default: "
+        f"{','.join(map(str, SWEEP_PER_WORKER))} req/s per worker, "
+        "times --sim-speedup for simulated ones)",
+    )
     p.add_argument("--knee-factor", type=float, default=2.0, help="the knee: p99 TTFT above this x the lowest rate's")
     p.add_argument("--resweep", action="store_true", help="find the knee again even if the JSON holds it")
-    p.add_argument("--resume", action="store_true", help="keep the policies that --output (of the same setup and "
-                                                         "knee) has in full; run the others")  # fmt: skip
-    p.add_argument("--ttft-target-s", type=float, default=None,
-                   help="goodput counts requests with TTFT within this (default: 4 s, over --sim-speedup)")
-    p.add_argument("--cache-factor", type=float, default=4.0,
-                   help="without --num-kv-blocks: a worker holds 1/this of `shared`'s working set")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the policies that --output (of the same setup and knee) has in full; run the others",
+    )
+    p.add_argument(
+        "--ttft-target-s",
+        type=float,
+        default=None,
+        help="goodput counts requests with TTFT within this (default: 4 s, over --sim-speedup)",
+    )
+    p.add_argument(
+        "--cache-factor",
+        type=float,
+        default=4.0,
+        help="without --num-kv-blocks: a worker holds 1/this of `shared`'s working set",
+    )
     p.add_argument("--token-scale", type=float, default=1.0, help="every prompt and output length times this")
     p.add_argument("--open-chats", type=int, default=None, help="chats open at once (default 32)")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting requests per worker before it sheds")
-    p.add_argument("--run-timeout-s", type=float, default=180.0, help="requests still running this long after "
-                                                                     "the last arrival count as failed")  # fmt: skip
+    p.add_argument(
+        "--run-timeout-s",
+        type=float,
+        default=180.0,
+        help="requests still running this long after the last arrival count as failed",
+    )
     p.add_argument("--output", default="bench_results/routing.json")
     EngineArgs.add_cli_args(p)  # --seed seeds the workloads too; --num-kv-blocks sizes each worker's cache
     p.set_defaults(func=run)
@@ -120,8 +147,15 @@ class Outcome:
 
 async def _one(session, url: str, req, out: Outcome, start: float) -> None:
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 1.0, "seed": req.seed,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 1.0,
+        "seed": req.seed,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     out.sent_s = t0 - start
     try:
@@ -173,11 +207,18 @@ async def _sample_kv(handle, num_workers: int, start: float, stop: asyncio.Event
         loads = [s for s in loads if not isinstance(s, BaseException) and s.num_total_blocks]
         if len(loads) == num_workers:
             used = [1 - s.num_free_blocks / s.num_total_blocks for s in loads]
-            samples.append(Sample(t, max(used) - min(used), sum(used) / len(used), sum(s.num_waiting for s in loads),
-                                  sum(s.num_preemptions for s in loads)))  # fmt: skip
+            samples.append(
+                Sample(
+                    t,
+                    max(used) - min(used),
+                    sum(used) / len(used),
+                    sum(s.num_waiting for s in loads),
+                    sum(s.num_preemptions for s in loads),
+                )
+            )
         try:
             await asyncio.wait_for(stop.wait(), KV_SAMPLE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     return samples
 
@@ -223,8 +264,7 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def summarize(requests, outcomes: list[Outcome], samples, warmup_s: float, ttft_target_s: float,
-              ideal: float) -> dict:  # fmt: skip
+def summarize(requests, outcomes: list[Outcome], samples, warmup_s: float, ttft_target_s: float, ideal: float) -> dict:
     """The reported figures over the requests that arrived after warmup_s."""
     counted = [(r, o) for r, o in zip(requests, outcomes) if r.arrival_s >= warmup_s]
     ok = [o for _, o in counted if o.status == "ok"]
@@ -235,18 +275,27 @@ def summarize(requests, outcomes: list[Outcome], samples, warmup_s: float, ttft_
     good = sum(1 for t in ttft if t <= ttft_target_s)
     prompt = sum(o.prompt_tokens for o in ok)
     counted_samples = [s for s in samples if s.t >= warmup_s]
-    return {"requests": len(counted), "completed": len(ok), "shed": sum(o.status == "shed" for _, o in counted),
-            "failed": sum(o.status == "failed" for _, o in counted),
-            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-            "e2e_p99_ms": 1e3 * percentile([o.e2e for o in ok], 99),
-            "output_throughput": sum(o.output_tokens for o in ok) / window,
-            "goodput": good / window, "goodput_share": good / len(counted) if counted else math.nan,
-            "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, "ideal_hit_rate": ideal,
-            "kv_spread": _mean(s.spread for s in counted_samples), "kv_usage": _mean(s.usage for s in counted_samples),
-            "waiting": _mean(s.waiting for s in counted_samples), "kv_samples": len(counted_samples),
-            "preemptions": samples[-1].preemptions - samples[0].preemptions if samples else 0,
-            "window_s": window,
-            "errors": sorted({o.error for _, o in counted if o.status != "ok"})[:3]}  # fmt: skip
+    return {
+        "requests": len(counted),
+        "completed": len(ok),
+        "shed": sum(o.status == "shed" for _, o in counted),
+        "failed": sum(o.status == "failed" for _, o in counted),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "e2e_p99_ms": 1e3 * percentile([o.e2e for o in ok], 99),
+        "output_throughput": sum(o.output_tokens for o in ok) / window,
+        "goodput": good / window,
+        "goodput_share": good / len(counted) if counted else math.nan,
+        "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "ideal_hit_rate": ideal,
+        "kv_spread": _mean(s.spread for s in counted_samples),
+        "kv_usage": _mean(s.usage for s in counted_samples),
+        "waiting": _mean(s.waiting for s in counted_samples),
+        "kv_samples": len(counted_samples),
+        "preemptions": samples[-1].preemptions - samples[0].preemptions if samples else 0,
+        "window_s": window,
+        "errors": sorted({o.error for _, o in counted if o.status != "ok"})[:3],
+    }
 
 
 # ---- the cluster --------------------------------------------------------------------
@@ -290,9 +339,16 @@ class Bench:
 
         self.http_port = _free_port()
         sim = self.ns.workers_kind == "simulated"
-        opts = ServeOptions(http_port=self.http_port, grpc_port=_free_port(), num_workers=self.ns.num_workers,
-                            max_waiting=self.ns.max_waiting, drain_timeout_s=5.0, routing=policy,
-                            cpus_per_worker=SIM_CPUS_PER_WORKER if sim else 1.0, engine=self.engine)  # fmt: skip
+        opts = ServeOptions(
+            http_port=self.http_port,
+            grpc_port=_free_port(),
+            num_workers=self.ns.num_workers,
+            max_waiting=self.ns.max_waiting,
+            drain_timeout_s=5.0,
+            routing=policy,
+            cpus_per_worker=SIM_CPUS_PER_WORKER if sim else 1.0,
+            engine=self.engine,
+        )
         serve.run(build_app(opts), name=APP, route_prefix=None, logging_config=QUIET)
         return serve.get_deployment_handle("Worker", APP)
 
@@ -329,21 +385,34 @@ def _engine_args(ns, cost_path: str) -> EngineArgs:
     if ns.workers_kind != "simulated":
         return args
     cost = load_cost_model(args.simulated_cost_model)
-    fast = type(cost)(*(c / ns.sim_speedup for c in cost.coefficients()),
-                      source=f"{cost.source or args.simulated_cost_model} / {ns.sim_speedup:g}")  # fmt: skip
+    fast = type(cost)(
+        *(c / ns.sim_speedup for c in cost.coefficients()),
+        source=f"{cost.source or args.simulated_cost_model} / {ns.sim_speedup:g}",
+    )
     with open(cost_path, "w") as f:
         json.dump(fast.to_dict(), f)
-    return dataclasses.replace(args, load_format="simulated", device="cpu", num_threads=args.num_threads or 1,
-                               simulated_cost_model=cost_path)  # fmt: skip
+    return dataclasses.replace(
+        args, load_format="simulated", device="cpu", num_threads=args.num_threads or 1, simulated_cost_model=cost_path
+    )
 
 
 def _knee_key(ns, engine: EngineArgs, sizes) -> dict:
     """What the knee depends on: a cached knee is reused only for the same
     (as JSON reads it back: tuples are lists)."""
-    key = {"workers_kind": ns.workers_kind, "num_workers": ns.num_workers, "num_kv_blocks": engine.num_kv_blocks,
-           "model": engine.model, "simulated_cost_model": ns.simulated_cost_model, "sim_speedup": ns.sim_speedup,
-           "sizes": dataclasses.asdict(sizes), "duration_s": ns.duration_s, "warmup_s": ns.warmup_s,
-           "sweep_rates": _floats(ns.sweep_rates), "knee_factor": ns.knee_factor, "seed": ns.seed}  # fmt: skip
+    key = {
+        "workers_kind": ns.workers_kind,
+        "num_workers": ns.num_workers,
+        "num_kv_blocks": engine.num_kv_blocks,
+        "model": engine.model,
+        "simulated_cost_model": ns.simulated_cost_model,
+        "sim_speedup": ns.sim_speedup,
+        "sizes": dataclasses.asdict(sizes),
+        "duration_s": ns.duration_s,
+        "warmup_s": ns.warmup_s,
+        "sweep_rates": _floats(ns.sweep_rates),
+        "knee_factor": ns.knee_factor,
+        "seed": ns.seed,
+    }
     return json.loads(json.dumps(key))
 
 
@@ -411,19 +480,41 @@ class Runs:
         if engine.simulated_cost_model and engine.load_format == "simulated":
             with open(engine.simulated_cost_model) as f:
                 cost = json.load(f)
-        self.setup = {"workers_kind": ns.workers_kind, "num_workers": ns.num_workers, "kv_blocks_per_worker":
-                      self.blocks, "block_size": bs, "shared_working_set_blocks": ws,
-                      "working_set_per_worker_cache": ws / self.blocks, "duration_s": ns.duration_s,
-                      "warmup_s": ns.warmup_s, "ttft_target_s": ns.ttft_target_s, "seed": ns.seed,
-                      "sizes": dataclasses.asdict(self.sizes), "model": engine.model or "default",
-                      "load_format": engine.load_format, "step_cost_model": cost,
-                      "transport": "HTTP /v1/completions, streamed"}  # fmt: skip
-        print(f"routing bench: {ns.num_workers} {ns.workers_kind} workers of {self.blocks} KV blocks "
-              f"({self.blocks * bs} tokens); `shared` working set {ws:.0f} blocks = {ws / self.blocks:.1f}x one "
-              f"worker's cache", flush=True)  # fmt: skip
+        self.setup = {
+            "workers_kind": ns.workers_kind,
+            "num_workers": ns.num_workers,
+            "kv_blocks_per_worker": self.blocks,
+            "block_size": bs,
+            "shared_working_set_blocks": ws,
+            "working_set_per_worker_cache": ws / self.blocks,
+            "duration_s": ns.duration_s,
+            "warmup_s": ns.warmup_s,
+            "ttft_target_s": ns.ttft_target_s,
+            "seed": ns.seed,
+            "sizes": dataclasses.asdict(self.sizes),
+            "model": engine.model or "default",
+            "load_format": engine.load_format,
+            "step_cost_model": cost,
+            "transport": "HTTP /v1/completions, streamed",
+        }
+        print(
+            f"routing bench: {ns.num_workers} {ns.workers_kind} workers of {self.blocks} KV blocks "
+            f"({self.blocks * bs} tokens); `shared` working set {ws:.0f} blocks = {ws / self.blocks:.1f}x one "
+            f"worker's cache",
+            flush=True,
+        )
 
-    def one(self, bench: Bench, handle, policy: str, kind: str, label: str, rate: float, index: int,
-            duration_s: float | None = None):  # fmt: skip
+    def one(
+        self,
+        bench: Bench,
+        handle,
+        policy: str,
+        kind: str,
+        label: str,
+        rate: float,
+        index: int,
+        duration_s: float | None = None,
+    ):
         """One run: its row of figures."""
         ns, wl = self.ns, self.wl
         seed = ns.seed * 1000 + index  # one seed per (workload, load), the same for every policy
@@ -431,15 +522,35 @@ class Runs:
         counted = [i for i, r in enumerate(reqs) if r.arrival_s >= ns.warmup_s]
         outcomes, samples, secs = asyncio.run(drive(reqs, bench.base_url, handle, ns.num_workers, ns.run_timeout_s))
         ideal = wl.ideal_hit_rate(reqs, self.blocks * ns.num_workers, self.bs, self.vocab, self.known, counted)
-        row = {"workload": kind, "load": label, "rate": rate, "policy": policy,
-               **summarize(reqs, outcomes, samples, ns.warmup_s, ns.ttft_target_s, ideal)}  # fmt: skip
+        row = {
+            "workload": kind,
+            "load": label,
+            "rate": rate,
+            "policy": policy,
+            **summarize(reqs, outcomes, samples, ns.warmup_s, ns.ttft_target_s, ideal),
+        }
         # Each request: arrival s, system prompt, turn, prompt and cached tokens, TTFT and E2E ms, output tokens.
-        row["detail"] = [[round(r.arrival_s, 3), r.group, r.turn, o.prompt_tokens, o.cached_tokens,
-                          round(o.ttft * 1e3, 1), round(o.e2e * 1e3, 1), o.output_tokens, o.status]
-                         for r, o in zip(reqs, outcomes)]  # fmt: skip
-        print(f"  {policy:<14} {kind:<7} {label:<9} {rate:5.2f}/s: {row['completed']}/{row['requests']} done, "
-              f"TTFT p99 {row['ttft_p99_ms'] / 1e3:.2f} s, hit {row['hit_rate']:.2f} (ideal {ideal:.2f}), "
-              f"{secs:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+        row["detail"] = [
+            [
+                round(r.arrival_s, 3),
+                r.group,
+                r.turn,
+                o.prompt_tokens,
+                o.cached_tokens,
+                round(o.ttft * 1e3, 1),
+                round(o.e2e * 1e3, 1),
+                o.output_tokens,
+                o.status,
+            ]
+            for r, o in zip(reqs, outcomes)
+        ]
+        print(
+            f"  {policy:<14} {kind:<7} {label:<9} {rate:5.2f}/s: {row['completed']}/{row['requests']} done, "
+            f"TTFT p99 {row['ttft_p99_ms'] / 1e3:.2f} s, hit {row['hit_rate']:.2f} (ideal {ideal:.2f}), "
+            f"{secs:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         return row
 
     def sweep(self, bench: Bench, handle, key: dict) -> dict:
@@ -451,11 +562,16 @@ class Runs:
             if find_knee(done, ns.knee_factor)[1]:
                 break
         rate, reached = find_knee(done, ns.knee_factor)
-        print(f"pow2's knee on `shared`: {rate:g} req/s" + ("" if reached else " (not reached: the top rate)"),
-              flush=True)  # fmt: skip
-        return {"rate": rate, "reached": reached, "factor": ns.knee_factor, "key": key,
-                "sweep": [{k: s[k] for k in ("rate", "ttft_p50_ms", "ttft_p99_ms", "hit_rate")}
-                          for s in done]}  # fmt: skip
+        print(
+            f"pow2's knee on `shared`: {rate:g} req/s" + ("" if reached else " (not reached: the top rate)"), flush=True
+        )
+        return {
+            "rate": rate,
+            "reached": reached,
+            "factor": ns.knee_factor,
+            "key": key,
+            "sweep": [{k: s[k] for k in ("rate", "ttft_p50_ms", "ttft_p99_ms", "hit_rate")} for s in done],
+        }
 
     def all(self) -> dict:
         """Every run; the report is written to --output after each one (a
@@ -488,8 +604,13 @@ class Runs:
                             _write_report(ns.output, report)
                 bench.delete()
         labels = [lb for lb, _ in _loads(ns, knee)]
-        rows.sort(key=lambda r: (self.workloads.index(r["workload"]), labels.index(r["load"]),
-                                 self.policies.index(r["policy"])))  # fmt: skip
+        rows.sort(
+            key=lambda r: (
+                self.workloads.index(r["workload"]),
+                labels.index(r["load"]),
+                self.policies.index(r["policy"]),
+            )
+        )
         report.update(goals=check_goals(rows), complete=True)
         return report
 
@@ -567,12 +688,21 @@ def check_goals(rows: list[dict]) -> list[dict]:
     return out
 
 
-COLUMNS = (("workload", "{:<8}", "workload"), ("load", "{:<9}", "load"), ("rate", "{:>6.2f}", "req/s"),
-           ("policy", "{:<14}", "policy"), ("counts", "{:>12}", "ok/shed/fail"),
-           ("ttft_p50_ms", "{:>9.0f}", "TTFT p50"), ("ttft_p99_ms", "{:>9.0f}", "TTFT p99"),
-           ("e2e_p99_ms", "{:>9.0f}", "E2E p99"), ("output_throughput", "{:>8.1f}", "out tok/s"),
-           ("goodput", "{:>14}", "goodput req/s"), ("hit_rate", "{:>5.2f}", "hit"),
-           ("ideal_hit_rate", "{:>5.2f}", "ideal"), ("kv_spread", "{:>9.2f}", "KV spread"))  # fmt: skip
+COLUMNS = (
+    ("workload", "{:<8}", "workload"),
+    ("load", "{:<9}", "load"),
+    ("rate", "{:>6.2f}", "req/s"),
+    ("policy", "{:<14}", "policy"),
+    ("counts", "{:>12}", "ok/shed/fail"),
+    ("ttft_p50_ms", "{:>9.0f}", "TTFT p50"),
+    ("ttft_p99_ms", "{:>9.0f}", "TTFT p99"),
+    ("e2e_p99_ms", "{:>9.0f}", "E2E p99"),
+    ("output_throughput", "{:>8.1f}", "out tok/s"),
+    ("goodput", "{:>14}", "goodput req/s"),
+    ("hit_rate", "{:>5.2f}", "hit"),
+    ("ideal_hit_rate", "{:>5.2f}", "ideal"),
+    ("kv_spread", "{:>9.2f}", "KV spread"),
+)
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
@@ -587,20 +717,26 @@ def print_table(report: dict) -> None:
     setup, knee, rows, goals = report["setup"], report["knee"], report["results"], report["goals"]
     widths = [len(_cell(rows[0], k, f)) if rows else len(h) for k, f, h in COLUMNS]
     widths = [max(w, len(h)) for w, (_, _, h) in zip(widths, COLUMNS)]
-    print(f"\n{setup['num_workers']} {setup['workers_kind']} workers, {setup['kv_blocks_per_worker']} KV blocks each; "
-          f"`shared` working set {setup['working_set_per_worker_cache']:.1f}x one worker's cache; "
-          f"{setup['duration_s']:g} s of arrivals per run, the first {setup['warmup_s']:g} s not counted; "
-          f"goodput: TTFT <= {setup['ttft_target_s']:g} s; times in ms")  # fmt: skip
+    print(
+        f"\n{setup['num_workers']} {setup['workers_kind']} workers, {setup['kv_blocks_per_worker']} KV blocks each; "
+        f"`shared` working set {setup['working_set_per_worker_cache']:.1f}x one worker's cache; "
+        f"{setup['duration_s']:g} s of arrivals per run, the first {setup['warmup_s']:g} s not counted; "
+        f"goodput: TTFT <= {setup['ttft_target_s']:g} s; times in ms"
+    )
     if knee:
         sweep = ", ".join(f"{s['rate']:g}/s {s['ttft_p99_ms'] / 1e3:.1f} s" for s in knee.get("sweep", []))
-        print(f"knee: {knee['rate']:g} req/s, where pow2's p99 TTFT on `shared` first exceeds {knee['factor']:g}x "
-              f"the lowest rate's" + (f" (sweep, p99 TTFT: {sweep})" if sweep else ""))  # fmt: skip
+        print(
+            f"knee: {knee['rate']:g} req/s, where pow2's p99 TTFT on `shared` first exceeds {knee['factor']:g}x "
+            f"the lowest rate's" + (f" (sweep, p99 TTFT: {sweep})" if sweep else "")
+        )
     print("  ".join(h.rjust(w) for (_, _, h), w in zip(COLUMNS, widths)))
     for r in rows:
         print("  ".join(_cell(r, k, f).rjust(w) for (k, f, _), w in zip(COLUMNS, widths)))
     for g in goals:
-        print(f"{({True: 'PASS', False: 'FAIL'}).get(g['ok'], 'INFO')}  {g['goal']}: {g['value']:.2f} "
-              f"(target {g['target']})")  # fmt: skip
+        print(
+            f"{({True: 'PASS', False: 'FAIL'}).get(g['ok'], 'INFO')}  {g['goal']}: {g['value']:.2f} "
+            f"(target {g['target']})"
+        )
     print(f"{len(rows)} runs in {report['seconds'] / 60:.1f} min")
 
 
@@ -610,11 +746,14 @@ def grid_plot(rows: list[dict], warmup_s: float, panel_w: int = 480, panel_h: in
     cdfs: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in rows:
         cdfs.setdefault((r["workload"], r["load"]), {})[r["policy"]] = [
-            d[5] for d in r["detail"] if d[0] >= warmup_s and d[-1] == "ok"]  # fmt: skip
+            d[5] for d in r["detail"] if d[0] >= warmup_s and d[-1] == "ok"
+        ]
     kinds = list(dict.fromkeys(k for k, _ in cdfs))
     labels = list(dict.fromkeys(lb for _, lb in cdfs))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * max(1, len(labels))}" '
-             f'height="{panel_h * max(1, len(kinds))}">']  # fmt: skip
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * max(1, len(labels))}" '
+        f'height="{panel_h * max(1, len(kinds))}">'
+    ]
     for (kind, label), series in cdfs.items():
         x, y = panel_w * labels.index(label), panel_h * kinds.index(kind)
         panel = cdf_plot(series, f"TTFT CDF: {kind} @ {label}", "ms", panel_w, panel_h)

@@ -38,6 +38,7 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings
 from shoal.workers.core.sequence import Sequence as EngineSequence
 from shoal.workers.model_executor.simulated_runner import stand_in_token
+from shoal.workers.utils import cdiv
 
 WORKLOADS = ("shared", "unique", "hot")
 
@@ -59,17 +60,21 @@ class WorkloadSizes:
     hot_share: float = 0.8  # `hot`: the share of chats on system prompt 0
     max_context: int = 3584  # a turn's prompt + max_tokens stays within this
 
-    def scaled(self, factor: float) -> "WorkloadSizes":
+    def scaled(self, factor: float) -> WorkloadSizes:
         """Every token length times `factor` (at least 1 token; chat counts unchanged)."""
 
         def s(x):
             return max(1, round(x * factor))
 
-        return dataclasses.replace(self, system_tokens=(s(self.system_tokens[0]), s(self.system_tokens[1])),
-                                   user_tokens=(s(self.user_tokens[0]), s(self.user_tokens[1])),
-                                   unique_tokens=(s(self.unique_tokens[0]), s(self.unique_tokens[1])),
-                                   output_median=max(1.0, self.output_median * factor),
-                                   output_max=s(self.output_max), max_context=s(self.max_context))  # fmt: skip
+        return dataclasses.replace(
+            self,
+            system_tokens=(s(self.system_tokens[0]), s(self.system_tokens[1])),
+            user_tokens=(s(self.user_tokens[0]), s(self.user_tokens[1])),
+            unique_tokens=(s(self.unique_tokens[0]), s(self.unique_tokens[1])),
+            output_median=max(1.0, self.output_median * factor),
+            output_max=s(self.output_max),
+            max_context=s(self.max_context),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +132,9 @@ def _tokens(n: int, vocab: Vocab, rng: random.Random) -> list[int]:
     return [rng.randrange(vocab.first, vocab.size) for _ in range(n)]
 
 
-def make_workload(kind: str, rate: float, duration_s: float, seed: int, vocab: Vocab,
-                  sizes: WorkloadSizes = WorkloadSizes()) -> list[Request]:  # fmt: skip
+def make_workload(
+    kind: str, rate: float, duration_s: float, seed: int, vocab: Vocab, sizes: WorkloadSizes = WorkloadSizes()
+) -> list[Request]:
     """The requests arriving in [0, duration_s) at `rate` per second; the same
     (kind, rate, duration, seed, vocab, sizes) give the same list."""
     if kind not in WORKLOADS:
@@ -136,8 +142,15 @@ def make_workload(kind: str, rate: float, duration_s: float, seed: int, vocab: V
     rng = random.Random(f"{kind}/{seed}")
     arrivals = poisson_arrivals(rate, duration_s, rng)
     if kind == "unique":
-        return [Request(t, _tokens(rng.randint(*sizes.unique_tokens), vocab, rng), output_length(sizes, rng),
-                        rng.getrandbits(62)) for t in arrivals]  # fmt: skip
+        return [
+            Request(
+                t,
+                _tokens(rng.randint(*sizes.unique_tokens), vocab, rng),
+                output_length(sizes, rng),
+                rng.getrandbits(62),
+            )
+            for t in arrivals
+        ]
     systems = [_tokens(rng.randint(*sizes.system_tokens), vocab, rng) for _ in range(sizes.system_prompts)]
     slots: list[_Chat | None] = [None] * sizes.open_chats
     chats = 0
@@ -155,8 +168,15 @@ def make_workload(kind: str, rate: float, duration_s: float, seed: int, vocab: V
             if len(head) + len(user) + n <= sizes.max_context or c.last is None:
                 break
             c.done = c.turns  # it would outgrow the context: this chat is over
-        req = Request(t, head + user, min(n, max(1, sizes.max_context - len(head) - len(user))), rng.getrandbits(62),
-                      c.group, c.chat, c.done)  # fmt: skip
+        req = Request(
+            t,
+            head + user,
+            min(n, max(1, sizes.max_context - len(head) - len(user))),
+            rng.getrandbits(62),
+            c.group,
+            c.chat,
+            c.done,
+        )
         c.last, c.done = req, c.done + 1
         out.append(req)
     return out
@@ -187,14 +207,16 @@ def _cached_tokens(req: Request, vocab: Vocab, replies_known: bool, index: int) 
     return req.prompt + reply[:-1]
 
 
-def worker_blocks(sizes: WorkloadSizes, vocab: Vocab, block_size: int, cache_factor: float, seed: int = 0,
-                  replies_known: bool = True) -> tuple[int, float]:  # fmt: skip
+def worker_blocks(
+    sizes: WorkloadSizes, vocab: Vocab, block_size: int, cache_factor: float, seed: int = 0, replies_known: bool = True
+) -> tuple[int, float]:
     """(a worker's KV blocks, `shared`'s working set in blocks): the cache
     holds 1/cache_factor of the working set (measured per arrival, so the
     same at any rate), and at least one longest request."""
-    ws = working_set_blocks(make_workload("shared", 1.0, REFERENCE_S, seed, vocab, sizes), vocab, block_size,
-                            replies_known)  # fmt: skip
-    longest = -(-sizes.max_context // block_size) + 1
+    ws = working_set_blocks(
+        make_workload("shared", 1.0, REFERENCE_S, seed, vocab, sizes), vocab, block_size, replies_known
+    )
+    longest = cdiv(sizes.max_context, block_size) + 1
     return max(longest, int(ws // cache_factor)), ws
 
 
@@ -240,8 +262,15 @@ class ReplayResult:
 _PARAMS = SamplingParams(max_tokens=1)
 
 
-def replay(requests: Sequence[Request], num_blocks: int, block_size: int, vocab: Vocab, replies_known: bool = True,
-           assign: Iterable[int] | None = None, num_caches: int = 1) -> ReplayResult:  # fmt: skip
+def replay(
+    requests: Sequence[Request],
+    num_blocks: int,
+    block_size: int,
+    vocab: Vocab,
+    replies_known: bool = True,
+    assign: Iterable[int] | None = None,
+    num_caches: int = 1,
+) -> ReplayResult:
     """Each request in turn through `num_caches` BlockManagers of `num_blocks`
     (the one that `assign` names, else the first), as an engine with the
     prefix cache would take it: look up its prompt's cached blocks, compute
@@ -269,8 +298,14 @@ def replay(requests: Sequence[Request], num_blocks: int, block_size: int, vocab:
     return out
 
 
-def ideal_hit_rate(requests: Sequence[Request], total_blocks: int, block_size: int, vocab: Vocab,
-                   replies_known: bool = True, counted: Iterable[int] | None = None) -> float:  # fmt: skip
+def ideal_hit_rate(
+    requests: Sequence[Request],
+    total_blocks: int,
+    block_size: int,
+    vocab: Vocab,
+    replies_known: bool = True,
+    counted: Iterable[int] | None = None,
+) -> float:
     """The hit rate of one cache of `total_blocks` (all the workers' together)
     over the requests `counted` (indices; default all), replaying all of them."""
     res = replay(requests, total_blocks, block_size, vocab, replies_known)

@@ -20,8 +20,13 @@ def add_parser(sub) -> None:
     p.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--block-size", type=int, default=EngineArgs().block_size)
-    p.add_argument("--num-blocks", type=int, nargs="+", default=[50_000, 200_000],
-                   help="pool sizes; the time per step should not depend on them")  # fmt: skip
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        nargs="+",
+        default=[50_000, 200_000],
+        help="pool sizes; the time per step should not depend on them",
+    )
     p.add_argument("--output", default="bench_results/scheduler.json")
     p.set_defaults(func=run)
 
@@ -37,8 +42,12 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
 
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)  # unique prompts: no hits, full cost
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=num_running), bm,
-                      max_model_len=1 << 20, eos_token_ids=[])  # fmt: skip
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=num_running),
+        bm,
+        max_model_len=1 << 20,
+        eos_token_ids=[],
+    )
     # Prompts are drawn before the clock starts: making them is not the scheduler's work.
     prompts = [[rng.randrange(50_000) for _ in range(rng.randint(32, 512))] for _ in range(num_running * 4)]
     n = 0
@@ -46,8 +55,15 @@ def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed
     def add():
         nonlocal n
         p = [n] + prompts[n % len(prompts)]  # a unique first token: no prefix-cache hits
-        s = Sequence(str(n), p, len(p), SamplingParams(max_tokens=rng.randint(32, 256), ignore_eos=True), n, 0,
-                     RequestTimings(0.0))  # fmt: skip
+        s = Sequence(
+            str(n),
+            p,
+            len(p),
+            SamplingParams(max_tokens=rng.randint(32, 256), ignore_eos=True),
+            n,
+            0,
+            RequestTimings(0.0),
+        )
         n += 1
         sched.add(s)
 

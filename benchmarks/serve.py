@@ -23,17 +23,21 @@ from dataclasses import dataclass, field
 from shoal.benchmarks.svg_plot import cdf_plot
 from shoal.workers.engine_args import EngineArgs
 
-_WORDS = ("time year people way day man thing woman life child world school state family student group country "
-          "problem hand part place case week company system program question work government number night point "
-          "home water room mother area money story fact month lot right study book eye job word business issue "
-          "side kind head house service friend father power hour game line end member law car city community name "
-          "president team minute idea kid body information back parent face others level office door health person "
-          "art war history party result change morning reason research girl guy moment air teacher force education").split()  # fmt: skip
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city community name "
+    "president team minute idea kid body information back parent face others level office door health person "
+    "art war history party result change morning reason research girl guy moment air teacher force education"
+).split()
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="online latency/throughput: in-process vs the served cluster (HTTP, gRPC)")
-    p.add_argument("--url", default=None, help="measure this OpenAI-compatible base URL only (e.g. http://host:8000/v1)")
+    p.add_argument(
+        "--url", default=None, help="measure this OpenAI-compatible base URL only (e.g. http://host:8000/v1)"
+    )
     p.add_argument("--grpc", default=None, help="measure this shoal gRPC address only (host:port)")
     p.add_argument("--api-key", default=os.environ.get("SHOAL_API_KEY"))
     p.add_argument("--served-model", default=None, help="model name to send with --url")
@@ -43,9 +47,12 @@ def add_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf = all at once")
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="alternate in-process / HTTP / gRPC this many times")
-    p.add_argument("--tracing", action="store_true",
-                   help="also a second cluster with OpenTelemetry tracing on (exporting every span to a sink in this "
-                        "process), offered the same work in each round: what tracing costs")  # fmt: skip
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also a second cluster with OpenTelemetry tracing on (exporting every span to a sink in this "
+        "process), offered the same work in each round: what tracing costs",
+    )
     p.add_argument("--output", default="bench_results/serve.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
     p.set_defaults(func=run)
@@ -72,7 +79,9 @@ def replica_cpu_s(app: str) -> dict[str, float]:
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{app}#"):
             actor = ray.get_actor(a["name"], namespace="serve")
-            refs.setdefault(a["name"].split("#")[1], []).append(actor.__ray_call__.remote(lambda _: time.process_time()))
+            refs.setdefault(a["name"].split("#")[1], []).append(
+                actor.__ray_call__.remote(lambda _: time.process_time())
+            )
     return {kind: sum(ray.get(r, timeout=30)) for kind, r in refs.items()}
 
 
@@ -161,8 +170,14 @@ def http_sender(session, base_url: str, model: str | None, api_key: str | None):
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def send(prompt, max_tokens):
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if model:
             body["model"] = model
         async with session.post(base_url.rstrip("/") + "/completions", json=body, headers=headers) as resp:
@@ -186,7 +201,9 @@ def grpc_sender(stub, api_key: str | None):
     md = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def send(prompt, max_tokens):
-        req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        req = pb.GenerateRequest(
+            text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
         async for msg in stub.Generate(req, metadata=md):
             yield len(msg.token_ids), msg.finished.usage.prompt_tokens, None
 
@@ -210,12 +227,21 @@ def summarize(label: str, results: list[Result], duration: float, cpu: dict[str,
         return {"mean": statistics.fmean(xs) if xs else float("nan"), "p50": pct(xs, 50), "p99": pct(xs, 99)}
 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {"label": label, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-            "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-            "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-            "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats(tpot),
-            "itl_ms": stats([x for r in ok for x in r.itl]), "e2el_ms": stats([r.e2e for r in ok]),
-            "cpu_ms_per_output_token": cpu_ms, "errors": sorted({r.error for r in results if not r.ok})[:3]}  # fmt: skip
+    return {
+        "label": label,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        "ttft_ms": stats([r.ttft for r in ok]),
+        "tpot_ms": stats(tpot),
+        "itl_ms": stats([x for r in ok for x in r.itl]),
+        "e2el_ms": stats([r.e2e for r in ok]),
+        "cpu_ms_per_output_token": cpu_ms,
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+    }
 
 
 _PROCS = ["this process", "Router", "Worker"]
@@ -237,27 +263,35 @@ def print_table(rows: list[dict]) -> None:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
         for stat in ("mean", "p50", "p99"):
             line(f"{name} {stat} (ms)", lambda r, k=key, s=stat: r[k][s])
-    for proc in sorted({p for r in rows for p in r.get("cpu_ms_per_output_token", {})}, key=lambda p: (_PROCS.index(p) if p in _PROCS else len(_PROCS), p)):
+    for proc in sorted(
+        {p for r in rows for p in r.get("cpu_ms_per_output_token", {})},
+        key=lambda p: (_PROCS.index(p) if p in _PROCS else len(_PROCS), p),
+    ):
         line(f"CPU ms/token: {proc}", lambda r, p=proc: r["cpu_ms_per_output_token"].get(p, float("nan")), "{:.2f}")
     if any(r.get("cpu_ms_per_output_token") for r in rows):
         line("CPU ms/token: all", lambda r: sum(r.get("cpu_ms_per_output_token", {}).values()), "{:.2f}")
     base = rows[0]
     for r in rows[1:]:
-        print(f"{r['label']} vs {base['label']}: TTFT p50 {r['ttft_ms']['p50'] - base['ttft_ms']['p50']:+.1f} ms, "
-              f"TPOT p50 {100 * (r['tpot_ms']['p50'] / base['tpot_ms']['p50'] - 1):+.1f}%, "
-              f"output throughput {100 * r['output_throughput'] / base['output_throughput']:.1f}%")  # fmt: skip
+        print(
+            f"{r['label']} vs {base['label']}: TTFT p50 {r['ttft_ms']['p50'] - base['ttft_ms']['p50']:+.1f} ms, "
+            f"TPOT p50 {100 * (r['tpot_ms']['p50'] / base['tpot_ms']['p50'] - 1):+.1f}%, "
+            f"output throughput {100 * r['output_throughput'] / base['output_throughput']:.1f}%"
+        )
     by_label = {r["label"]: r for r in rows}
     for r in rows:  # --tracing: what tracing costs, against the same front untraced
         if r["label"].endswith(" traced") and (u := by_label.get(r["label"].removesuffix(" traced"))):
             cpu = lambda x: sum(x.get("cpu_ms_per_output_token", {}).values())  # noqa: E731
-            print(f"{r['label']} vs untraced: output throughput {100 * (r['output_throughput'] / u['output_throughput'] - 1):+.1f}%, "
-                  f"TTFT p50 {r['ttft_ms']['p50'] - u['ttft_ms']['p50']:+.1f} ms, "
-                  f"TPOT p50 {100 * (r['tpot_ms']['p50'] / u['tpot_ms']['p50'] - 1):+.1f}%"
-                  + (f", CPU per token {100 * (cpu(r) / cpu(u) - 1):+.1f}%" if cpu(u) else ""))  # fmt: skip
+            print(
+                f"{r['label']} vs untraced: output throughput {100 * (r['output_throughput'] / u['output_throughput'] - 1):+.1f}%, "
+                f"TTFT p50 {r['ttft_ms']['p50'] - u['ttft_ms']['p50']:+.1f} ms, "
+                f"TPOT p50 {100 * (r['tpot_ms']['p50'] / u['tpot_ms']['p50'] - 1):+.1f}%"
+                + (f", CPU per token {100 * (cpu(r) / cpu(u) - 1):+.1f}%" if cpu(u) else "")
+            )
 
 
-async def _measure_cluster(ns, opts, work, salts=("", ""), meter: CpuMeter | None = None,
-                           suffix: str = "") -> list[tuple]:  # fmt: skip
+async def _measure_cluster(
+    ns, opts, work, salts=("", ""), meter: CpuMeter | None = None, suffix: str = ""
+) -> list[tuple]:
     """[(label, results, duration, CPU s by process)] for HTTP then gRPC."""
     import aiohttp
     import grpc
@@ -271,14 +305,22 @@ async def _measure_cluster(ns, opts, work, salts=("", ""), meter: CpuMeter | Non
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
             send = http_sender(session, url, ns.served_model, ns.api_key)
-            out.append(("cluster HTTP" + suffix if not ns.url else url,
-                        *await meter.around(_offer(_salted(work, salts[0]), send, "HTTP" + suffix))))
+            out.append(
+                (
+                    "cluster HTTP" + suffix if not ns.url else url,
+                    *await meter.around(_offer(_salted(work, salts[0]), send, "HTTP" + suffix)),
+                )
+            )
     if ns.grpc or not ns.url:
         addr = ns.grpc or f"127.0.0.1:{opts.grpc_port}"
         async with grpc.aio.insecure_channel(addr) as ch:
             send = grpc_sender(shoal_pb2_grpc.ShoalStub(ch), ns.api_key)
-            out.append(("cluster gRPC" + suffix if not ns.grpc else addr,
-                        *await meter.around(_offer(_salted(work, salts[1]), send, "gRPC" + suffix))))
+            out.append(
+                (
+                    "cluster gRPC" + suffix if not ns.grpc else addr,
+                    *await meter.around(_offer(_salted(work, salts[1]), send, "gRPC" + suffix)),
+                )
+            )
     return out
 
 
@@ -306,15 +348,21 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     from shoal.cluster.serve_cmd import APP_NAME, launch, shut_down
     from shoal.workers import AsyncEngine
 
-    opts = ServeOptions(http_port=_free_port(), grpc_port=_free_port(), num_workers=ns.num_workers,
-                        api_key=ns.api_key, engine=EngineArgs.from_cli_args(ns))  # fmt: skip
+    opts = ServeOptions(
+        http_port=_free_port(),
+        grpc_port=_free_port(),
+        num_workers=ns.num_workers,
+        api_key=ns.api_key,
+        engine=EngineArgs.from_cli_args(ns),
+    )
     # Every prompt may wait at once: the bench measures latency, not refusals.
     opts = dataclasses.replace(opts, max_waiting=max(opts.max_waiting, ns.num_prompts))
     # The in-process engine gets what one worker gets: same engine, same threads.
     local_args = opts.worker_engine_args(gpu=opts.uses_gpu())
     launch(opts)
-    traced, sink = (_launch_traced(opts) if ns.tracing else (None, None))
+    traced, sink = _launch_traced(opts) if ns.tracing else (None, None)
     try:
+
         async def main():
             eng = AsyncEngine.from_engine_args(local_args)
             send = in_process_sender(eng)
@@ -330,8 +378,9 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
                 rounds = [("in-process", *local)]
                 rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"), meter)
                 if traced is not None:
-                    rounds += await _measure_cluster(ns, traced, work, (f"thttp{k}", f"tgrpc{k}"), traced_meter,
-                                                     " traced")  # fmt: skip
+                    rounds += await _measure_cluster(
+                        ns, traced, work, (f"thttp{k}", f"tgrpc{k}"), traced_meter, " traced"
+                    )
                 for label, res, dur, cpu in rounds:
                     acc = got.setdefault(label, [label, [], 0.0, {}])
                     acc[1] += res
@@ -389,23 +438,46 @@ def run(ns) -> int:
     else:
         measured = _compare(ns, work)
     rows = [summarize(label, res, dur, cpu) for label, res, dur, cpu in measured]
-    print(f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
-          f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target")  # fmt: skip
+    print(
+        f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
+        f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target"
+    )
     print_table(rows)
-    report = {"workload": {k: getattr(ns, k) for k in ("num_prompts", "input_len", "output_len", "request_rate",
-                                                        "seed", "num_workers", "rounds", "tracing")}, "results": rows}  # fmt: skip
+    report = {
+        "workload": {
+            k: getattr(ns, k)
+            for k in (
+                "num_prompts",
+                "input_len",
+                "output_len",
+                "request_rate",
+                "seed",
+                "num_workers",
+                "rounds",
+                "tracing",
+            )
+        },
+        "results": rows,
+    }
     if ns.tracing and not (ns.url or ns.grpc):
         from shoal.benchmarks.trace_cost import cpu_us_per_request
 
         us = report["span_cpu_us_per_request"] = cpu_us_per_request()
-        print(f"one request's spans (router, prepare, route, worker), exported: {us:.0f} us of CPU, "
-              f"{us / ns.output_len:.1f} us per output token at --output-len {ns.output_len}")  # fmt: skip
+        print(
+            f"one request's spans (router, prepare, route, worker), exported: {us:.0f} us of CPU, "
+            f"{us / ns.output_len:.1f} us per output token at --output-len {ns.output_len}"
+        )
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
         json.dump(report, f, indent=1)
     svg = os.path.splitext(ns.output)[0] + ".svg"
     with open(svg, "w") as f:
-        f.write(cdf_plot({label: [r.ttft * 1000 for r in res if r.ok] for label, res, *_ in measured},
-                         "Time to first token (CDF)", "ms"))  # fmt: skip
+        f.write(
+            cdf_plot(
+                {label: [r.ttft * 1000 for r in res if r.ok] for label, res, *_ in measured},
+                "Time to first token (CDF)",
+                "ms",
+            )
+        )
     print(f"wrote {ns.output} and {svg}")
     return 0

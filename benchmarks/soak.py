@@ -35,16 +35,28 @@ def add_parser(sub) -> None:
     p = sub.add_parser("soak", help="steady load against `shoal serve`: answers by code, KV blocks, each process's RSS")
     p.add_argument("--rate", type=float, default=12.0, help="requests started per second (fixed interval)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    p.add_argument("--max-concurrency", type=int, default=1024,
-                   help="requests in flight at most (a tick past it is skipped); above the server's own bound, so "
-                        "that its 429s are exercised")  # fmt: skip
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=1024,
+        help="requests in flight at most (a tick past it is skipped); above the server's own bound, so "
+        "that its 429s are exercised",
+    )
     p.add_argument("--input-len", type=int, default=64, help="words per prompt (about one token each)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="seconds a request may take; past it the client hangs up (counted as an error), so the "
-                        "run ends at most this long after its last request starts")  # fmt: skip
-    p.add_argument("--abort-every", type=int, default=10,
-                   help="every Nth request streams and hangs up after its first chunk (0: none)")  # fmt: skip
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request may take; past it the client hangs up (counted as an error), so the "
+        "run ends at most this long after its last request starts",
+    )
+    p.add_argument(
+        "--abort-every",
+        type=int,
+        default=10,
+        help="every Nth request streams and hangs up after its first chunk (0: none)",
+    )
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--baseline-s", type=float, default=120.0, help="growth is measured from this time to the end")
     p.add_argument("--max-growth-mb", type=float, default=50.0, help="PASS when every process grew less than this")
@@ -123,10 +135,20 @@ def growth_rows(procs: list[Proc], baseline_s: float, limit_mb: float, window_s:
         first = max(r for t, r in p.rss if base[0] <= t <= base[0] + window_s)
         last = max(r for t, r in p.rss if t >= max(base[0], end[0] - window_s))
         peak_growth = (last - first) / MB
-        rows.append({"pid": p.pid, "role": p.role, "baseline_t_s": base[0], "baseline_mb": base[1] / MB,
-                     "end_t_s": end[0], "end_mb": end[1] / MB, "peak_mb": max(r for _, r in p.rss) / MB,
-                     "growth_mb": growth, "peak_growth_mb": peak_growth,
-                     "ok": growth < limit_mb and peak_growth < limit_mb})  # fmt: skip
+        rows.append(
+            {
+                "pid": p.pid,
+                "role": p.role,
+                "baseline_t_s": base[0],
+                "baseline_mb": base[1] / MB,
+                "end_t_s": end[0],
+                "end_mb": end[1] / MB,
+                "peak_mb": max(r for _, r in p.rss) / MB,
+                "growth_mb": growth,
+                "peak_growth_mb": peak_growth,
+                "ok": growth < limit_mb and peak_growth < limit_mb,
+            }
+        )
     return rows
 
 
@@ -140,8 +162,16 @@ class LoadResult:
     codes: Counter = field(default_factory=Counter)  # "200", "429", "aborted" (hung up on purpose), "error: ..."
 
 
-async def offer_load(base_url: str, rate: float, duration: float, max_concurrency: int, body,
-                     abort_every: int = 0, on_tick=None, request_timeout: float = 120.0) -> LoadResult:  # fmt: skip
+async def offer_load(
+    base_url: str,
+    rate: float,
+    duration: float,
+    max_concurrency: int,
+    body,
+    abort_every: int = 0,
+    on_tick=None,
+    request_timeout: float = 120.0,
+) -> LoadResult:
     """Start body(k) at start + k / rate for every k with k / rate < duration.
     Every abort_every-th request streams and closes after its first chunk.
     Returns once every started request has ended."""
@@ -207,8 +237,9 @@ class ServeProcess:
     """`shoal serve` in a subprocess; stop() ends it and everything under it."""
 
     def __init__(self, cmd: list[str], ready_timeout_s: float = 600.0):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -260,9 +291,21 @@ def _alive(p) -> bool:
 
 
 def serve_command(ns, http_port: int, grpc_port: int) -> list[str]:
-    return [sys.executable, "-m", "shoal.cluster.cli", "serve", "--num-workers", str(ns.num_workers),
-            "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            *shlex.split(ns.serve_args)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "shoal.cluster.cli",
+        "serve",
+        "--num-workers",
+        str(ns.num_workers),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        *shlex.split(ns.serve_args),
+    ]
 
 
 def kv_blocks(base: str, wait_s: float = 30.0) -> list[dict]:
@@ -276,8 +319,15 @@ def kv_blocks(base: str, wait_s: float = 30.0) -> list[dict]:
         if all(w["num_running"] == 0 and w["num_waiting"] == 0 for w in workers) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    return [{"worker": w["worker"], "num_free_blocks": w["num_free_blocks"],
-             "num_total_blocks": w["num_total_blocks"], "num_running": w["num_running"]} for w in workers]  # fmt: skip
+    return [
+        {
+            "worker": w["worker"],
+            "num_free_blocks": w["num_free_blocks"],
+            "num_total_blocks": w["num_total_blocks"],
+            "num_running": w["num_running"],
+        }
+        for w in workers
+    ]
 
 
 # ---- the report -------------------------------------------------------------
@@ -294,21 +344,30 @@ def rss_plot(procs: list[Proc], title: str, width: int = 720, height: int = 420)
 
 def print_report(report: dict) -> None:
     w = report["workload"]
-    print(f"soak: {w['rate']:g} req/s for {w['duration']:g} s, {report['started']} started, "
-          f"{report['skipped']} skipped (at --max-concurrency {w['max_concurrency']})")  # fmt: skip
+    print(
+        f"soak: {w['rate']:g} req/s for {w['duration']:g} s, {report['started']} started, "
+        f"{report['skipped']} skipped (at --max-concurrency {w['max_concurrency']})"
+    )
     print("answers: " + ", ".join(f"{code}: {n}" for code, n in sorted(report["codes"].items())))
     for kv in report["kv_blocks"]:
         print(f"KV blocks after: {kv['worker']}: {kv['num_free_blocks']} free of {kv['num_total_blocks']}")
     base = report["baseline_s"]
-    print(f"{'process':36}{'pid':>8}{f'RSS@{base:g}s MB':>14}{'end MB':>10}{'peak MB':>10}{'growth MB':>11}"
-          f"{'peak growth':>13}")  # fmt: skip
+    print(
+        f"{'process':36}{'pid':>8}{f'RSS@{base:g}s MB':>14}{'end MB':>10}{'peak MB':>10}{'growth MB':>11}"
+        f"{'peak growth':>13}"
+    )
     for r in report["processes"]:
-        print(f"{r['role'][:35]:36}{r['pid']:>8}{r['baseline_mb']:>14.1f}{r['end_mb']:>10.1f}{r['peak_mb']:>10.1f}"
-              f"{r['growth_mb']:>+11.1f}{r['peak_growth_mb']:>+13.1f}{'' if r['ok'] else '  <- over'}")  # fmt: skip
+        print(
+            f"{r['role'][:35]:36}{r['pid']:>8}{r['baseline_mb']:>14.1f}{r['end_mb']:>10.1f}{r['peak_mb']:>10.1f}"
+            f"{r['growth_mb']:>+11.1f}{r['peak_growth_mb']:>+13.1f}{'' if r['ok'] else '  <- over'}"
+        )
     verdict = "PASS" if report["pass"] else "FAIL"
-    print(f"{verdict}: every process grew less than {w['max_growth_mb']:g} MB between {base:g} s and the end "
-          "(its RSS and its peak)"
-          if report["pass"] else f"{verdict}: some process grew {w['max_growth_mb']:g} MB or more after {base:g} s")
+    print(
+        f"{verdict}: every process grew less than {w['max_growth_mb']:g} MB between {base:g} s and the end "
+        "(its RSS and its peak)"
+        if report["pass"]
+        else f"{verdict}: some process grew {w['max_growth_mb']:g} MB or more after {base:g} s"
+    )
 
 
 def soak(ns, base_url: str, status_base: str, root_pid: int) -> dict:
@@ -327,18 +386,43 @@ def soak(ns, base_url: str, status_base: str, root_pid: int) -> dict:
             print(f"  {now:6.0f} s: {top.role} {top.rss[-1][1] / MB:.0f} MB", flush=True)
 
     body = make_body(ns.seed, ns.input_len, ns.output_len)
-    load = asyncio.run(offer_load(base_url, ns.rate, ns.duration, ns.max_concurrency, body, ns.abort_every, on_tick,
-                                  ns.request_timeout))  # fmt: skip
+    load = asyncio.run(
+        offer_load(
+            base_url, ns.rate, ns.duration, ns.max_concurrency, body, ns.abort_every, on_tick, ns.request_timeout
+        )
+    )
     kv = kv_blocks(status_base)
     sampler.sample(time.perf_counter() - t0)  # after the load: what is still held
     procs = list(sampler.procs.values())
     rows = growth_rows(procs, ns.baseline_s, ns.max_growth_mb)
-    workload = {k: getattr(ns, k) for k in ("rate", "duration", "max_concurrency", "request_timeout", "input_len",
-                                             "output_len", "abort_every", "sample_every", "max_growth_mb",
-                                             "num_workers", "serve_args", "seed")}  # fmt: skip
-    return {"workload": workload, "started": load.started, "skipped": load.skipped, "codes": dict(load.codes),
-            "kv_blocks": kv, "baseline_s": ns.baseline_s, "processes": rows,
-            "pass": all(r["ok"] for r in rows), "samples": [asdict(p) for p in procs]}  # fmt: skip
+    workload = {
+        k: getattr(ns, k)
+        for k in (
+            "rate",
+            "duration",
+            "max_concurrency",
+            "request_timeout",
+            "input_len",
+            "output_len",
+            "abort_every",
+            "sample_every",
+            "max_growth_mb",
+            "num_workers",
+            "serve_args",
+            "seed",
+        )
+    }
+    return {
+        "workload": workload,
+        "started": load.started,
+        "skipped": load.skipped,
+        "codes": dict(load.codes),
+        "kv_blocks": kv,
+        "baseline_s": ns.baseline_s,
+        "processes": rows,
+        "pass": all(r["ok"] for r in rows),
+        "samples": [asdict(p) for p in procs],
+    }
 
 
 def run(ns) -> int:

@@ -83,8 +83,16 @@ def hf_greedy(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     for p in prompts:
         x = torch.tensor([p], device=device)
         with torch.no_grad():
-            refs.append(hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=tokens,
-                                    min_new_tokens=tokens, pad_token_id=0)[0, len(p) :].tolist())  # fmt: skip
+            refs.append(
+                hf.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    pad_token_id=0,
+                )[0, len(p) :].tolist()
+            )
     return refs
 
 
@@ -119,8 +127,7 @@ def decode_step_ms(eng, batch: int, prompt_len: int, steps: int, vocab: int, see
     sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"decode-{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], sp)
-    while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                            for s in eng.scheduler.running):  # fmt: skip
+    while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         eng.step()  # prefill (and a few first decodes)
     for _ in range(4):
         eng.step()  # warm-up
@@ -163,8 +170,12 @@ def run(ns) -> int:
     finally:
         ray.shutdown()
     print(f"\ndecode step time (ms), {device}, prompt {ns.prompt_len} tokens, dtype {ns.dtype}")
-    print(f"{'batch':>6} " + " ".join(f"{'K=' + str(k):>10}" for k in sizes) + "   " +
-          " ".join(f"{f'K={k} vs K=1':>12}" for k in sizes[1:]))  # fmt: skip
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{'K=' + str(k):>10}" for k in sizes)
+        + "   "
+        + " ".join(f"{f'K={k} vs K=1':>12}" for k in sizes[1:])
+    )
     for b in batches:
         row = " ".join(f"{table[(k, b)]:>10.2f}" for k in sizes)
         ratios = " ".join(f"{table[(k, b)] / table[(1, b)]:>11.2f}x" for k in sizes[1:])
@@ -172,6 +183,14 @@ def run(ns) -> int:
     print(f"total {time.perf_counter() - t0:.0f} s")
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
-        json.dump({"device": device, "check": check, "sizes": sizes,
-                   "step_ms": [{"tp": k, "batch": b, "ms": ms} for (k, b), ms in table.items()]}, f, indent=2)  # fmt: skip
+        json.dump(
+            {
+                "device": device,
+                "check": check,
+                "sizes": sizes,
+                "step_ms": [{"tp": k, "batch": b, "ms": ms} for (k, b), ms in table.items()],
+            },
+            f,
+            indent=2,
+        )
     return 0 if check["equal"] == check["prompts"] or all("gap" in n for n in check["notes"]) else 1

@@ -33,8 +33,9 @@ def cpu_us_per_request(n: int = 1000) -> float:
         figs, names = [ReplicaFigures(free_blocks=100, running=2, waiting=1)] * 4, ["w0", "w1", "w2", "w3"]
 
         def one(i: int) -> None:
-            span = rt.start_request_span(rt.context_from_headers({"traceparent": TRACEPARENT}), "chat", "m",
-                                         request_id=f"r{i}", stream=True)  # fmt: skip
+            span = rt.start_request_span(
+                rt.context_from_headers({"traceparent": TRACEPARENT}), "chat", "m", request_id=f"r{i}", stream=True
+            )
             with rt.stage_span(span, "shoal.prepare"):
                 rt.set_request_params(span, **rt.request_params(params))
             carrier = rt.inject(span)

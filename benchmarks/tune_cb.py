@@ -19,6 +19,7 @@ import os
 from shoal.benchmarks.offline import CB_SETTINGS, CBSettings, describe_cb, hf_model, run_hf_cb
 from shoal.benchmarks.offline_workloads import PRESETS, Workload, make_workload
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.utils import cdiv
 
 INT_FIELDS = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch")
 SCHEDULERS = ("fifo", "prefill_first")
@@ -28,9 +29,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tune-cb", help="time bench offline's transformers CB peer under other settings")
     p.add_argument("--workload", default="default", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--num-prompts", type=int, help="its first N requests (default: all the preset's)")
-    p.add_argument("--vary", action="append", default=[], metavar="FIELD=V1,V2,...",
-                   help=f"values to try for one field ({', '.join(INT_FIELDS)}, scheduler_type); "
-                        "repeat for more fields")  # fmt: skip
+    p.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2,...",
+        help=f"values to try for one field ({', '.join(INT_FIELDS)}, scheduler_type); repeat for more fields",
+    )
     p.add_argument("--output", default="bench_results/tune_cb.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the workload
     p.set_defaults(func=run)
@@ -39,7 +44,7 @@ def add_parser(sub) -> None:
 def pages_needed(w: Workload, s: CBSettings) -> int:
     """Pages that hold a full step of requests at their longest, with a quarter to spare."""
     longest = w.shared_prefix + w.input_len[1] + w.output_len[1]
-    return -(-5 * s.max_requests_per_batch * -(-longest // s.page_size) // 4)
+    return cdiv(5 * s.max_requests_per_batch * cdiv(longest, s.page_size), 4)
 
 
 def variants(w: Workload, vary: list[str]) -> list[CBSettings]:
@@ -49,8 +54,9 @@ def variants(w: Workload, vary: list[str]) -> list[CBSettings]:
     for spec in vary:
         field, _, values = spec.partition("=")
         if field not in (*INT_FIELDS, "scheduler_type") or not values:
-            raise ValueError(f"--vary takes FIELD=V1,V2 with FIELD one of {', '.join(INT_FIELDS)}, "
-                             f"scheduler_type; got {spec!r}")  # fmt: skip
+            raise ValueError(
+                f"--vary takes FIELD=V1,V2 with FIELD one of {', '.join(INT_FIELDS)}, scheduler_type; got {spec!r}"
+            )
         for v in values.split(","):
             if field == "scheduler_type":
                 if v not in SCHEDULERS:
@@ -79,8 +85,11 @@ def run(ns) -> int:
     args = EngineArgs.from_cli_args(ns)
     vocab = load_model_files(args.model).config.vocab_size
     work = make_workload(w.num_prompts, args.seed, w.input_len, w.output_len, vocab, w.shared_prefix)
-    print(f"workload {w.name}: the first {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-          f"{sum(n for _, n in work)} output tokens (seed {args.seed})", flush=True)  # fmt: skip
+    print(
+        f"workload {w.name}: the first {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+        f"{sum(n for _, n in work)} output tokens (seed {args.seed})",
+        flush=True,
+    )
     model = hf_model(resolve_model(args.model), args.resolved_dtype(args.resolved_device()))  # as bench offline's
     results = []
     for s in tries:

@@ -73,8 +73,13 @@ def router_deployment_options(opts: ServeOptions) -> dict:
     actor = {"num_cpus": 0, "runtime_env": replica_runtime_env()}
     if cluster_has_router_nodes(opts.nodes_join_later):
         actor["resources"] = {ROUTER_RESOURCE: ROUTER_RESOURCE_SHARE}
-    return {"num_replicas": opts.routers, "max_replicas_per_node": 1, "ray_actor_options": actor,
-            "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": opts.drain_timeout_s + 10.0}  # fmt: skip
+    return {
+        "num_replicas": opts.routers,
+        "max_replicas_per_node": 1,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": 1000,
+        "graceful_shutdown_timeout_s": opts.drain_timeout_s + 10.0,
+    }
 
 
 def cluster_has_router_nodes(nodes_join_later: bool = False) -> bool:
@@ -115,8 +120,10 @@ def check_api_key(opts: ServeOptions) -> None:
     """A key in the options that this process's environment does not carry
     would reach no router: refuse it rather than serve an open API."""
     if opts.api_key and opts.api_key != os.environ.get(API_KEY_ENV):
-        raise ValueError("api_key reaches the routers only as $SHOAL_API_KEY in the Ray nodes' environment "
-                         "(a Kubernetes Secret under the Helm chart), never in a Serve config's args")  # fmt: skip
+        raise ValueError(
+            "api_key reaches the routers only as $SHOAL_API_KEY in the Ray nodes' environment "
+            "(a Kubernetes Secret under the Helm chart), never in a Serve config's args"
+        )
 
 
 def build_app(args: dict | ServeOptions | None = None) -> Application:

@@ -56,14 +56,22 @@ class WorkerFigures:
     max_running: float  # its max_num_seqs
 
 
-def desired_workers(figs: Sequence[WorkerFigures], current: int, min_workers: int, max_workers: int,
-                    target_queue_depth: float, queued: float = 0.0) -> int:  # fmt: skip
+def desired_workers(
+    figs: Sequence[WorkerFigures],
+    current: int,
+    min_workers: int,
+    max_workers: int,
+    target_queue_depth: float,
+    queued: float = 0.0,
+) -> int:
     """The module docstring's rule. `current` is Serve's current target,
     `queued` the requests waiting in Serve's handles."""
     waiting = queued + sum(f.waiting for f in figs)
-    need = max(math.ceil(waiting / target_queue_depth - 1e-9),
-               math.ceil(sum(f.running / max(f.max_running, 1.0) for f in figs) - 1e-9),
-               math.ceil(sum(f.kv_usage for f in figs) / KV_HIGH - 1e-9))  # fmt: skip
+    need = max(
+        math.ceil(waiting / target_queue_depth - 1e-9),
+        math.ceil(sum(f.running / max(f.max_running, 1.0) for f in figs) - 1e-9),
+        math.ceil(sum(f.kv_usage for f in figs) / KV_HIGH - 1e-9),
+    )
     if waiting > 0:
         need = max(need, current)
     return max(min_workers, min(max_workers, need))
@@ -88,9 +96,14 @@ def worker_policy(ctx) -> tuple[int, dict]:
     if not figs:  # nothing reported yet: stay
         return ctx.target_num_replicas, {}
     queued = ctx.total_queued_requests or 0.0
-    desired = desired_workers(figs, ctx.target_num_replicas, ctx.capacity_adjusted_min_replicas,
-                              ctx.capacity_adjusted_max_replicas, ctx.config.target_ongoing_requests,
-                              queued)  # fmt: skip
+    desired = desired_workers(
+        figs,
+        ctx.target_num_replicas,
+        ctx.capacity_adjusted_min_replicas,
+        ctx.capacity_adjusted_max_replicas,
+        ctx.config.target_ongoing_requests,
+        queued,
+    )
     return desired, {}
 
 
@@ -103,11 +116,15 @@ def replica_options(opts) -> dict:
     low, high = opts.min_workers or 1, opts.max_workers
     return {
         "autoscaling_config": {
-            "min_replicas": low, "max_replicas": high, "initial_replicas": max(low, min(high, opts.num_workers)),
+            "min_replicas": low,
+            "max_replicas": high,
+            "initial_replicas": max(low, min(high, opts.num_workers)),
             "target_ongoing_requests": opts.target_queue_depth,
-            "upscale_delay_s": opts.upscale_delay_s, "downscale_delay_s": opts.downscale_delay_s,
-            "metrics_interval_s": METRICS_INTERVAL_S, "look_back_period_s": LOOK_BACK_PERIOD_S,
+            "upscale_delay_s": opts.upscale_delay_s,
+            "downscale_delay_s": opts.downscale_delay_s,
+            "metrics_interval_s": METRICS_INTERVAL_S,
+            "look_back_period_s": LOOK_BACK_PERIOD_S,
             "policy": {"policy_function": POLICY},
         },
         "graceful_shutdown_wait_loop_s": DRAIN_CHECK_S,
-    }  # fmt: skip
+    }

@@ -15,8 +15,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     args = EngineArgs.from_cli_args(ns)
     engine = LLMEngine(args)
-    print(f"loaded {engine.model_name} in {engine.load_time_s:.1f} s "
-          f"({engine.block_manager.num_total_blocks} KV blocks of {args.block_size} tokens)", file=sys.stderr)  # fmt: skip
+    print(
+        f"loaded {engine.model_name} in {engine.load_time_s:.1f} s "
+        f"({engine.block_manager.num_total_blocks} KV blocks of {args.block_size} tokens)",
+        file=sys.stderr,
+    )
     prompt = ns.prompt
     if not ns.raw and engine.tokenizer is not None and engine.tokenizer.chat_template:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -57,8 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = b.add_subparsers(dest="bench", required=True)
     # The one edge from the command to the benchmarks: they never import this module.
-    from shoal.benchmarks import (calibrate, gpu, latency, offline, prepare_cost, routing, scheduler, serve, soak, tp,
-                                  tune_cb)
+    from shoal.benchmarks import (
+        calibrate,
+        gpu,
+        latency,
+        offline,
+        prepare_cost,
+        routing,
+        scheduler,
+        serve,
+        soak,
+        tp,
+        tune_cb,
+    )
 
     for bench in (offline, tune_cb, serve, latency, scheduler, tp, gpu, calibrate, routing, soak, prepare_cost):
         bench.add_parser(bsub)

@@ -24,43 +24,77 @@ class ServeOptions:
     http_port: int = cli_field(8000, "OpenAI HTTP port")
     grpc_port: int = cli_field(9000, "gRPC port")
     num_workers: int = cli_field(1, "worker replicas (each with --tensor-parallel-size GPUs on a GPU cluster)")
-    routers: int = cli_field(1, "router replicas, at most one per node (on nodes with the Ray resource shoal_router "
-                                "when the cluster has it); each binds both ports on its node")  # fmt: skip
-    nodes_join_later: bool = cli_field(_ENV_KUBERAY, "the cluster's node groups (router pods, GPU pods) may join "
-                                                     "after the app is built, as under the Helm chart ($SHOAL_KUBERAY=1 "
-                                                     "sets the default on): routers go to shoal_router nodes before "
-                                                     "any has joined, and GPUs are not counted up front")  # fmt: skip
+    routers: int = cli_field(
+        1,
+        "router replicas, at most one per node (on nodes with the Ray resource shoal_router "
+        "when the cluster has it); each binds both ports on its node",
+    )
+    nodes_join_later: bool = cli_field(
+        _ENV_KUBERAY,
+        "the cluster's node groups (router pods, GPU pods) may join "
+        "after the app is built, as under the Helm chart ($SHOAL_KUBERAY=1 "
+        "sets the default on): routers go to shoal_router nodes before "
+        "any has joined, and GPUs are not counted up front",
+    )
     api_key: str | None = cli_field(None, "require this bearer key (default: $SHOAL_API_KEY)")
     max_waiting: int = cli_field(256, "waiting requests per worker; past it 429 / RESOURCE_EXHAUSTED")
     max_request_bytes: int = cli_field(4 << 20, "request body limit")
     max_prompts: int = cli_field(64, "most prompts one completions request may batch")
-    max_concurrent_requests: int = cli_field(1024, "connections (HTTP) and calls (gRPC) one router serves at once; "
-                                                   "past it 429 / RESOURCE_EXHAUSTED, or 503 from uvicorn")  # fmt: skip
-    tokenizer_threads: int = cli_field(2, "threads per router that tokenize and apply chat templates off its event loop")
-    allow_client_priority: bool = cli_field(False, "honour the gRPC request's priority field (the scheduler's queue "
-                                                   "order and preemption); off: a non-zero value is INVALID_ARGUMENT")  # fmt: skip
-    allowed_hosts: str | None = cli_field(None, "Host header values the HTTP API answers, comma-separated "
-                                                      "(default: any when an API key is set, else loopback names "
-                                                      "only, against DNS rebinding)")  # fmt: skip
+    max_concurrent_requests: int = cli_field(
+        1024,
+        "connections (HTTP) and calls (gRPC) one router serves at once; "
+        "past it 429 / RESOURCE_EXHAUSTED, or 503 from uvicorn",
+    )
+    tokenizer_threads: int = cli_field(
+        2, "threads per router that tokenize and apply chat templates off its event loop"
+    )
+    allow_client_priority: bool = cli_field(
+        False,
+        "honour the gRPC request's priority field (the scheduler's queue "
+        "order and preemption); off: a non-zero value is INVALID_ARGUMENT",
+    )
+    allowed_hosts: str | None = cli_field(
+        None,
+        "Host header values the HTTP API answers, comma-separated "
+        "(default: any when an API key is set, else loopback names "
+        "only, against DNS rebinding)",
+    )
     drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
     cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
-    max_retries: int = cli_field(3, "times one request is sent on to another worker after its worker is lost; "
-                                    "past it the client gets 503 / UNAVAILABLE")  # fmt: skip
-    stall_timeout_s: float = cli_field(60.0, "a worker whose engine makes no progress this many seconds while it has "
-                                             "work fails its health check and its requests move on; 0 = never",
-                                       aliases=("--stall-timeout",))  # fmt: skip
-    routing: str = cli_field("kv", "how the router picks a worker: kv = free KV blocks, prefix-cache affinity and "
-                                   "queue depth; least-requests; pow2 = Serve's power of two choices; round-robin",
-                             choices=ROUTING_POLICIES)  # fmt: skip
+    max_retries: int = cli_field(
+        3,
+        "times one request is sent on to another worker after its worker is lost; "
+        "past it the client gets 503 / UNAVAILABLE",
+    )
+    stall_timeout_s: float = cli_field(
+        60.0,
+        "a worker whose engine makes no progress this many seconds while it has "
+        "work fails its health check and its requests move on; 0 = never",
+        aliases=("--stall-timeout",),
+    )
+    routing: str = cli_field(
+        "kv",
+        "how the router picks a worker: kv = free KV blocks, prefix-cache affinity and "
+        "queue depth; least-requests; pow2 = Serve's power of two choices; round-robin",
+        choices=ROUTING_POLICIES,
+    )
     # Autoscaling on queue depth (cluster/autoscaling.py): on with max_workers.
     min_workers: int | None = cli_field(None, "autoscaling: the fewest workers (default 1); needs --max-workers")
-    max_workers: int | None = cli_field(None, "autoscale the workers up to this many on queue depth, starting at "
-                                              "--num-workers; unset: --num-workers, fixed")  # fmt: skip
+    max_workers: int | None = cli_field(
+        None,
+        "autoscale the workers up to this many on queue depth, starting at --num-workers; unset: --num-workers, fixed",
+    )
     target_queue_depth: float = cli_field(2.0, "autoscaling: waiting requests per worker to aim at; more add workers")
-    upscale_delay_s: float = cli_field(5.0, "autoscaling: seconds the queue must call for more workers before they "
-                                            "are added", aliases=("--upscale-delay",))  # fmt: skip
-    downscale_delay_s: float = cli_field(120.0, "autoscaling: seconds the load must allow fewer workers before one "
-                                                "drains and goes", aliases=("--downscale-delay",))  # fmt: skip
+    upscale_delay_s: float = cli_field(
+        5.0,
+        "autoscaling: seconds the queue must call for more workers before they are added",
+        aliases=("--upscale-delay",),
+    )
+    downscale_delay_s: float = cli_field(
+        120.0,
+        "autoscaling: seconds the load must allow fewer workers before one drains and goes",
+        aliases=("--downscale-delay",),
+    )
     # model, device, num_threads (default: cores / (workers x ranks)), ...
     engine: EngineArgs = field(default_factory=EngineArgs)
 
@@ -71,13 +105,13 @@ class ServeOptions:
         return parser
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServeOptions":
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServeOptions:
         opts = dataclass_from_cli_args(cls, ns, engine=EngineArgs.from_cli_args(ns))
         opts.validate()
         return opts
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "ServeOptions":
+    def from_dict(cls, d: dict | None) -> ServeOptions:
         """From a Serve config's `args`: EngineArgs fields at the top level
         or in an `engine` mapping."""
         d = dict(d or {})
@@ -178,15 +212,26 @@ class ServeOptions:
         if self.tp_size > 1 and ray.is_initialized() and self.uses_gpu() and not self.nodes_join_later:
             need, have = self.num_workers * self.tp_size, ray.cluster_resources().get("GPU", 0)
             if have < need:
-                raise ValueError(f"{self.num_workers} worker(s) x tensor_parallel_size {self.tp_size} need "
-                                 f"{need} GPUs; the cluster has {have:g}")  # fmt: skip
+                raise ValueError(
+                    f"{self.num_workers} worker(s) x tensor_parallel_size {self.tp_size} need "
+                    f"{need} GPUs; the cluster has {have:g}"
+                )
 
     def router_options(self) -> RouterOptions:
         # No api_key: the replicas read $SHOAL_API_KEY (router/options.py), never pickled init args.
-        return RouterOptions(self.engine.model, self.host, self.http_port, self.grpc_port, self.num_workers,
-                             self.max_request_bytes, self.drain_timeout_s,
-                             self.max_retries, self.routing, max_prompts=self.max_prompts,
-                             max_concurrent_requests=self.max_concurrent_requests,
-                             tokenizer_threads=self.tokenizer_threads,
-                             allow_client_priority=self.allow_client_priority,
-                             allowed_hosts=self.allowed_hosts)  # fmt: skip
+        return RouterOptions(
+            self.engine.model,
+            self.host,
+            self.http_port,
+            self.grpc_port,
+            self.num_workers,
+            self.max_request_bytes,
+            self.drain_timeout_s,
+            self.max_retries,
+            self.routing,
+            max_prompts=self.max_prompts,
+            max_concurrent_requests=self.max_concurrent_requests,
+            tokenizer_threads=self.tokenizer_threads,
+            allow_client_priority=self.allow_client_priority,
+            allowed_hosts=self.allowed_hosts,
+        )

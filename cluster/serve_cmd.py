@@ -17,9 +17,12 @@ from shoal.cluster.serve_config import APP_NAME, serve_config
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC on a Ray cluster")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the Ray Serve config (serve.yaml, a RayService's serveConfigV2) these options make, "
-                        "with this shell's OTEL_* as its runtime_env, and exit without starting Ray")  # fmt: skip
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the Ray Serve config (serve.yaml, a RayService's serveConfigV2) these options make, "
+        "with this shell's OTEL_* as its runtime_env, and exit without starting Ray",
+    )
     ServeOptions.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -40,8 +43,12 @@ def launch(opts: ServeOptions, address: str | None = None):
             gpus = None if opts.engine.device in ("auto", "cuda") else 0
             # Logical CPUs: each rank of a CPU worker asks for one, whatever the core count.
             ranks = opts.num_workers * opts.tp_size
-            ray.init(num_cpus=max(os.cpu_count() or 1, ranks * int(opts.cpus_per_worker + 0.999)),
-                     num_gpus=gpus, include_dashboard=False, logging_level="WARNING")  # fmt: skip
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, ranks * int(opts.cpus_per_worker + 0.999)),
+                num_gpus=gpus,
+                include_dashboard=False,
+                logging_level="WARNING",
+            )
         # The router binds the ports itself, so Serve's own proxies stay off.
         serve.start(proxy_location="Disabled")
         return serve.run(build_app(opts), name=APP_NAME, route_prefix=None)
@@ -72,8 +79,11 @@ def ready_message(opts: ServeOptions, ends: list[dict], ready_s: float) -> str:
     routers the nodes that serve them (each router binds both ports on its node)."""
     e = ends[0]
     tp = f" of {opts.tp_size} ranks" if opts.tp_size > 1 else ""
-    lines = [f"shoal: serving {e['model']} with {opts.num_workers} worker(s){tp}",
-             f"  OpenAI HTTP  {e['http']}/v1", f"  gRPC         {e['grpc']} (shoal.v1.Shoal)"]  # fmt: skip
+    lines = [
+        f"shoal: serving {e['model']} with {opts.num_workers} worker(s){tp}",
+        f"  OpenAI HTTP  {e['http']}/v1",
+        f"  gRPC         {e['grpc']} (shoal.v1.Shoal)",
+    ]
     if len(ends) > 1:
         nodes = ", ".join(sorted(x["node"] for x in ends))
         lines.append(f"  routers      {len(ends)}, each on both ports on its node: {nodes}")
@@ -85,8 +95,9 @@ def print_config(opts: ServeOptions) -> int:
     import yaml
 
     if opts.api_key:  # never written into a file: the replicas read $SHOAL_API_KEY
-        print("shoal serve: note: --api-key is left out of the config; give the replicas $SHOAL_API_KEY",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "shoal serve: note: --api-key is left out of the config; give the replicas $SHOAL_API_KEY", file=sys.stderr
+        )
     print(yaml.safe_dump(serve_config(opts), sort_keys=False), end="", flush=True)
     return 0
 
@@ -98,11 +109,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return print_config(opts)
     opts.check_cluster()  # a size that cannot split the model: refused before Ray starts
     if opts.api_key and ns.address:  # the routers there run in their nodes' environment, not this one's
-        raise ValueError("--api-key cannot reach the routers of a cluster started elsewhere: start its nodes "
-                         "(`ray start`) with SHOAL_API_KEY in their environment instead")  # fmt: skip
+        raise ValueError(
+            "--api-key cannot reach the routers of a cluster started elsewhere: start its nodes "
+            "(`ray start`) with SHOAL_API_KEY in their environment instead"
+        )
     if opts.routers > 1 and not ns.address:  # Serve would leave the rest pending forever
-        raise ValueError(f"--routers {opts.routers} needs {opts.routers} Ray nodes (one router per node) and a "
-                         "local cluster has one; start a cluster and pass --address")  # fmt: skip
+        raise ValueError(
+            f"--routers {opts.routers} needs {opts.routers} Ray nodes (one router per node) and a "
+            "local cluster has one; start a cluster and pass --address"
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -113,8 +128,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             pass
         print("shoal: draining (new requests get 503 / UNAVAILABLE)...", flush=True)
         # Every router drains at once; one that is gone counts as none cut here.
-        left = sum(n for n in handle.broadcast("drain", opts.drain_timeout_s).results(return_exceptions=True)
-                   if isinstance(n, int))  # fmt: skip
+        left = sum(
+            n
+            for n in handle.broadcast("drain", opts.drain_timeout_s).results(return_exceptions=True)
+            if isinstance(n, int)
+        )
         print(f"shoal: drained ({left} streams cut); stopping", flush=True)
     finally:
         shut_down(ns.address)

@@ -21,8 +21,13 @@ def generate(out_dir: str) -> list[str]:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-Ishoal/proto={HERE}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}"] + [f"shoal/proto/{p}" for p in PROTOS]  # fmt: skip
+        args = [
+            "protoc",
+            f"-Ishoal/proto={HERE}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+        ] + [f"shoal/proto/{p}" for p in PROTOS]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed: " + " ".join(args))
         written = []

@@ -130,5 +130,9 @@ class DeltaMux:
                 if (q := self._inboxes.get(request_id)) is not None:
                     q.put_nowait(MuxEnded(error))
             if error is not None and connected:
-                logger.warning("delta stream from worker %s ended: %s (%d requests riding)", worker,
-                               str(error).splitlines()[0] if str(error) else type(error).__name__, len(riders))  # fmt: skip
+                logger.warning(
+                    "delta stream from worker %s ended: %s (%d requests riding)",
+                    worker,
+                    str(error).splitlines()[0] if str(error) else type(error).__name__,
+                    len(riders),
+                )

@@ -94,8 +94,14 @@ class FailoverPool:
     # from each, is failed to its client ('poisoned_request'), never sent on.
     max_deaths = 2
 
-    def __init__(self, pool: WorkerPool, max_retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
-                 refused_timeout_s: float = 60.0):  # fmt: skip
+    def __init__(
+        self,
+        pool: WorkerPool,
+        max_retries: int = 3,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 1.0,
+        refused_timeout_s: float = 60.0,
+    ):
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.pool = pool
@@ -151,8 +157,9 @@ class FailoverPool:
                 elif refused and not got_delta:  # not taken: costs no re-send
                     refused_since = refused_since or now
                     if now - refused_since > self.refused_timeout_s:
-                        raise WorkerLost(f"no worker took the request in {self.refused_timeout_s:g} s: "
-                                         f"{e.error.message}") from e  # fmt: skip
+                        raise WorkerLost(
+                            f"no worker took the request in {self.refused_timeout_s:g} s: {e.error.message}"
+                        ) from e
                 else:
                     refused_since = None
                     if not got_delta and getattr(e, "held", True):
@@ -161,28 +168,44 @@ class FailoverPool:
                         deaths += 1
                         if deaths >= self.max_deaths:
                             self.num_poisoned += 1
-                            logger.warning("%s: %d workers died holding it before its first token from them "
-                                           "(last: %s); refused as a poisoned request, not sent to another",
-                                           request.log_name, deaths, _describe(e))  # fmt: skip
-                            yield WorkerError("internal", f"request {request.request_id} was on {deaths} workers "
-                                              "when they died; it is not sent to another", code="poisoned_request")  # fmt: skip
+                            logger.warning(
+                                "%s: %d workers died holding it before its first token from them "
+                                "(last: %s); refused as a poisoned request, not sent to another",
+                                request.log_name,
+                                deaths,
+                                _describe(e),
+                            )
+                            yield WorkerError(
+                                "internal",
+                                f"request {request.request_id} was on {deaths} workers "
+                                "when they died; it is not sent to another",
+                                code="poisoned_request",
+                            )
                             return
                     retries += 1
                     if retries > self.max_retries:
-                        raise WorkerLost(f"{request.log_name}: worker lost {retries} times; "
-                                         f"the retry budget is {self.max_retries}") from e  # fmt: skip
+                        raise WorkerLost(
+                            f"{request.log_name}: worker lost {retries} times; the retry budget is {self.max_retries}"
+                        ) from e
                     self.num_failovers += 1
                     tracing.failed_over(request.trace_context, worker, len(streamed), _describe(e))
-                    logger.warning("%s: worker lost after %d output tokens (%s); sending it on (retry %d of %d)",
-                                   request.log_name, len(streamed), _describe(e), retries,
-                                   self.max_retries)  # fmt: skip
+                    logger.warning(
+                        "%s: worker lost after %d output tokens (%s); sending it on (retry %d of %d)",
+                        request.log_name,
+                        len(streamed),
+                        _describe(e),
+                        retries,
+                        self.max_retries,
+                    )
             if failures_in_row > 1:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (failures_in_row - 2), self.max_backoff_s))
             attempt = dataclasses.replace(
-                request, request_id=f"{request.request_id}-{n}",  # a new id: the lost one may linger
+                request,
+                request_id=f"{request.request_id}-{n}",  # a new id: the lost one may linger
                 prompt_token_ids=request.prompt_token_ids + streamed,
                 num_resumed_tokens=request.num_resumed_tokens + len(streamed),
-                num_resumed_chars=request.num_resumed_chars + num_chars)  # fmt: skip
+                num_resumed_chars=request.num_resumed_chars + num_chars,
+            )
 
 
 def _describe(e: BaseException) -> str:

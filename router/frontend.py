@@ -9,8 +9,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from shoal.router import tracing
@@ -19,9 +19,9 @@ from shoal.router.pool import WorkerPool
 from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.request_checks import RequestLimits, check_request
+from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
-from shoal.workers.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # Bounded: a client's own request id goes into the log lines of its request.
@@ -51,17 +51,32 @@ class ModelInfo:
     max_stop_strings: int = 64
 
     @classmethod
-    def from_worker_info(cls, info: WorkerInfo, num_workers: int) -> "ModelInfo":
-        return cls(info.model, info.max_model_len, info.vocab_size, info.block_size, info.tensor_parallel_size,
-                   num_workers, info.max_logprobs, info.max_stop_strings)  # fmt: skip
+    def from_worker_info(cls, info: WorkerInfo, num_workers: int) -> ModelInfo:
+        return cls(
+            info.model,
+            info.max_model_len,
+            info.vocab_size,
+            info.block_size,
+            info.tensor_parallel_size,
+            num_workers,
+            info.max_logprobs,
+            info.max_stop_strings,
+        )
 
 
 class Frontend:
     """One per router replica. generate() yields the worker's deltas; the
     last one's `finished` gets the timings measured here."""
 
-    def __init__(self, pool: WorkerPool, tokenizer, info: ModelInfo, api_key: str | None = None, max_prompts: int = 64,
-                 tokenizer_threads: int = 2):  # fmt: skip
+    def __init__(
+        self,
+        pool: WorkerPool,
+        tokenizer,
+        info: ModelInfo,
+        api_key: str | None = None,
+        max_prompts: int = 64,
+        tokenizer_threads: int = 2,
+    ):
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
         self.api_key = api_key or None
         self.max_prompts = max_prompts  # prompts in one completions request
@@ -83,15 +98,21 @@ class Frontend:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.info.model:
-            raise ServingError("not_found", f"model {model!r} is not served here; this server serves "
-                                            f"{self.info.model!r}", field="model")  # fmt: skip
+            raise ServingError(
+                "not_found",
+                f"model {model!r} is not served here; this server serves {self.info.model!r}",
+                field="model",
+            )
 
     def client_request_id(self, value: str, field: str) -> str | None:
         """A client's own id for its request (None when it sent none): it is
         echoed and logged beside the engine's id, never used as a key."""
         if len(value) > MAX_CLIENT_REQUEST_ID_LEN:
-            raise ServingError("invalid", f"{field} has {len(value)} characters; at most "
-                                          f"{MAX_CLIENT_REQUEST_ID_LEN} are allowed", field=field)  # fmt: skip
+            raise ServingError(
+                "invalid",
+                f"{field} has {len(value)} characters; at most {MAX_CLIENT_REQUEST_ID_LEN} are allowed",
+                field=field,
+            )
         return value or None
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
@@ -101,17 +122,25 @@ class Frontend:
         try:
             if prompt.token_ids is not None:
                 return tokenize(prompt, self.tokenizer)
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tokenize, prompt,
-                                                                     self.tokenizer)  # fmt: skip
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, tokenize, prompt, self.tokenizer
+            )
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
 
-    def start_span(self, parent, operation: str, request_id: str, client_request_id: str | None,
-                   stream: bool) -> object | None:  # fmt: skip
+    def start_span(
+        self, parent, operation: str, request_id: str, client_request_id: str | None, stream: bool
+    ) -> object | None:
         """The request's trace span (router/tracing.py), a child of the
         client's context `parent`; None when tracing is off."""
-        return tracing.start_request_span(parent, operation, self.info.model, request_id=request_id,
-                                          client_request_id=client_request_id, stream=stream)  # fmt: skip
+        return tracing.start_request_span(
+            parent,
+            operation,
+            self.info.model,
+            request_id=request_id,
+            client_request_id=client_request_id,
+            stream=stream,
+        )
 
     async def prepare(self, prompt: Prompt, sampling: dict, span=None) -> tuple[list[int], SamplingParams]:
         """Token ids and SamplingParams, or a ServingError('invalid') naming
@@ -155,9 +184,15 @@ class Frontend:
         (vLLM's form: `cmpl-<random hex>`)."""
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       client_request_id: str | None = None, priority: int = 0, span=None,
-                       ) -> AsyncIterator[GenerateDelta]:  # fmt: skip
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        client_request_id: str | None = None,
+        priority: int = 0,
+        span=None,
+    ) -> AsyncIterator[GenerateDelta]:
         """Stream one request. Raises ServingError before the first delta when
         the request is refused (draining, full, invalid). `span` (start_span's)
         ends with the request."""
@@ -167,9 +202,15 @@ class Frontend:
             raise err
         arrival = time.time()
         # The prompt's prefix-cache chain, hashed once here: the request router ranks replicas by it.
-        request = GenerateRequest(request_id, prompt_ids, params, priority, client_request_id,
-                                  chain_hashes(prompt_ids, self.info.block_size),
-                                  trace_context=tracing.inject(span) if span is not None else None)  # fmt: skip
+        request = GenerateRequest(
+            request_id,
+            prompt_ids,
+            params,
+            priority,
+            client_request_id,
+            chain_hashes(prompt_ids, self.info.block_size),
+            trace_context=tracing.inject(span) if span is not None else None,
+        )
         self.num_in_flight += 1
         self._idle.clear()
         first_token = last_token = None
@@ -204,8 +245,11 @@ class Frontend:
             raise
         except Exception as e:  # the worker died or its stream broke: say so, never hang
             logger.warning("%s failed in its worker: %r", request.log_name, e)
-            err = ServingError("unavailable", f"the worker serving this request failed ({type(e).__name__}); retry",
-                               code="worker_failed")  # fmt: skip
+            err = ServingError(
+                "unavailable",
+                f"the worker serving this request failed ({type(e).__name__}); retry",
+                code="worker_failed",
+            )
             tracing.fail_request_span(span, err)
             raise err from None
         finally:
@@ -229,6 +273,6 @@ class Frontend:
         self.draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return self.num_in_flight

@@ -24,8 +24,20 @@ _CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
 }
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "min_tokens", "logprobs", "skip_special_tokens")  # fmt: skip
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+)
 
 
 def _prompt(msg, which: str) -> Prompt:
@@ -51,19 +63,31 @@ def _sampling(sp: pb.SamplingParams) -> dict:
 
 
 def _response(request_id: str, client_request_id: str, msg: GenerateDelta) -> pb.GenerateResponse:
-    r = pb.GenerateResponse(request_id=request_id, client_request_id=client_request_id, token_ids=msg.token_ids,
-                            text=msg.text)  # fmt: skip
+    r = pb.GenerateResponse(
+        request_id=request_id, client_request_id=client_request_id, token_ids=msg.token_ids, text=msg.text
+    )
     for lp in msg.logprobs or ():
-        r.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
-            pb.TopLogprob(token_id=k, logprob=v) for k, v in lp.top_logprobs.items()]))  # fmt: skip
+        r.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[pb.TopLogprob(token_id=k, logprob=v) for k, v in lp.top_logprobs.items()],
+            )
+        )
     if (f := msg.finished) is not None:
-        r.finished.CopyFrom(pb.Finished(
-            finish_reason=f.finish_reason, stop_reason="" if f.stop_reason is None else str(f.stop_reason),
-            worker=f.worker,
-            usage=pb.Usage(prompt_tokens=f.num_prompt_tokens, completion_tokens=f.num_output_tokens,
-                           cached_tokens=f.num_cached_tokens),
-            timings=pb.Timings(queue_s=f.queue_s, time_to_first_token_s=f.time_to_first_token_s,
-                               total_s=f.total_s)))  # fmt: skip
+        r.finished.CopyFrom(
+            pb.Finished(
+                finish_reason=f.finish_reason,
+                stop_reason="" if f.stop_reason is None else str(f.stop_reason),
+                worker=f.worker,
+                usage=pb.Usage(
+                    prompt_tokens=f.num_prompt_tokens,
+                    completion_tokens=f.num_output_tokens,
+                    cached_tokens=f.num_cached_tokens,
+                ),
+                timings=pb.Timings(queue_s=f.queue_s, time_to_first_token_s=f.time_to_first_token_s, total_s=f.total_s),
+            )
+        )
     return r
 
 
@@ -83,13 +107,21 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
             prompt = _prompt(request, which)
             sampling = _sampling(request.sampling)
             if request.priority and not self.allow_client_priority:
-                raise ServingError("invalid", "priority is set by the operator here; send 0 (the server runs "
-                                              "without --allow-client-priority)", field="priority")  # fmt: skip
+                raise ServingError(
+                    "invalid",
+                    "priority is set by the operator here; send 0 (the server runs without --allow-client-priority)",
+                    field="priority",
+                )
             client_id = self.fe.client_request_id(request.request_id, "request_id")
             rid = self.fe.new_request_id("gen")
             # The trace starts from the client's context, sent as gRPC metadata (traceparent).
-            span = self.fe.start_span(tracing.context_from_metadata(context.invocation_metadata()),
-                                      "chat" if which == "chat" else "text_completion", rid, client_id, True)  # fmt: skip
+            span = self.fe.start_span(
+                tracing.context_from_metadata(context.invocation_metadata()),
+                "chat" if which == "chat" else "text_completion",
+                rid,
+                client_id,
+                True,
+            )
             ids, params = await self.fe.prepare(prompt, sampling, span)
             async for msg in self.fe.generate(ids, params, rid, client_id, request.priority, span=span):
                 yield _response(rid, request.request_id, msg)
@@ -99,15 +131,28 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
 
     async def GetModelInfo(self, request, context):
         i = self.fe.info
-        return pb.ModelInfo(model=i.model, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
-                            block_size=i.block_size, tensor_parallel_size=i.tensor_parallel_size,
-                            num_workers=i.num_workers)  # fmt: skip
+        return pb.ModelInfo(
+            model=i.model,
+            max_model_len=i.max_model_len,
+            vocab_size=i.vocab_size,
+            block_size=i.block_size,
+            tensor_parallel_size=i.tensor_parallel_size,
+            num_workers=i.num_workers,
+        )
 
     async def GetLoad(self, request, context):
-        return pb.LoadReport(workers=[pb.WorkerLoad(worker=s.worker, num_free_blocks=s.num_free_blocks,
-                                                    num_total_blocks=s.num_total_blocks,
-                                                    num_running=s.num_running, num_waiting=s.num_waiting)
-                                      for s in await self.fe.load()])  # fmt: skip
+        return pb.LoadReport(
+            workers=[
+                pb.WorkerLoad(
+                    worker=s.worker,
+                    num_free_blocks=s.num_free_blocks,
+                    num_total_blocks=s.num_total_blocks,
+                    num_running=s.num_running,
+                    num_waiting=s.num_waiting,
+                )
+                for s in await self.fe.load()
+            ]
+        )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
@@ -131,7 +176,9 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         self.fe = frontend
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required (authorization: Bearer KEY)")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required (authorization: Bearer KEY)"
+            )
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
@@ -152,13 +199,25 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """start() binds host:port; set_serving() flips the health status."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int, max_request_bytes: int,
-                 max_concurrent_rpcs: int | None = None, allow_client_priority: bool = False):
+    def __init__(
+        self,
+        frontend: Frontend,
+        host: str,
+        port: int,
+        max_request_bytes: int,
+        max_concurrent_rpcs: int | None = None,
+        allow_client_priority: bool = False,
+    ):
         # Past max_concurrent_rpcs calls in flight, grpc.aio answers RESOURCE_EXHAUSTED itself.
-        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(frontend)],
-                                      maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
-            # SO_REUSEPORT: the routers on one host share the port (see ingress.reuse_port_socket).
-            ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 1)])  # fmt: skip
+        self.server = grpc.aio.server(
+            interceptors=[_AuthInterceptor(frontend)],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            options=[
+                # SO_REUSEPORT: the routers on one host share the port (see ingress.reuse_port_socket).
+                ("grpc.max_receive_message_length", max_request_bytes),
+                ("grpc.so_reuseport", 1),
+            ],
+        )
         shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend, allow_client_priority), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -38,9 +38,13 @@ def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
 
 async def send_error(send, status: int, etype: str, code: str, message: str, headers=()) -> None:
     body = json.dumps({"error": {"message": message, "type": etype, "param": None, "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -55,8 +59,13 @@ class HostCheck:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             if not host_allowed(host, self.allowed):
-                await send_error(send, 400, "invalid_request_error", "invalid_host",
-                                 f"Host {host!r} is not served here (--allowed-hosts)")  # fmt: skip
+                await send_error(
+                    send,
+                    400,
+                    "invalid_request_error",
+                    "invalid_host",
+                    f"Host {host!r} is not served here (--allowed-hosts)",
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -73,9 +82,14 @@ class AdmissionLimit:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.in_flight >= self.limit:
-            await send_error(send, 429, "rate_limit_error", "too_many_requests",
-                             f"this router serves {self.limit} requests at once; try again later",
-                             [(b"retry-after", b"1")])  # fmt: skip
+            await send_error(
+                send,
+                429,
+                "rate_limit_error",
+                "too_many_requests",
+                f"this router serves {self.limit} requests at once; try again later",
+                [(b"retry-after", b"1")],
+            )
             return
         self.in_flight += 1
         try:

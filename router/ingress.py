@@ -44,8 +44,9 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(app, host: str, port: int, headers: list[tuple[str, str]] | None = None,
-                     max_concurrent_requests: int | None = None):
+async def start_http(
+    app, host: str, port: int, headers: list[tuple[str, str]] | None = None, max_concurrent_requests: int | None = None
+):
     """Run uvicorn on this event loop, on a port shared with the host's other
     routers; every response carries `headers`. Return (server, its task) once it listens.
     The app answers 429 past max_concurrent_requests (http_guards.AdmissionLimit); uvicorn's
@@ -53,8 +54,17 @@ async def start_http(app, host: str, port: int, headers: list[tuple[str, str]] |
     import uvicorn
 
     backstop = None if max_concurrent_requests is None else 2 * max_concurrent_requests + 64
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2, headers=headers, limit_concurrency=backstop)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        headers=headers,
+        limit_concurrency=backstop,
+    )
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[reuse_port_socket(host, port)]))
     while not server.started:
@@ -90,17 +100,30 @@ class Router:
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.model).tokenizer
-        self.frontend = Frontend(pool, tokenizer, ModelInfo.from_worker_info(info, options.num_workers),
-                                 options.resolved_api_key(), options.max_prompts, options.tokenizer_threads)  # fmt: skip
+        self.frontend = Frontend(
+            pool,
+            tokenizer,
+            ModelInfo.from_worker_info(info, options.num_workers),
+            options.resolved_api_key(),
+            options.max_prompts,
+            options.tokenizer_threads,
+        )
         limit, concurrent = options.max_request_bytes, options.max_concurrent_requests
-        self.grpc = GrpcServer(self.frontend, options.host, options.grpc_port, limit, concurrent,
-                               options.allow_client_priority)  # fmt: skip
+        self.grpc = GrpcServer(
+            self.frontend, options.host, options.grpc_port, limit, concurrent, options.allow_client_priority
+        )
         await self.grpc.start()
         try:
-            app = OpenAIApp(self.frontend, limit, StatusPage(self.frontend, self.name, options.routing), concurrent,
-                            host_allowlist(options.allowed_hosts, self.frontend.api_key)).app  # fmt: skip
-            self.http, self._http_task = await start_http(app, options.host, options.http_port,
-                                                          [("X-Shoal-Router", self.name)], concurrent)  # fmt: skip
+            app = OpenAIApp(
+                self.frontend,
+                limit,
+                StatusPage(self.frontend, self.name, options.routing),
+                concurrent,
+                host_allowlist(options.allowed_hosts, self.frontend.api_key),
+            ).app
+            self.http, self._http_task = await start_http(
+                app, options.host, options.http_port, [("X-Shoal-Router", self.name)], concurrent
+            )
         except BaseException:
             await self.grpc.stop()
             raise
@@ -110,9 +133,15 @@ class Router:
         import ray
 
         o = self.options
-        return {"http": f"http://{o.host}:{o.http_port}", "grpc": f"{o.host}:{self.grpc.port}",
-                "model": self.frontend.info.model, "router": self.name, "node": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}  # fmt: skip
+        return {
+            "http": f"http://{o.host}:{o.http_port}",
+            "grpc": f"{o.host}:{self.grpc.port}",
+            "model": self.frontend.info.model,
+            "router": self.name,
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
 
     def check_health(self) -> None:
         if self._http_task.done() and not self._stopped:

@@ -33,21 +33,94 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("model_name", "worker")
 
 # vLLM's buckets, so that dashboards made for it read these the same way.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 # Every series name /metrics exposes (counters with their _total).
 METRIC_NAMES = (
-    "shoal:num_requests_running", "shoal:num_requests_waiting", "shoal:kv_cache_usage_perc",
-    "shoal:num_free_kv_blocks", "shoal:num_preemptions_total", "shoal:prefix_cache_queries_total",
-    "shoal:prefix_cache_hits_total", "shoal:prompt_tokens_total", "shoal:generation_tokens_total",
-    "shoal:request_success_total", "shoal:time_to_first_token_seconds", "shoal:inter_token_latency_seconds",
-    "shoal:e2e_request_latency_seconds", "shoal:request_queue_time_seconds", "shoal:request_prompt_tokens",
+    "shoal:num_requests_running",
+    "shoal:num_requests_waiting",
+    "shoal:kv_cache_usage_perc",
+    "shoal:num_free_kv_blocks",
+    "shoal:num_preemptions_total",
+    "shoal:prefix_cache_queries_total",
+    "shoal:prefix_cache_hits_total",
+    "shoal:prompt_tokens_total",
+    "shoal:generation_tokens_total",
+    "shoal:request_success_total",
+    "shoal:time_to_first_token_seconds",
+    "shoal:inter_token_latency_seconds",
+    "shoal:e2e_request_latency_seconds",
+    "shoal:request_queue_time_seconds",
+    "shoal:request_prompt_tokens",
     "shoal:request_generation_tokens",
-)  # fmt: skip
+)
 
 
 def token_buckets(max_len: int) -> tuple[int, ...]:
@@ -78,7 +151,9 @@ class _WorkerFigures:
         usage = family(GaugeMetricFamily, "shoal:kv_cache_usage_perc", "KV-cache usage: 1 is full.")
         free = family(GaugeMetricFamily, "shoal:num_free_kv_blocks", "Free KV-cache blocks.")
         preempt = family(CounterMetricFamily, "shoal:num_preemptions", "Sequences preempted by the scheduler.")
-        queries = family(CounterMetricFamily, "shoal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        queries = family(
+            CounterMetricFamily, "shoal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
         hits = family(CounterMetricFamily, "shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         for s in self.loads:
             lv = [self.model, s.worker]
@@ -108,22 +183,46 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry(auto_describe=False)
         tokens = token_buckets(max_model_len)
         self.prompt_tokens = Counter("shoal:prompt_tokens", "Prompt tokens of finished requests.", LABELS, registry=r)
-        self.generation_tokens = Counter("shoal:generation_tokens", "Tokens generated for finished requests.",
-                                         LABELS, registry=r)  # fmt: skip
-        self.success = Counter("shoal:request_success", "Requests finished, by finish reason.",
-                               (*LABELS, "finished_reason"), registry=r)  # fmt: skip
-        self.ttft = Histogram("shoal:time_to_first_token_seconds", "Arrival at the router to the first token.",
-                              LABELS, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("shoal:inter_token_latency_seconds", "Time between a request's tokens at the router.",
-                             LABELS, buckets=ITL_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("shoal:e2e_request_latency_seconds", "Arrival at the router to the last token.",
-                             LABELS, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram("shoal:request_queue_time_seconds", "Time waiting in the worker before first scheduled.",
-                               LABELS, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
-        self.prompt_hist = Histogram("shoal:request_prompt_tokens", "Prompt tokens per request.", LABELS,
-                                     buckets=tokens, registry=r)  # fmt: skip
-        self.generation_hist = Histogram("shoal:request_generation_tokens", "Generated tokens per request.", LABELS,
-                                         buckets=tokens, registry=r)  # fmt: skip
+        self.generation_tokens = Counter(
+            "shoal:generation_tokens", "Tokens generated for finished requests.", LABELS, registry=r
+        )
+        self.success = Counter(
+            "shoal:request_success", "Requests finished, by finish reason.", (*LABELS, "finished_reason"), registry=r
+        )
+        self.ttft = Histogram(
+            "shoal:time_to_first_token_seconds",
+            "Arrival at the router to the first token.",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "shoal:inter_token_latency_seconds",
+            "Time between a request's tokens at the router.",
+            LABELS,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "shoal:e2e_request_latency_seconds",
+            "Arrival at the router to the last token.",
+            LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "shoal:request_queue_time_seconds",
+            "Time waiting in the worker before first scheduled.",
+            LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.prompt_hist = Histogram(
+            "shoal:request_prompt_tokens", "Prompt tokens per request.", LABELS, buckets=tokens, registry=r
+        )
+        self.generation_hist = Histogram(
+            "shoal:request_generation_tokens", "Generated tokens per request.", LABELS, buckets=tokens, registry=r
+        )
         self._workers = _WorkerFigures(model)
         r.register(self._workers)
         # (monotonic time of a first token, its TTFT), oldest first
@@ -179,8 +278,16 @@ class RouterMetrics:
         """The worker left (stopped, replaced, dead): its labelled series go,
         so a cluster that replaces workers for months does not pile them up."""
         lv = (self.model, worker)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
-                       self.prompt_hist, self.generation_hist):  # fmt: skip
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.prompt_hist,
+            self.generation_hist,
+        ):
             metric.remove(*lv)
         for reason in list(self._reasons):
             self.success.remove(*lv, reason)

@@ -18,9 +18,9 @@ from shoal.router.frontend import Frontend, ServingError
 from shoal.router.http_guards import AdmissionLimit, HostCheck, until_disconnect
 from shoal.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
 from shoal.router.status_page import StatusPage
+from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, RequestFinished
-from shoal.workers.core.outputs import TokenLogprob
 
 # kind -> (HTTP status, OpenAI error type, code)
 _ERRORS = {
@@ -38,8 +38,9 @@ _ERRORS = {
 def error_response(e: ServingError, headers: dict | None = None) -> JSONResponse:
     status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
     code = e.code or code
-    return JSONResponse({"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status,
-                        headers)  # fmt: skip
+    return JSONResponse(
+        {"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status, headers
+    )
 
 
 def _dumps(obj) -> str:
@@ -49,20 +50,28 @@ def _dumps(obj) -> str:
 class OpenAIApp:
     """Holds the Frontend; `app` is the ASGI application to serve."""
 
-    def __init__(self, frontend: Frontend, max_request_bytes: int, status: StatusPage | None = None,
-                 max_concurrent_requests: int | None = None, allowed_hosts: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        frontend: Frontend,
+        max_request_bytes: int,
+        status: StatusPage | None = None,
+        max_concurrent_requests: int | None = None,
+        allowed_hosts: tuple[str, ...] | None = None,
+    ):
         """max_concurrent_requests: past it 429 (None: no cap); allowed_hosts:
         the Host names answered (http_guards.host_allowlist; None: any)."""
         self.fe = frontend
         self.max_request_bytes = max_request_bytes
         status = status or StatusPage(frontend)
-        self.app = self.starlette = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            *status.routes(self._denied),  # /metrics, the status page and its JSON
-        ])  # fmt: skip
+        self.app = self.starlette = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                *status.routes(self._denied),  # /metrics, the status page and its JSON
+            ]
+        )
         if max_concurrent_requests is not None:
             self.app = self.admission = AdmissionLimit(self.app, max_concurrent_requests)
         if allowed_hosts is not None:
@@ -86,8 +95,11 @@ class OpenAIApp:
         media_type, _, params = request.headers.get("content-type", "").partition(";")
         charset = params.strip().lower().removeprefix("charset=").strip('"') if params.strip() else "utf-8"
         if media_type.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
-            raise ServingError("media_type", "the body must be JSON sent as Content-Type: application/json "
-                                             f"(UTF-8), not {request.headers.get('content-type')!r}")  # fmt: skip
+            raise ServingError(
+                "media_type",
+                "the body must be JSON sent as Content-Type: application/json "
+                f"(UTF-8), not {request.headers.get('content-type')!r}",
+            )
         limit = self.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -100,8 +112,15 @@ class OpenAIApp:
             chunks.append(chunk)
         return strict_json.loads(b"".join(chunks))
 
-    async def _start(self, request: Request, body, parse, rid: str, client_id: str, chat: bool,
-                     ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:  # fmt: skip
+    async def _start(
+        self,
+        request: Request,
+        body,
+        parse,
+        rid: str,
+        client_id: str,
+        chat: bool,
+    ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:
         """Check and dispatch; wait for each prompt's first delta so that a
         refusal (full, invalid) still gets its own status code. One prompt's
         engine id is `rid`; several prompts' are `rid-0`, `rid-1`, ..."""
@@ -114,16 +133,18 @@ class OpenAIApp:
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         # One trace span per prompt (engine request), each a child of the client's context.
         parent = tracing.context_from_headers(request.headers)
-        spans = [self.fe.start_span(parent, "chat" if chat else "text_completion", r, client_id, parsed.stream)
-                 for r in rids]  # fmt: skip
+        spans = [
+            self.fe.start_span(parent, "chat" if chat else "text_completion", r, client_id, parsed.stream) for r in rids
+        ]
         try:
             prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans)]
         except ServingError as e:
             for s in spans:
                 tracing.fail_request_span(s, e)
             raise
-        streams = [self.fe.generate(ids, params, r, client_id, span=s)
-                   for r, (ids, params), s in zip(rids, prepared, spans)]  # fmt: skip
+        streams = [
+            self.fe.generate(ids, params, r, client_id, span=s) for r, (ids, params), s in zip(rids, prepared, spans)
+        ]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         except BaseException:  # cancelled: the client hung up before the first token
@@ -154,12 +175,14 @@ class OpenAIApp:
         except ServingError as e:
             return error_response(e, headers)
         # From here the client may hang up at any time, before or after its first token.
-        answer = await until_disconnect(request.receive, self._answer(request, body, parse, rid, client_id, chat,
-                                                                      headers))  # fmt: skip
+        answer = await until_disconnect(
+            request.receive, self._answer(request, body, parse, rid, client_id, chat, headers)
+        )
         return answer if answer is not None else Response(status_code=499)  # nobody reads it
 
-    async def _answer(self, request: Request, body, parse, rid: str, client_id: str, chat: bool,
-                      headers: dict | None) -> Response:  # fmt: skip
+    async def _answer(
+        self, request: Request, body, parse, rid: str, client_id: str, chat: bool, headers: dict | None
+    ) -> Response:
         try:
             parsed, streams, firsts = await self._start(request, body, parse, rid, client_id, chat)
         except ServingError as e:
@@ -167,8 +190,9 @@ class OpenAIApp:
         want_lp = parsed.sampling.get("logprobs") is not None
         fmt = _ChunkFormat(self.fe, rid, chat, want_lp)
         if parsed.stream:
-            return StreamingResponse(self._events(fmt, parsed, streams, firsts), media_type="text/event-stream",
-                                     headers=headers)  # fmt: skip
+            return StreamingResponse(
+                self._events(fmt, parsed, streams, firsts), media_type="text/event-stream", headers=headers
+            )
         choices = [{"index": i, "text": "", "lps": [], "final": None} for i in range(len(streams))]
         try:
             async for i, msg in _merge(streams, firsts):
@@ -183,7 +207,7 @@ class OpenAIApp:
             await _close(streams)
         return JSONResponse(fmt.whole(choices), headers=headers)
 
-    async def _events(self, fmt: "_ChunkFormat", parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
+    async def _events(self, fmt: _ChunkFormat, parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
         finals = []
         try:
             if fmt.chat:
@@ -207,8 +231,20 @@ class OpenAIApp:
         except ServingError as e:
             return error_response(e)
         info = self.fe.info
-        return JSONResponse({"object": "list", "data": [{"id": info.model, "object": "model", "created": 0,
-                                                         "owned_by": "shoal", "max_model_len": info.max_model_len}]})  # fmt: skip
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": info.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "shoal",
+                        "max_model_len": info.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         """200 while this router can route to a worker (what a load balancer
@@ -222,8 +258,9 @@ class OpenAIApp:
             up = 0
         need = self.fe.info.num_workers if request.query_params.get("all") in ("1", "true") else 1
         status = "ok" if up >= need else "not ready"
-        return JSONResponse({"status": status, "workers": up, "num_workers": self.fe.info.num_workers},
-                            200 if up >= need else 503)  # fmt: skip
+        return JSONResponse(
+            {"status": status, "workers": up, "num_workers": self.fe.info.num_workers}, 200 if up >= need else 503
+        )
 
 
 class _ChunkFormat:
@@ -242,15 +279,22 @@ class _ChunkFormat:
         if not self.want_lp:
             return None
         if self.chat:
+
             def entry(t: int, lp: float) -> dict:
                 tok = self._tok(t)
                 return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
-            return {"content": [dict(entry(lp.token_id, lp.logprob),
-                                     top_logprobs=[entry(k, v) for k, v in lp.top_logprobs.items()])
-                                for lp in lps]}  # fmt: skip
-        return {"tokens": [self._tok(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._tok(k): v for k, v in lp.top_logprobs.items()} for lp in lps]}  # fmt: skip
+            return {
+                "content": [
+                    dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(k, v) for k, v in lp.top_logprobs.items()])
+                    for lp in lps
+                ]
+            }
+        return {
+            "tokens": [self._tok(lp.token_id) for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._tok(k): v for k, v in lp.top_logprobs.items()} for lp in lps],
+        }
 
     def chunk(self, i: int, delta, finish_reason, lps) -> dict:
         choice = {"index": i, "finish_reason": finish_reason, "logprobs": lps}
@@ -259,7 +303,13 @@ class _ChunkFormat:
         else:
             choice["text"] = delta
         obj = self.object + ".chunk" if self.chat else self.object
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model, "choices": [choice]}
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.fe.info.model,
+            "choices": [choice],
+        }
 
     def delta(self, i: int, msg: GenerateDelta) -> dict:
         text, finished = msg.text, msg.finished
@@ -270,13 +320,23 @@ class _ChunkFormat:
     def usage(self, finals: list[RequestFinished]) -> dict:
         prompt = sum(f.num_prompt_tokens for f in finals)
         completion = sum(f.num_output_tokens for f in finals)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+        }
 
     def usage_chunk(self, finals: list[RequestFinished]) -> dict:
         obj = self.object + ".chunk" if self.chat else self.object
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model, "choices": [],
-                "usage": self.usage(finals)}  # fmt: skip
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.fe.info.model,
+            "choices": [],
+            "usage": self.usage(finals),
+        }
 
     def whole(self, choices: list[dict]) -> dict:
         out = []
@@ -288,12 +348,20 @@ class _ChunkFormat:
             else:
                 entry["text"] = c["text"]
             out.append(entry)
-        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.fe.info.model,
-                "choices": out, "usage": self.usage([c["final"] for c in choices])}  # fmt: skip
+        return {
+            "id": self.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.fe.info.model,
+            "choices": out,
+            "usage": self.usage([c["final"] for c in choices]),
+        }
 
 
-async def _merge(streams: list[AsyncIterator[GenerateDelta]], firsts: list[GenerateDelta],
-                 ) -> AsyncIterator[tuple[int, GenerateDelta]]:  # fmt: skip
+async def _merge(
+    streams: list[AsyncIterator[GenerateDelta]],
+    firsts: list[GenerateDelta],
+) -> AsyncIterator[tuple[int, GenerateDelta]]:
     """(index, delta) from several streams as they come; one stream needs no tasks."""
     if len(streams) == 1:
         yield 0, firsts[0]

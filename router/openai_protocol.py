@@ -28,8 +28,14 @@ def _get(body: dict, name: str, types, default=None):
 
 
 def _type_name(types) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
-             dict: "an object"}  # fmt: skip
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "a boolean",
+        list: "an array",
+        dict: "an object",
+    }
     types = types if isinstance(types, tuple) else (types,)
     if types == _NUMBER:
         return "a number"
@@ -49,10 +55,19 @@ class ParsedRequest:
 
 def _sampling(body: dict) -> dict:
     s: dict = {}
-    for name, types in (("temperature", _NUMBER), ("top_p", _NUMBER), ("min_p", _NUMBER),
-                        ("presence_penalty", _NUMBER), ("frequency_penalty", _NUMBER),
-                        ("repetition_penalty", _NUMBER), ("top_k", int), ("seed", int), ("min_tokens", int),
-                        ("ignore_eos", bool), ("skip_special_tokens", bool)):  # fmt: skip
+    for name, types in (
+        ("temperature", _NUMBER),
+        ("top_p", _NUMBER),
+        ("min_p", _NUMBER),
+        ("presence_penalty", _NUMBER),
+        ("frequency_penalty", _NUMBER),
+        ("repetition_penalty", _NUMBER),
+        ("top_k", int),
+        ("seed", int),
+        ("min_tokens", int),
+        ("ignore_eos", bool),
+        ("skip_special_tokens", bool),
+    ):
         v = _get(body, name, types)
         if v is not None:
             s[name] = float(v) if types is _NUMBER else v
@@ -116,11 +131,14 @@ def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
     if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
         raw = [raw]
     if not isinstance(raw, list) or not raw:
-        raise InvalidRequestError("prompt must be a string, an array of token ids, or a non-empty array of those",
-                                  field="prompt")  # fmt: skip
+        raise InvalidRequestError(
+            "prompt must be a string, an array of token ids, or a non-empty array of those", field="prompt"
+        )
     if len(raw) > max_prompts:
-        raise InvalidRequestError(f"prompt holds {len(raw)} prompts; at most {max_prompts} are allowed in one "
-                                  "request (--max-prompts)", field="prompt")  # fmt: skip
+        raise InvalidRequestError(
+            f"prompt holds {len(raw)} prompts; at most {max_prompts} are allowed in one request (--max-prompts)",
+            field="prompt",
+        )
     prompts = []
     for p in raw:
         if isinstance(p, str):

@@ -73,9 +73,14 @@ class Rebalancer:
                 continue
             try:
                 moved = await self._handle.broadcast("release_waiting", keep).results_async(
-                    timeout_s=5.0, return_exceptions=True)  # fmt: skip
-                logger.info("a new worker is ready: asked %s to keep %s waiting; handed back %s", sorted(keep),
-                            sorted(set(keep.values())), moved)  # fmt: skip
+                    timeout_s=5.0, return_exceptions=True
+                )
+                logger.info(
+                    "a new worker is ready: asked %s to keep %s waiting; handed back %s",
+                    sorted(keep),
+                    sorted(set(keep.values())),
+                    moved,
+                )
             except Exception:
                 logger.exception("asking the workers to hand back waiting requests failed")
 

@@ -97,8 +97,16 @@ class ReplicaStats:
 
     # ---- reports ----------------------------------------------------------------
 
-    def observe_load(self, replica: str, free_blocks: int, total_blocks: int, running: int, waiting: int,
-                     taken_at: float | None = None, waiting_tokens: int = 0) -> None:  # fmt: skip
+    def observe_load(
+        self,
+        replica: str,
+        free_blocks: int,
+        total_blocks: int,
+        running: int,
+        waiting: int,
+        taken_at: float | None = None,
+        waiting_tokens: int = 0,
+    ) -> None:
         """A replica's figures (a delta's `load`, or a poll's)."""
         taken_at = time.time() if taken_at is None else taken_at
         f = self.get(replica)
@@ -116,8 +124,15 @@ class ReplicaStats:
         delta of a replica that left does not bring its figures back."""
         if self.departed(load.worker):
             return
-        self.observe_load(load.worker, load.num_free_blocks, load.num_total_blocks, load.num_running,
-                          load.num_waiting, taken_at, load.num_waiting_tokens)  # fmt: skip
+        self.observe_load(
+            load.worker,
+            load.num_free_blocks,
+            load.num_total_blocks,
+            load.num_running,
+            load.num_waiting,
+            taken_at,
+            load.num_waiting_tokens,
+        )
 
     def observe_poll(self, replica: str, stats: dict) -> None:
         """A `record_routing_stats` result: a WorkerLoad as a dict, and `cached`."""
@@ -129,8 +144,15 @@ class ReplicaStats:
             return
         f.poll_time = t
         load = WorkerLoad.from_dict(stats)
-        self.observe_load(replica, load.num_free_blocks, load.num_total_blocks, load.num_running, load.num_waiting,
-                          t, load.num_waiting_tokens)  # fmt: skip
+        self.observe_load(
+            replica,
+            load.num_free_blocks,
+            load.num_total_blocks,
+            load.num_running,
+            load.num_waiting,
+            t,
+            load.num_waiting_tokens,
+        )
         cutoff = t - self.grace_s
         # Least recent first; assumed hashes sent since the poll's cutoff stay.
         held = dict.fromkeys(reversed(stats.get("cached", ())), 0.0)
@@ -152,8 +174,15 @@ class ReplicaStats:
 
     # ---- what this process sends ----------------------------------------------
 
-    def reserve(self, request_id: str, replica: str, blocks: int, hashes: Sequence[bytes] = (),
-                now: float | None = None, tokens: int = 0) -> None:  # fmt: skip
+    def reserve(
+        self,
+        request_id: str,
+        replica: str,
+        blocks: int,
+        hashes: Sequence[bytes] = (),
+        now: float | None = None,
+        tokens: int = 0,
+    ) -> None:
         """Count a request as sent to `replica` (again: moved there): the
         KV blocks and the prefill tokens it takes there."""
         prev = self._where.get(request_id)

@@ -15,12 +15,13 @@ the list past replicas at max_ongoing_requests.
 
 from __future__ import annotations
 
-from ray.serve.config import RequestRouterConfig
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from shoal.router import replica_stats, routing
 from shoal.workers.messages import GenerateRequest, Subscribe
+
 # Serve's poll of Worker.record_routing_stats: the figures when deltas do
 # not flow (an idle worker), and the cached hashes. Serve's controller and
 # long poll add ~100-200 ms to it; an unchanged report is not broadcast.
@@ -66,8 +67,9 @@ class KVRequestRouter(RequestRouter):
             self._figs_of = (candidates, stats, stats.version, names, figs)
         return names, figs
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if (targeted := _target(candidate_replicas, pending_request)) is not None:
             return targeted
         if pending_request is not None:
@@ -124,8 +126,9 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
     """`pow2`: Serve's default (two replicas at random, the one with fewer
     requests queued), which also sends a `subscribe` call where it names."""
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if (targeted := _target(candidate_replicas, pending_request)) is not None:
             return targeted
         return await super().choose_replicas(candidate_replicas, pending_request)
@@ -141,8 +144,12 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         replica_stats.REGISTRY.drop(replica_id.unique_id)
 
 
-ROUTERS = {"kv": KVRequestRouter, "least-requests": LeastRequestsRouter, "pow2": Pow2Router,
-           "round-robin": RoundRobinRouter}  # fmt: skip
+ROUTERS = {
+    "kv": KVRequestRouter,
+    "least-requests": LeastRequestsRouter,
+    "pow2": Pow2Router,
+    "round-robin": RoundRobinRouter,
+}
 
 
 def request_router_config(policy: str) -> RequestRouterConfig:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from shoal.router import tracing
 from shoal.router.replica_stats import ReplicaFigures, ReplicaStats
+from shoal.workers.utils import cdiv
 
 # The output a request is expected to need room for: max_tokens is only a
 # bound (an OpenAI chat request without one gets the rest of the context),
@@ -70,11 +71,17 @@ class RequestNeed:
     block_size: int
 
 
-def request_need(num_prompt_tokens: int, max_tokens: int, block_size: int,
-                 hashes: Sequence[bytes] | None) -> RequestNeed:  # fmt: skip
+def request_need(
+    num_prompt_tokens: int, max_tokens: int, block_size: int, hashes: Sequence[bytes] | None
+) -> RequestNeed:
     expected = num_prompt_tokens + min(max_tokens, EXPECTED_OUTPUT_TOKENS)
-    return RequestNeed(hashes or (), max(0, (num_prompt_tokens - 1) // block_size), num_prompt_tokens,
-                       -(-expected // block_size), block_size)  # fmt: skip
+    return RequestNeed(
+        hashes or (),
+        max(0, (num_prompt_tokens - 1) // block_size),
+        num_prompt_tokens,
+        cdiv(expected, block_size),
+        block_size,
+    )
 
 
 def need_of(request, block_size: int) -> RequestNeed:
@@ -82,8 +89,9 @@ def need_of(request, block_size: int) -> RequestNeed:
     return request_need(len(request.prompt_token_ids), request.params.max_tokens, block_size, request.block_hashes)
 
 
-def choose(policy: str, request, figs: Sequence[ReplicaFigures], block_size: int,
-           turn: int = 0) -> tuple[list[int], int, int]:  # fmt: skip
+def choose(
+    policy: str, request, figs: Sequence[ReplicaFigures], block_size: int, turn: int = 0
+) -> tuple[list[int], int, int]:
     """The replicas' order for `request` (a GenerateRequest, or None) under
     `policy`, best first, and what it takes at the first: KV blocks, and
     prompt tokens to prefill (0 and 0 for the policies that do not look)."""
@@ -96,8 +104,9 @@ def choose(policy: str, request, figs: Sequence[ReplicaFigures], block_size: int
     return order, 0, 0
 
 
-def route(stats: ReplicaStats, policy: str, request, names: Sequence[str], figs: Sequence[ReplicaFigures],
-          turn: int = 0) -> list[int]:  # fmt: skip
+def route(
+    stats: ReplicaStats, policy: str, request, names: Sequence[str], figs: Sequence[ReplicaFigures], turn: int = 0
+) -> list[int]:
     """Choose, reserve, trace: the one routing step of both pools (Serve's
     request router and the in-process pool). The replicas' order for
     `request` (None for a call that is no request) over `figs` (those of

@@ -19,8 +19,11 @@ from shoal.router.metrics import CONTENT_TYPE
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The page loads only its own files and may not be framed (clickjacking); its favicon is an empty data: URL.
-SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
-                    "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff"}  # fmt: skip
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 class StatusPage:
@@ -43,8 +46,9 @@ class StatusPage:
         return Response(self.fe.metrics.render(await self.fe.load()), media_type=CONTENT_TYPE)
 
     async def index(self, request: Request) -> Response:
-        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache",
-                                                                             **SECURITY_HEADERS})  # fmt: skip
+        return FileResponse(
+            os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache", **SECURITY_HEADERS}
+        )
 
     async def auth(self, request: Request) -> Response:
         """Whether requests need the key (open, like /health): the page asks
@@ -57,15 +61,37 @@ class StatusPage:
         info, fe = self.fe.info, self.fe
         loads = await fe.load()
         p50, p99 = fe.metrics.recent_ttft()
-        return JSONResponse({
-            "model": info.model, "max_model_len": info.max_model_len,
-            "tensor_parallel_size": info.tensor_parallel_size, "block_size": info.block_size,
-            "num_workers": info.num_workers, "routing": self.routing, "router": self.router, "time": time.time(),
-            "workers": [{"worker": s.worker, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                         "num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
-                         "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
-                         "num_finished_requests": s.num_finished_requests, "num_prompt_tokens": s.num_prompt_tokens,
-                         "num_generation_tokens": s.num_generation_tokens} for s in loads],
-            "router_stats": {"num_requests_running": fe.num_in_flight, "ttft_p50_s": p50, "ttft_p99_s": p99,
-                             "window_s": fe.metrics.WINDOW_S},
-        }, headers={"Cache-Control": "no-cache", **SECURITY_HEADERS})  # fmt: skip
+        return JSONResponse(
+            {
+                "model": info.model,
+                "max_model_len": info.max_model_len,
+                "tensor_parallel_size": info.tensor_parallel_size,
+                "block_size": info.block_size,
+                "num_workers": info.num_workers,
+                "routing": self.routing,
+                "router": self.router,
+                "time": time.time(),
+                "workers": [
+                    {
+                        "worker": s.worker,
+                        "num_running": s.num_running,
+                        "num_waiting": s.num_waiting,
+                        "num_free_blocks": s.num_free_blocks,
+                        "num_total_blocks": s.num_total_blocks,
+                        "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                        "num_preemptions": s.num_preemptions,
+                        "num_finished_requests": s.num_finished_requests,
+                        "num_prompt_tokens": s.num_prompt_tokens,
+                        "num_generation_tokens": s.num_generation_tokens,
+                    }
+                    for s in loads
+                ],
+                "router_stats": {
+                    "num_requests_running": fe.num_in_flight,
+                    "ttft_p50_s": p50,
+                    "ttft_p99_s": p99,
+                    "window_s": fe.metrics.WINDOW_S,
+                },
+            },
+            headers={"Cache-Control": "no-cache", **SECURITY_HEADERS},
+        )

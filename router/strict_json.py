@@ -65,8 +65,11 @@ def _walk(obj, check_strings: bool, whole: bool) -> None:
         if not whole and isinstance(node, list) and node and type(node[0]) is int:
             continue
         if depth > MAX_DEPTH:
-            raise ServingError("invalid", f"the JSON body nests deeper than {MAX_DEPTH} levels",
-                               field=path.split(".")[0].split("[")[0] or None)  # fmt: skip
+            raise ServingError(
+                "invalid",
+                f"the JSON body nests deeper than {MAX_DEPTH} levels",
+                field=path.split(".")[0].split("[")[0] or None,
+            )
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             where = _path(path, key)
@@ -86,8 +89,9 @@ def _check_string(s: str, where: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        raise ServingError("invalid", f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)",
-                           field=where) from None  # fmt: skip
+        raise ServingError(
+            "invalid", f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)", field=where
+        ) from None
 
 
 def loads(body: bytes):

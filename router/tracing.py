@@ -17,15 +17,41 @@ from opentelemetry.trace import SpanKind
 from shoal.workers import tracing as core
 from shoal.workers.tracing import ENV_VARS, configure, end_span, fail_span, flush, inject, otel_env
 
-__all__ = ["ENV_VARS", "configure", "context_from_headers", "context_from_metadata", "end_request_span", "end_span",
-           "fail_request_span", "fail_span", "failed_over", "finish_request_span", "flush", "inject", "otel_env",
-           "request_params", "route_span", "set_request_params", "stage_span", "start_request_span", "trace_route"]  # fmt: skip
+__all__ = [
+    "ENV_VARS",
+    "configure",
+    "context_from_headers",
+    "context_from_metadata",
+    "end_request_span",
+    "end_span",
+    "fail_request_span",
+    "fail_span",
+    "failed_over",
+    "finish_request_span",
+    "flush",
+    "inject",
+    "otel_env",
+    "request_params",
+    "route_span",
+    "set_request_params",
+    "stage_span",
+    "start_request_span",
+    "trace_route",
+]
 
 SYSTEM = "shoal"
 OPERATIONS = ("chat", "text_completion")
 # Request values -> their GenAI attribute (gen_ai.request.<name>).
-_REQUEST = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-            "stop_sequences")  # fmt: skip
+_REQUEST = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop_sequences",
+)
 
 
 # ---- the client's context --------------------------------------------------------
@@ -55,11 +81,16 @@ def request_params(params) -> dict:
     """start_request_span's request keywords from a SamplingParams (or any
     object with its fields); values meaning 'off' are left out."""
     top_k = getattr(params, "top_k", None)
-    return {"max_tokens": getattr(params, "max_tokens", None), "temperature": getattr(params, "temperature", None),
-            "top_p": getattr(params, "top_p", None), "top_k": top_k if top_k is not None and top_k > 0 else None,
-            "seed": getattr(params, "seed", None), "presence_penalty": getattr(params, "presence_penalty", None),
-            "frequency_penalty": getattr(params, "frequency_penalty", None),
-            "stop_sequences": list(getattr(params, "stop", None) or ()) or None}  # fmt: skip
+    return {
+        "max_tokens": getattr(params, "max_tokens", None),
+        "temperature": getattr(params, "temperature", None),
+        "top_p": getattr(params, "top_p", None),
+        "top_k": top_k if top_k is not None and top_k > 0 else None,
+        "seed": getattr(params, "seed", None),
+        "presence_penalty": getattr(params, "presence_penalty", None),
+        "frequency_penalty": getattr(params, "frequency_penalty", None),
+        "stop_sequences": list(getattr(params, "stop", None) or ()) or None,
+    }
 
 
 def set_request_params(span, **request) -> None:
@@ -70,9 +101,17 @@ def set_request_params(span, **request) -> None:
     core.set_attributes(span, {f"gen_ai.request.{k}": v for k, v in request.items()})
 
 
-def start_request_span(parent_ctx: Context | None, operation: str, model: str, *, request_id: str | None = None,
-                       client_request_id: str | None = None, stream: bool | None = None,
-                       start_s: float | None = None, **request):  # fmt: skip
+def start_request_span(
+    parent_ctx: Context | None,
+    operation: str,
+    model: str,
+    *,
+    request_id: str | None = None,
+    client_request_id: str | None = None,
+    stream: bool | None = None,
+    start_s: float | None = None,
+    **request,
+):
     """The request's SERVER span, `"{operation} {model}"`, a child of the
     client's context (a root when it sent none); None when tracing is off.
     operation: 'chat' or 'text_completion'. request: max_tokens,
@@ -82,18 +121,34 @@ def start_request_span(parent_ctx: Context | None, operation: str, model: str, *
         return None
     if operation not in OPERATIONS:
         raise ValueError(f"operation must be one of {OPERATIONS}, not {operation!r}")
-    span = core.tracer.start_span(f"{operation} {model}", context=parent_ctx, kind=SpanKind.SERVER,
-                                  start_time=core.ns(start_s))  # fmt: skip
-    core.set_attributes(span, {"gen_ai.operation.name": operation, "gen_ai.system": SYSTEM,
-                               "gen_ai.provider.name": SYSTEM, "gen_ai.request.model": model,
-                               "gen_ai.response.id": request_id, "shoal.client_request_id": client_request_id,
-                               "shoal.stream": stream})  # fmt: skip
+    span = core.tracer.start_span(
+        f"{operation} {model}", context=parent_ctx, kind=SpanKind.SERVER, start_time=core.ns(start_s)
+    )
+    core.set_attributes(
+        span,
+        {
+            "gen_ai.operation.name": operation,
+            "gen_ai.system": SYSTEM,
+            "gen_ai.provider.name": SYSTEM,
+            "gen_ai.request.model": model,
+            "gen_ai.response.id": request_id,
+            "shoal.client_request_id": client_request_id,
+            "shoal.stream": stream,
+        },
+    )
     set_request_params(span, **request)
     return span
 
 
-def finish_request_span(span, finished=None, *, response_model: str | None = None, prefill_s: float | None = None,
-                        end_s: float | None = None, **attributes) -> None:  # fmt: skip
+def finish_request_span(
+    span,
+    finished=None,
+    *,
+    response_model: str | None = None,
+    prefill_s: float | None = None,
+    end_s: float | None = None,
+    **attributes,
+) -> None:
     """Set the response's attributes and end the span. `finished` is the
     last delta's RequestFinished (or anything with its fields, read by name:
     finish_reason, num_prompt_tokens, num_cached_tokens, num_output_tokens,
@@ -110,16 +165,22 @@ def finish_request_span(span, finished=None, *, response_model: str | None = Non
     if prefill_s is None and ttft is not None and queue is not None:
         prefill_s = max(ttft - queue, 0.0)
     decode_s = max(total - ttft, 0.0) if total is not None and ttft is not None else None
-    core.set_attributes(span, {
-        "gen_ai.response.model": response_model,
-        "gen_ai.response.finish_reasons": [str(reason)] if reason is not None else None,
-        "gen_ai.usage.input_tokens": getattr(f, "num_prompt_tokens", None),
-        "gen_ai.usage.output_tokens": getattr(f, "num_output_tokens", None),
-        "shoal.cached_prompt_tokens": getattr(f, "num_cached_tokens", None),
-        "shoal.worker": getattr(f, "worker", None),
-        "shoal.queue_s": queue, "shoal.ttft_s": ttft, "shoal.prefill_s": prefill_s, "shoal.decode_s": decode_s,
-        "shoal.e2e_s": total,
-    })  # fmt: skip
+    core.set_attributes(
+        span,
+        {
+            "gen_ai.response.model": response_model,
+            "gen_ai.response.finish_reasons": [str(reason)] if reason is not None else None,
+            "gen_ai.usage.input_tokens": getattr(f, "num_prompt_tokens", None),
+            "gen_ai.usage.output_tokens": getattr(f, "num_output_tokens", None),
+            "shoal.cached_prompt_tokens": getattr(f, "num_cached_tokens", None),
+            "shoal.worker": getattr(f, "worker", None),
+            "shoal.queue_s": queue,
+            "shoal.ttft_s": ttft,
+            "shoal.prefill_s": prefill_s,
+            "shoal.decode_s": decode_s,
+            "shoal.e2e_s": total,
+        },
+    )
     core.set_attributes(span, attributes)
     span.end(end_time=core.ns(end_s))
 
@@ -169,8 +230,15 @@ def stage_span(parent, name: str = "shoal.prepare", **attributes):
         end_span(span)
 
 
-def route_span(parent, candidates: list[dict], chosen: str | None, *, start_s: float | None = None,
-               end_s: float | None = None, **attributes) -> None:  # fmt: skip
+def route_span(
+    parent,
+    candidates: list[dict],
+    chosen: str | None,
+    *,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    **attributes,
+) -> None:
     """A finished child span for one routing decision. parent: the request's
     span, or its carrier (GenerateRequest.trace_context). candidates: one dict
     per replica with 'worker', 'free_blocks' and 'queue_depth' (and,
@@ -179,9 +247,14 @@ def route_span(parent, candidates: list[dict], chosen: str | None, *, start_s: f
     if not core.enabled or parent is None:
         return
     attrs = {"shoal.route.chosen": chosen, "shoal.route.num_candidates": len(candidates)}
-    for key, attr, kind in (("worker", "workers", str), ("free_blocks", "free_blocks", int),
-                            ("queue_depth", "queue_depths", int), ("running", "running", int),
-                            ("cost", "costs", float), ("hit_blocks", "hit_blocks", int)):  # fmt: skip
+    for key, attr, kind in (
+        ("worker", "workers", str),
+        ("free_blocks", "free_blocks", int),
+        ("queue_depth", "queue_depths", int),
+        ("running", "running", int),
+        ("cost", "costs", float),
+        ("hit_blocks", "hit_blocks", int),
+    ):
         values = [c.get(key) for c in candidates]
         if candidates and all(v is not None for v in values):  # an array must be whole and of one type
             attrs[f"shoal.route.{attr}"] = [kind(v) for v in values]
@@ -191,8 +264,9 @@ def route_span(parent, candidates: list[dict], chosen: str | None, *, start_s: f
     span.end(end_time=core.ns(end_s))
 
 
-def failed_over(span, from_worker: str, num_streamed_tokens: int, reason: str | None = None,
-                at_s: float | None = None) -> None:  # fmt: skip
+def failed_over(
+    span, from_worker: str, num_streamed_tokens: int, reason: str | None = None, at_s: float | None = None
+) -> None:
     """The request left a lost worker for another, after streaming
     num_streamed_tokens: an event on the request's span, or, given its
     carrier (GenerateRequest.trace_context, where the span is out of reach),
@@ -212,6 +286,13 @@ def failed_over(span, from_worker: str, num_streamed_tokens: int, reason: str | 
 def trace_route(carrier, names: list[str], figs: list, chosen: int, policy: str) -> None:
     """route_span from the request router's view: each replica's name and
     figures (replica_stats.ReplicaFigures, None before its first report)."""
-    rows = [{"worker": n, "free_blocks": f.free_blocks if f else 0, "queue_depth": f.waiting if f else 0,
-             "running": f.running if f else 0} for n, f in zip(names, figs)]  # fmt: skip
+    rows = [
+        {
+            "worker": n,
+            "free_blocks": f.free_blocks if f else 0,
+            "queue_depth": f.waiting if f else 0,
+            "running": f.running if f else 0,
+        }
+        for n, f in zip(names, figs)
+    ]
     route_span(carrier, rows, names[chosen], **{"shoal.route.policy": policy})

@@ -103,7 +103,6 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def render() -> str:
     from shoal.cluster.cli import build_parser
-
     from shoal.workers.engine_args import EngineArgs
 
     # Defaults some parsers read from this shell (SHOAL_API_KEY) stay out of the page: build them without it.
@@ -114,7 +113,7 @@ def render() -> str:
         EngineArgs.add_cli_args(engine)
     finally:
         os.environ.update(saved)
-    (_, engine_actions), = [g for g in _groups(engine) if g[0] == "engine"]
+    ((_, engine_actions),) = [g for g in _groups(engine) if g[0] == "engine"]
     out = [HEADER, "## Engine arguments", ""]
     out += ["`LLM(**kwargs)`, `EngineArgs`, a Serve config's `args` and the commands below that say so.", ""]
     out += _table(engine_actions) + [""]
@@ -139,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(PAGE) as f:
             stale = f.read() != text
         if stale:
-            print(f"{os.path.relpath(PAGE, ROOT)} is stale: run .venv/bin/python scripts/gen_config_reference.py",
-                  file=sys.stderr)
+            print(
+                f"{os.path.relpath(PAGE, ROOT)} is stale: run .venv/bin/python scripts/gen_config_reference.py",
+                file=sys.stderr,
+            )
         return int(stale)
     os.makedirs(os.path.dirname(PAGE), exist_ok=True)
     with open(PAGE, "w") as f:

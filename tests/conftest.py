@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tiny_models import make_tiny_model
 
 
@@ -18,12 +17,21 @@ def tiny_models(tmp_path_factory, tiny_model) -> dict[str, str]:
     """The variants the token-exact test walks through."""
     return {
         "llama-gqa-untied": tiny_model,
-        "llama-tied-bias": make_tiny_model(str(tmp_path_factory.mktemp("tiny-tied-bias")),
-                                           tie_word_embeddings=True, attention_bias=True),  # fmt: skip
-        "qwen2-bias-mha": make_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2",
-                                          num_key_value_heads=4, tie_word_embeddings=True),  # fmt: skip
+        "llama-tied-bias": make_tiny_model(
+            str(tmp_path_factory.mktemp("tiny-tied-bias")), tie_word_embeddings=True, attention_bias=True
+        ),
+        "qwen2-bias-mha": make_tiny_model(
+            str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2", num_key_value_heads=4, tie_word_embeddings=True
+        ),
         "mistral": make_tiny_model(str(tmp_path_factory.mktemp("tiny-mistral")), "mistral", head_dim=32),
-        "llama3-rope": make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama3")), rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}),  # fmt: skip
+        "llama3-rope": make_tiny_model(
+            str(tmp_path_factory.mktemp("tiny-llama3")),
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     }

@@ -43,8 +43,10 @@ class EngineHold:
     def gone(self, request_ids: list[str]) -> bool:
         """None of request_ids is left in the worker, and every KV block is free."""
         s = self.aeng.stats()
-        return (not any(r in self.aeng._queues or r in self.eng.requests for r in request_ids)
-                and s.num_free_blocks == s.num_total_blocks)  # fmt: skip
+        return (
+            not any(r in self.aeng._queues or r in self.eng.requests for r in request_ids)
+            and s.num_free_blocks == s.num_total_blocks
+        )
 
 
 async def until(cond, timeout: float = 10.0) -> float:

@@ -63,17 +63,25 @@ def attributes(kvs) -> dict:
 
 
 def _span(s, resource: dict) -> Span:
-    return Span(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
-                name=s.name, kind=trace_pb2.Span.SpanKind.Name(s.kind).removeprefix("SPAN_KIND_"),
-                attributes=attributes(s.attributes),
-                events=[Event(e.name, attributes(e.attributes), e.time_unix_nano) for e in s.events],
-                status_code=trace_pb2.Status.StatusCode.Name(s.status.code).removeprefix("STATUS_CODE_"),
-                status_message=s.status.message, service_name=resource.get("service.name"), resource=resource,
-                start_unix_nano=s.start_time_unix_nano, end_unix_nano=s.end_time_unix_nano)  # fmt: skip
+    return Span(
+        trace_id=s.trace_id.hex(),
+        span_id=s.span_id.hex(),
+        parent_span_id=s.parent_span_id.hex(),
+        name=s.name,
+        kind=trace_pb2.Span.SpanKind.Name(s.kind).removeprefix("SPAN_KIND_"),
+        attributes=attributes(s.attributes),
+        events=[Event(e.name, attributes(e.attributes), e.time_unix_nano) for e in s.events],
+        status_code=trace_pb2.Status.StatusCode.Name(s.status.code).removeprefix("STATUS_CODE_"),
+        status_message=s.status.message,
+        service_name=resource.get("service.name"),
+        resource=resource,
+        start_unix_nano=s.start_time_unix_nano,
+        end_unix_nano=s.end_time_unix_nano,
+    )
 
 
 class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, collector: "OtlpCollector"):
+    def __init__(self, collector: OtlpCollector):
         self.collector = collector
 
     def Export(self, request, context):
@@ -97,7 +105,7 @@ class OtlpCollector:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "OtlpCollector":
+    def start(self) -> OtlpCollector:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self), self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
@@ -109,7 +117,7 @@ class OtlpCollector:
             self._server.stop(grace=None).wait()
             self._server = None
 
-    def __enter__(self) -> "OtlpCollector":
+    def __enter__(self) -> OtlpCollector:
         return self.start()
 
     def __exit__(self, *exc) -> None:

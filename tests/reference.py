@@ -13,8 +13,14 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: list[in
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
-        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                           eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)  # fmt: skip
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+        )
         outs.append(y[0, len(ids) :].tolist())
     return outs
 

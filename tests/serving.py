@@ -22,8 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_frontend(model: str, num_workers: int = 1, max_waiting: int = 64, api_key: str | None = None,
-                  **engine) -> Frontend:  # fmt: skip
+def make_frontend(
+    model: str, num_workers: int = 1, max_waiting: int = 64, api_key: str | None = None, **engine
+) -> Frontend:
     engine.setdefault("num_kv_blocks", 256)
     workers = [Worker(EngineArgs(model=model, **engine), max_waiting=max_waiting) for _ in range(num_workers)]
     info = ModelInfo.from_worker_info(workers[0].info(), num_workers)

@@ -8,16 +8,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import httpx
 import pytest
+from engine_hold import EngineHold, until
+from serving import make_frontend
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.grpc_server import GrpcServer
 from shoal.router.openai_app import OpenAIApp
-from engine_hold import EngineHold, until
-from serving import make_frontend
-
-import httpx
 
 LIMIT = 2
 BODY = {"prompt": "The quick brown fox", "max_tokens": 3, "ignore_eos": True}
@@ -29,8 +28,9 @@ def test_http_past_max_concurrent_requests_gets_429_and_the_admitted_finish(tiny
         hold = EngineHold(fe.pool.workers[0])
         oa = OpenAIApp(fe, 1 << 20, max_concurrent_requests=LIMIT)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=oa.app), base_url="http://shoal") as c:
-            admitted = [asyncio.ensure_future(c.post("/v1/completions", json=dict(BODY, stream=s)))
-                        for s in (False, True)]  # fmt: skip
+            admitted = [
+                asyncio.ensure_future(c.post("/v1/completions", json=dict(BODY, stream=s))) for s in (False, True)
+            ]
             in_engine = await until(lambda: len(hold.eng.requests) == LIMIT)
             refused = await c.post("/v1/completions", json=BODY)
             health = await c.get("/health")  # not counted: probes still get through
@@ -90,8 +90,9 @@ async def _tokens(call) -> list[int]:
 @pytest.mark.parametrize("allowed", [False, True])
 def test_grpc_priority_is_the_operators_unless_allowed(tiny_model, allowed):
     def req(priority):
-        return pb.GenerateRequest(text="The quick brown fox", priority=priority,
-                                  sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))  # fmt: skip
+        return pb.GenerateRequest(
+            text="The quick brown fox", priority=priority, sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+        )
 
     async def main():
         fe = make_frontend(tiny_model)

@@ -7,15 +7,22 @@ import random
 
 import pytest
 import torch
-
 from reference import check_tokens, hf_greedy
+
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.layers import cpu_kernels
-from shoal.workers.model_executor.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, set_forward_context
+from shoal.workers.model_executor.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedAttention,
+    set_forward_context,
+)
+from shoal.workers.utils import cdiv
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 32), (4, 4, 8, 64), (8, 2, 4, 32),
-                                                            (4, 2, 16, 12), (4, 2, 16, 136)])  # fmt: skip
+@pytest.mark.parametrize(
+    "heads,kv_heads,block_size,dim", [(9, 3, 16, 32), (4, 4, 8, 64), (8, 2, 4, 32), (4, 2, 16, 12), (4, 2, 16, 136)]
+)
 def test_kernel_equals_torch_path(heads, kv_heads, block_size, dim):
     kernel = cpu_kernels.load()
     assert kernel is not None, "the CPU decode kernel did not build (is a C++ compiler installed?)"
@@ -24,7 +31,7 @@ def test_kernel_equals_torch_path(heads, kv_heads, block_size, dim):
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
     lens = [1, 5, block_size, block_size + 1, 77, 130]
-    max_blocks = -(-max(lens) // block_size)
+    max_blocks = cdiv(max(lens), block_size)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = torch.tensor([[free.pop() for _ in range(max_blocks)] for _ in lens])
@@ -38,8 +45,9 @@ def test_kernel_equals_torch_path(heads, kv_heads, block_size, dim):
         # writing the "new" keys: rewrite each sequence's last slot with itself
         last = [tables[i, (n - 1) // block_size].item() * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
         flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(last),
-                                 decodes=[DecodeGroup(0, len(lens), tables, lens_t, mask)])  # fmt: skip
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(last), decodes=[DecodeGroup(0, len(lens), tables, lens_t, mask)]
+        )
         with set_forward_context(meta):
             return attn(q, flat_k[last].clone(), flat_v[last].clone())
 

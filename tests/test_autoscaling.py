@@ -63,9 +63,15 @@ def context(reports: dict[str, dict], target: int, running=None, queued: float =
     for rid, figs in reports.items():
         for key, value in figs.items():
             raw.setdefault(key, {})[rid] = [TSV(0.0, -1.0), TSV(1.0, value)]  # the latest counts
-    return SimpleNamespace(raw_metrics=raw, running_replicas=list(running or reports), target_num_replicas=target,
-                           capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
-                           total_queued_requests=queued, config=SimpleNamespace(target_ongoing_requests=2.0))  # fmt: skip
+    return SimpleNamespace(
+        raw_metrics=raw,
+        running_replicas=list(running or reports),
+        target_num_replicas=target,
+        capacity_adjusted_min_replicas=lo,
+        capacity_adjusted_max_replicas=hi,
+        total_queued_requests=queued,
+        config=SimpleNamespace(target_ongoing_requests=2.0),
+    )
 
 
 def test_policy_reads_the_latest_report_of_each_running_worker():
@@ -84,9 +90,25 @@ def test_autoscaling_flags_round_trip_into_the_worker_deployment():
     from shoal.cluster.app import worker_deployment_options
     from shoal.cluster.cli import build_parser
 
-    ns = build_parser().parse_args(["serve", "--num-workers", "5", "--min-workers", "2", "--max-workers", "4",
-                                    "--target-queue-depth", "3", "--upscale-delay", "1", "--downscale-delay-s", "7",
-                                    "--device", "cpu"])  # fmt: skip
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "--num-workers",
+            "5",
+            "--min-workers",
+            "2",
+            "--max-workers",
+            "4",
+            "--target-queue-depth",
+            "3",
+            "--upscale-delay",
+            "1",
+            "--downscale-delay-s",
+            "7",
+            "--device",
+            "cpu",
+        ]
+    )
     opts = ServeOptions.from_cli_args(ns)
     assert (opts.min_workers, opts.max_workers, opts.target_queue_depth) == (2, 4, 3.0)
     assert (opts.upscale_delay_s, opts.downscale_delay_s) == (1.0, 7.0)
@@ -102,16 +124,22 @@ def test_autoscaling_flags_round_trip_into_the_worker_deployment():
     # Without --max-workers: a fixed count, as before; the threads count the most workers.
     assert worker_deployment_options(ServeOptions(num_workers=2), gpu=False)["num_replicas"] == 2
     assert "autoscaling_config" not in worker_deployment_options(ServeOptions(), gpu=False)
-    assert opts.worker_engine_args(gpu=False).num_threads == ServeOptions(num_workers=4).worker_engine_args(False).num_threads
+    assert (
+        opts.worker_engine_args(gpu=False).num_threads
+        == ServeOptions(num_workers=4).worker_engine_args(False).num_threads
+    )
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"min_workers": 2}, "min_workers needs max_workers"),
-    ({"max_workers": 2, "min_workers": 3}, r"max_workers \(2\) must be >= min_workers \(3\)"),
-    ({"max_workers": 2, "min_workers": 0}, "min_workers must be >= 1"),
-    ({"max_workers": 2, "target_queue_depth": 0}, "target_queue_depth must be > 0"),
-    ({"max_workers": 2, "downscale_delay_s": -1}, "must be >= 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"min_workers": 2}, "min_workers needs max_workers"),
+        ({"max_workers": 2, "min_workers": 3}, r"max_workers \(2\) must be >= min_workers \(3\)"),
+        ({"max_workers": 2, "min_workers": 0}, "min_workers must be >= 1"),
+        ({"max_workers": 2, "target_queue_depth": 0}, "target_queue_depth must be > 0"),
+        ({"max_workers": 2, "downscale_delay_s": -1}, "must be >= 0"),
+    ],
+)
 def test_autoscaling_options_are_checked(bad, message):
     with pytest.raises(ValueError, match=message):
         ServeOptions.from_dict(bad)
@@ -166,16 +194,29 @@ async def collect(stream) -> tuple[list[int], str, list]:
 
 
 def test_waiting_requests_handed_back_go_on_elsewhere_at_no_retry_cost(tiny_model):
-    prompts = ["The quick brown fox", "Paged attention keeps", "def add(a, b):", "Hello, world! How are",
-               "Numbers: 0 1 2", "Continuous batching rebuilds"]  # fmt: skip
+    prompts = [
+        "The quick brown fox",
+        "Paged attention keeps",
+        "def add(a, b):",
+        "Hello, world! How are",
+        "Numbers: 0 1 2",
+        "Continuous batching rebuilds",
+    ]
 
     async def main():
-        a, b = (Worker(EngineArgs(model=tiny_model, num_kv_blocks=128, num_threads=1, max_num_seqs=1), max_waiting=64)
-                for _ in range(2))  # fmt: skip
+        a, b = (
+            Worker(EngineArgs(model=tiny_model, num_kv_blocks=128, num_threads=1, max_num_seqs=1), max_waiting=64)
+            for _ in range(2)
+        )
         try:
-            reqs = [GenerateRequest(f"r{i}", a.engine.engine.tokenize(p),
-                                    SamplingParams(temperature=0, max_tokens=300 if i == 0 else 24, ignore_eos=True))
-                    for i, p in enumerate(prompts)]  # fmt: skip
+            reqs = [
+                GenerateRequest(
+                    f"r{i}",
+                    a.engine.engine.tokenize(p),
+                    SamplingParams(temperature=0, max_tokens=300 if i == 0 else 24, ignore_eos=True),
+                )
+                for i, p in enumerate(prompts)
+            ]
             refs = [await collect(b.generate(r)) for r in reqs]  # each alone, undisturbed
             pool = FailoverPool(MovingPool(a, b), max_retries=0)
             tasks = [asyncio.ensure_future(collect(pool.generate(r))) for r in reqs]

@@ -17,12 +17,13 @@ import time
 
 import grpc
 import pytest
-
 from serving import local_cluster_app
+from tiny_models import make_tiny_model
+
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 from shoal.workers import LLM, SamplingParams
-from tiny_models import make_tiny_model
+from shoal.workers.utils import cdiv
 
 pytestmark = pytest.mark.slow
 APP = "shoal-autoscaling"
@@ -34,8 +35,20 @@ HOLD = ["Hold the first slot", "Hold the second slot"]
 # One worker runs 2 sequences at once: with HOLD running, a burst of 48
 # queues 48 deep, and the policy asks for ceil(48 / 2) workers, bounded to 3.
 ENGINE = dict(max_num_seqs=2, num_kv_blocks=2 * HOLD_CONTEXT // 16 + 2048, num_threads=1)
-BURST = [f"{p} {i}" for i, p in enumerate(["The quick brown fox", "Paged attention keeps", "def add(a, b):",
-                                           "Hello, world! How are", "Numbers: 0 1 2", "I am fine, thank"] * 8)]  # fmt: skip
+BURST = [
+    f"{p} {i}"
+    for i, p in enumerate(
+        [
+            "The quick brown fox",
+            "Paged attention keeps",
+            "def add(a, b):",
+            "Hello, world! How are",
+            "Numbers: 0 1 2",
+            "I am fine, thank",
+        ]
+        * 8
+    )
+]
 BURST_TOKENS = 256
 # In flight when their workers are told to go: each lasts LONG_S alone at the pace measured here,
 # the time this test allows the scale-down (DOWNSCALE_DELAY_S + 15 s), plus 5 s for the probes after it.
@@ -129,8 +142,10 @@ class Replicas:
 
         while True:
             status = await asyncio.to_thread(serve.status)
-            states = {str(getattr(k, "value", k)): v
-                      for k, v in status.applications[APP].deployments["Worker"].replica_states.items()}  # fmt: skip
+            states = {
+                str(getattr(k, "value", k)): v
+                for k, v in status.applications[APP].deployments["Worker"].replica_states.items()
+            }
             if states != self.states:
                 self.history.append((time.monotonic(), states))
             self.states = states
@@ -149,9 +164,18 @@ def running(states: dict) -> int:
 
 
 def test_queue_depth_scales_workers_up_and_idleness_drains_them_back(model, reference):
-    with local_cluster_app(APP, model=model, num_workers=1, min_workers=1, max_workers=3, target_queue_depth=2.0,
-                           upscale_delay_s=UPSCALE_DELAY_S, downscale_delay_s=DOWNSCALE_DELAY_S,
-                           drain_timeout_s=120.0, **ENGINE) as (_, addr):  # fmt: skip
+    with local_cluster_app(
+        APP,
+        model=model,
+        num_workers=1,
+        min_workers=1,
+        max_workers=3,
+        target_queue_depth=2.0,
+        upscale_delay_s=UPSCALE_DELAY_S,
+        downscale_delay_s=DOWNSCALE_DELAY_S,
+        drain_timeout_s=120.0,
+        **ENGINE,
+    ) as (_, addr):
         timeline = asyncio.run(scenario(addr, reference))
     print("\nautoscaling timeline (s):", {k: round(v, 1) for k, v in timeline.items()})
 
@@ -182,7 +206,7 @@ async def scenario(addr: str, reference: dict[str, list[int]]) -> dict[str, floa
         t_up = await replicas.until(lambda s: running(s) == 3, 90)
         # Moved: the first worker keeps its share of the queue, the mean over three.
         deadline = time.monotonic() + 30
-        while len(now := await asyncio.to_thread(load, addr)) < 3 or now[first[0]].num_waiting > -(-len(BURST) // 3):
+        while len(now := await asyncio.to_thread(load, addr)) < 3 or now[first[0]].num_waiting > cdiv(len(BURST), 3):
             assert time.monotonic() < deadline, {w: (x.num_running, x.num_waiting) for w, x in now.items()}
             await asyncio.sleep(0.1)
         assert not any(t.done() for t in holds), "a hold request ended before the burst had moved"
@@ -230,7 +254,11 @@ async def scenario(addr: str, reference: dict[str, list[int]]) -> dict[str, floa
         t_gone = await replicas.until(lambda s: running(s) == 1 and sum(s.values()) == 1, 60)
         assert t_gone >= max(r["end"] for r in drained) - 0.5
         assert await asyncio.to_thread(workers_reporting, addr) == survivor
-        return {"scale_up_1_to_3": t_up - t0, "burst": t_idle - t0, "scale_down_3_to_1_after_idle": t_down - t_idle,
-                "drained_and_gone_after_idle": t_gone - t_idle}  # fmt: skip
+        return {
+            "scale_up_1_to_3": t_up - t0,
+            "burst": t_idle - t0,
+            "scale_down_3_to_1_after_idle": t_down - t_idle,
+            "drained_and_gone_after_idle": t_gone - t_idle,
+        }
     finally:
         poller.cancel()

@@ -7,10 +7,9 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from engine_hold import EngineHold, until
 
 from shoal.workers import AsyncEngine, InvalidRequestError, LLMEngine, SamplingParams
-
-from engine_hold import EngineHold, until
 
 
 @pytest.fixture(scope="module")
@@ -18,14 +17,17 @@ def engine(tiny_model):
     return LLMEngine(model=tiny_model, num_kv_blocks=64, max_model_len=512)
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("temperature", dict(temperature=-0.1)),
-    ("top_p", dict(top_p=0.0)),
-    ("top_p", dict(top_p=1.5)),
-    ("top_k", dict(top_k=-2)),
-    ("max_tokens", dict(max_tokens=0)),
-    ("min_p", dict(min_p=2.0)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("temperature", dict(temperature=-0.1)),
+        ("top_p", dict(top_p=0.0)),
+        ("top_p", dict(top_p=1.5)),
+        ("top_k", dict(top_k=-2)),
+        ("max_tokens", dict(max_tokens=0)),
+        ("min_p", dict(min_p=2.0)),
+    ],
+)
 def test_bad_sampling_values(field, kwargs):
     with pytest.raises(InvalidRequestError, match=field) as e:
         SamplingParams(**kwargs)

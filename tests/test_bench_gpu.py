@@ -16,8 +16,16 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_command_imports_no_ray():
-    code = "\n".join(["import sys", "from shoal.cluster.cli import build_parser", "try:",
-                      "    build_parser().parse_args(['bench', 'gpu', '--help'])", "except SystemExit:", "    pass"])
+    code = "\n".join(
+        [
+            "import sys",
+            "from shoal.cluster.cli import build_parser",
+            "try:",
+            "    build_parser().parse_args(['bench', 'gpu', '--help'])",
+            "except SystemExit:",
+            "    pass",
+        ]
+    )
     done = _python(code + NO_RAY)
     assert done.returncode == 0, done.stderr
     assert "--shapes" in done.stdout and "--skip" in done.stdout
@@ -26,11 +34,40 @@ def test_the_command_imports_no_ray():
 @pytest.fixture(scope="module")
 def tiny_run(tiny_model, tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("bench-gpu") / "gpu.json"
-    argv = ["bench", "gpu", "--device", "cpu", "--shapes", "tiny", "--model", tiny_model, "--output", str(out),
-            "--batch-sizes", "1,4", "--decode-steps", "4", "--prompt-len", "64",
-            "--num-prompts", "2", "--input-len", "16", "64", "--output-len", "8", "16",
-            "--check-prompts", "4", "--check-tokens", "8",
-            "--num-threads", "1", "--kv-cache-memory-bytes", str(64 << 20)]  # fmt: skip
+    argv = [
+        "bench",
+        "gpu",
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny",
+        "--model",
+        tiny_model,
+        "--output",
+        str(out),
+        "--batch-sizes",
+        "1,4",
+        "--decode-steps",
+        "4",
+        "--prompt-len",
+        "64",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "16",
+        "64",
+        "--output-len",
+        "8",
+        "16",
+        "--check-prompts",
+        "4",
+        "--check-tokens",
+        "8",
+        "--num-threads",
+        "1",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+    ]
     code = f"import sys\nfrom shoal.cluster.cli import main\nrc = main({argv!r})"
     done = _python(code + NO_RAY + "\nsys.exit(rc)")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -64,8 +101,9 @@ def test_decode_and_offline_are_timed_against_their_baselines(tiny_run):
     assert len(report["rows"]) == 3 + 1 + 2 + 1 and "error" not in table
 
 
-@pytest.mark.parametrize("flags, why", [(["--skip", "tokens,warmup"], "--skip takes"),
-                                        (["--shapes", "tiny,llama-9b"], "unknown shape")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, why", [(["--skip", "tokens,warmup"], "--skip takes"), (["--shapes", "tiny,llama-9b"], "unknown shape")]
+)
 def test_bad_parts_and_shapes_are_refused_before_anything_runs(flags, why, capsys):
     from shoal.cluster.cli import main
 

@@ -12,9 +12,30 @@ from shoal.workers import LLMEngine
 
 def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_path, capsys):
     out = tmp_path / "latency.json"
-    assert main(["bench", "latency", "--model", tiny_model, "--input-len", "16", "--output-len", "6",
-                 "--num-iters", "3", "--num-iters-warmup", "1", "--read-mib", "16", "--profile",
-                 "--output", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                tiny_model,
+                "--input-len",
+                "16",
+                "--output-len",
+                "6",
+                "--num-iters",
+                "3",
+                "--num-iters-warmup",
+                "1",
+                "--read-mib",
+                "16",
+                "--profile",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and 0 < r["tpot_ms"]["p50"] <= r["tpot_ms"]["p99"]
     assert r["read_bandwidth_gb_s"] > 0
@@ -27,15 +48,28 @@ def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_pa
     assert abs(sum(prof["parts_ms"].values()) - prof["step_ms"]) < 1e-6 * prof["step_ms"] + 1e-9
     assert prof["parts_ms"]["decoder layers"] > 0 and "one compiled call" in printed
     # Each host-side part of the step is timed on its own, not lumped together.
-    for part in ("sampler", "input staging (token ids, positions, slots, one copy)",
-                 "scheduler (schedule, update from output)", "detokenizer and output deltas"):  # fmt: skip
+    for part in (
+        "sampler",
+        "input staging (token ids, positions, slots, one copy)",
+        "scheduler (schedule, update from output)",
+        "detokenizer and output deltas",
+    ):
         assert prof["parts_ms"][part] > 0, part
     # Inside the one call, every op of a layer is timed, in layer order, and
     # together they take no more than the call; each matrix's rate is its
     # bytes over its op's time.
     ops = prof["decoder_ops_ms"]
-    assert list(ops) == ["input norm", "qkv_proj", "RoPE and KV write", "attention", "o_proj",
-                         "post-attention norm", "gate_up_proj", "SiLU and mul", "down_proj"]  # fmt: skip
+    assert list(ops) == [
+        "input norm",
+        "qkv_proj",
+        "RoPE and KV write",
+        "attention",
+        "o_proj",
+        "post-attention norm",
+        "gate_up_proj",
+        "SiLU and mul",
+        "down_proj",
+    ]
     assert all(ms > 0 for ms in ops.values()) and sum(ops.values()) <= prof["parts_ms"]["decoder layers"]
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         m = prof["matrices"][name]

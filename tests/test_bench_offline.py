@@ -14,6 +14,7 @@ import pytest
 from shoal.benchmarks import offline, tune_cb
 from shoal.benchmarks.offline_workloads import PRESETS, make_workload
 from shoal.cluster.cli import main
+from shoal.workers.utils import cdiv
 
 # name: requests, prompt lengths (after the shared prefix), output lengths, shared prefix: the brief's numbers
 STATED = {
@@ -59,7 +60,8 @@ def test_default_is_the_workload_it_was_seed_for_seed():
     w = PRESETS["default"]
     for seed in (0, 7):
         assert make_workload(w.num_prompts, seed, w.input_len, w.output_len, VOCAB) == before(
-            w.num_prompts, seed, w.input_len, w.output_len, VOCAB)  # fmt: skip
+            w.num_prompts, seed, w.input_len, w.output_len, VOCAB
+        )
 
 
 @pytest.mark.parametrize("name", STATED)
@@ -68,32 +70,56 @@ def test_the_peers_settings_fit_their_workload(name):
     evicted), a whole prompt fits one step, and chat's pages tile its system prompt (all of it shared)."""
     w, s = PRESETS[name], offline.CB_SETTINGS[name]
     longest = w.shared_prefix + w.input_len[1] + w.output_len[1]
-    pages = -(-longest // s.page_size)
+    pages = cdiv(longest, s.page_size)
     assert s.max_requests_per_batch * pages <= s.num_blocks
     assert w.shared_prefix + w.input_len[1] <= s.max_batch_tokens
     assert w.shared_prefix % s.page_size == 0
     assert s.scheduler_type in ("fifo", "prefill_first") and s.allow_block_sharing
 
 
-@pytest.mark.parametrize("flags, why", [
-    (["--workload", "short", "--input-len", "8", "16"], "shape the default workload only"),
-    (["--workload", "all", "--output-len", "8", "16"], "shape the default workload only"),
-    (["--workload", "tiny"], "--workload takes"),
-    (["--peers", "cb,vllm"], "--peers takes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--workload", "short", "--input-len", "8", "16"], "shape the default workload only"),
+        (["--workload", "all", "--output-len", "8", "16"], "shape the default workload only"),
+        (["--workload", "tiny"], "--workload takes"),
+        (["--peers", "cb,vllm"], "--peers takes"),
+    ],
+)
 def test_bad_flags_are_refused_before_anything_runs(flags, why, capsys):
     assert main(["bench", "offline", *flags]) == 2
     assert why in capsys.readouterr().err
 
 
-def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(tiny_model, tmp_path, capsys,
-                                                                                monkeypatch):  # fmt: skip
+def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
+    tiny_model, tmp_path, capsys, monkeypatch
+):
     # The 2 s matmul measurement is not what this checks; the machine may be busy.
     monkeypatch.setattr(offline, "measure_matmul_flops", lambda: 1e11)
     out = tmp_path / "offline.json"
-    assert main(["bench", "offline", "--model", tiny_model, "--workload", "short,chat", "--num-prompts", "4",
-                 "--peers", "cb", "--num-threads", "1", "--kv-cache-memory-bytes", str(64 << 20),
-                 "--output", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "offline",
+                "--model",
+                tiny_model,
+                "--workload",
+                "short,chat",
+                "--num-prompts",
+                "4",
+                "--peers",
+                "cb",
+                "--num-threads",
+                "1",
+                "--kv-cache-memory-bytes",
+                str(64 << 20),
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["matmul_flops"] == 1e11 and list(report["workloads"]) == ["short", "chat"]
     printed = capsys.readouterr().out
@@ -105,8 +131,11 @@ def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
         shoal, cb = rep["results"]["shoal"], rep["results"][offline.CB]
         assert shoal["seconds"] > 0 and cb["seconds"] > 0 and shoal["output_tok_s"] > 0
         assert rep["shoal_vs_cb"] == cb["seconds"] / shoal["seconds"]
-        assert 0 < shoal["roofline_fraction"] == 2 * rep["params"] * (
-            w["prompt_tokens"] + w["output_tokens"]) / shoal["seconds"] / 1e11  # fmt: skip
+        assert (
+            0
+            < shoal["roofline_fraction"]
+            == 2 * rep["params"] * (w["prompt_tokens"] + w["output_tokens"]) / shoal["seconds"] / 1e11
+        )
         # the settings transformers ran with, read back from it: the table's, on sdpa
         assert cb["settings"] == dataclasses.asdict(offline.CB_SETTINGS[name]) | {"attn_implementation": "sdpa"}
         assert offline.describe_cb(cb["settings"]) in printed
@@ -117,8 +146,9 @@ def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
 def test_tune_cb_varies_one_field_at_a_time_around_the_preset():
     w = PRESETS["short"]
     base = offline.CB_SETTINGS["short"]
-    tries = tune_cb.variants(w, ["max_requests_per_batch=8,128", "scheduler_type=prefill_first",
-                                 f"page_size={base.page_size}"])  # fmt: skip
+    tries = tune_cb.variants(
+        w, ["max_requests_per_batch=8,128", "scheduler_type=prefill_first", f"page_size={base.page_size}"]
+    )
     assert tries[0] == base and len(tries) == 4  # the preset's own page size is not run twice
     fewer, more, sched = tries[1:]
     assert fewer == dataclasses.replace(base, max_requests_per_batch=8)  # the preset's cache already holds 8
@@ -126,16 +156,19 @@ def test_tune_cb_varies_one_field_at_a_time_around_the_preset():
     assert more == dataclasses.replace(base, max_requests_per_batch=128, num_blocks=480)
     assert sched == dataclasses.replace(base, scheduler_type="prefill_first")
     for s in tries:  # none evicts: the presets' own rule
-        assert s.num_blocks >= s.max_requests_per_batch * -(-(w.input_len[1] + w.output_len[1]) // s.page_size)
+        assert s.num_blocks >= s.max_requests_per_batch * cdiv(w.input_len[1] + w.output_len[1], s.page_size)
 
 
-@pytest.mark.parametrize("flags, why", [
-    (["--vary", "max_requests_per_batch"], "--vary takes FIELD=V1,V2"),
-    (["--vary", "attn_implementation=eager"], "--vary takes FIELD=V1,V2"),
-    (["--vary", "page_size=0"], "positive integers"),
-    (["--vary", "scheduler_type=lifo"], "scheduler_type takes"),
-    (["--workload", "all"], "--workload takes one of"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--vary", "max_requests_per_batch"], "--vary takes FIELD=V1,V2"),
+        (["--vary", "attn_implementation=eager"], "--vary takes FIELD=V1,V2"),
+        (["--vary", "page_size=0"], "positive integers"),
+        (["--vary", "scheduler_type=lifo"], "scheduler_type takes"),
+        (["--workload", "all"], "--workload takes one of"),
+    ],
+)
 def test_tune_cb_refuses_bad_flags_before_anything_loads(flags, why, capsys):
     assert main(["bench", "tune-cb", *flags]) == 2
     assert why in capsys.readouterr().err
@@ -143,13 +176,33 @@ def test_tune_cb_refuses_bad_flags_before_anything_loads(flags, why, capsys):
 
 def test_tune_cb_runs_each_setting_and_reports_what_transformers_ran(tiny_model, tmp_path, capsys):
     out = tmp_path / "tune.json"
-    assert main(["bench", "tune-cb", "--model", tiny_model, "--workload", "short", "--num-prompts", "3",
-                 "--vary", "max_requests_per_batch=2", "--num-threads", "1", "--output", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "tune-cb",
+                "--model",
+                tiny_model,
+                "--workload",
+                "short",
+                "--num-prompts",
+                "3",
+                "--vary",
+                "max_requests_per_batch=2",
+                "--num-threads",
+                "1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["workload"]["name"] == "short" and report["workload"]["num_prompts"] == 3
     want = tune_cb.variants(PRESETS["short"], ["max_requests_per_batch=2"])
     assert [r["settings"] for r in report["results"]] == [
-        dataclasses.asdict(s) | {"attn_implementation": "sdpa"} for s in want]  # fmt: skip
+        dataclasses.asdict(s) | {"attn_implementation": "sdpa"} for s in want
+    ]
     assert all(r["seconds"] > 0 for r in report["results"])
     ranked = capsys.readouterr().out.split("(ranked)")[1]
     assert all(offline.describe_cb(r["settings"]) in ranked for r in report["results"])

@@ -13,13 +13,14 @@ import pytest
 from shoal.benchmarks import routing
 from shoal.benchmarks import routing_workloads as wl
 from shoal.workers.core.block_hash import chain_hashes
+from shoal.workers.utils import cdiv
 
 VOCAB = wl.Vocab(49152, (2,))  # the default model's
 BS = 16
 
 
-def _shared(kind="shared", rate=2.0, duration=300.0, seed=0, sizes=wl.WorkloadSizes()):
-    return wl.make_workload(kind, rate, duration, seed, VOCAB, sizes)
+def _shared(kind="shared", rate=2.0, duration=300.0, seed=0, sizes=None):
+    return wl.make_workload(kind, rate, duration, seed, VOCAB, sizes or wl.WorkloadSizes())
 
 
 @pytest.mark.parametrize("kind", wl.WORKLOADS)
@@ -75,7 +76,7 @@ def test_the_reply_is_what_a_simulated_worker_generates():
 def test_shared_prefixes_need_several_times_one_worker_cache():
     sizes = wl.WorkloadSizes()
     blocks, ws = wl.worker_blocks(sizes, VOCAB, BS, cache_factor=4.0)
-    assert ws >= 4.0 * blocks - 1e-9 and blocks >= -(-sizes.max_context // BS)
+    assert ws >= 4.0 * blocks - 1e-9 and blocks >= cdiv(sizes.max_context, BS)
     # Not even the system prompts alone fit one worker; all of it fits the workers together.
     systems = {r.group: r for r in _shared() if r.turn == 0}
     assert len(systems) == 8
@@ -153,8 +154,9 @@ def test_routing_by_prefix_beats_random_on_shared_by_the_hit_rate_goal():
     ideal = wl.replay(reqs, 16 * blocks, BS, VOCAB).hit_rate
     rand = wl.replay(reqs, blocks, BS, VOCAB, assign=[rng.randrange(16) for _ in reqs], num_caches=16).hit_rate
     home = {g: (2 * g, 2 * g + 1) for g in range(8)}
-    sticky = wl.replay(reqs, blocks, BS, VOCAB, assign=[home[r.group][r.chat % 2] for r in reqs],
-                       num_caches=16).hit_rate  # fmt: skip
+    sticky = wl.replay(
+        reqs, blocks, BS, VOCAB, assign=[home[r.group][r.chat % 2] for r in reqs], num_caches=16
+    ).hit_rate
     assert ideal > 0.85 and sticky >= 0.9 * ideal and sticky >= 3 * rand
 
 
@@ -164,10 +166,18 @@ def _outcome(ttft, e2e=1.0, status="ok", sent=0.0, out=10, prompt=100, cached=50
 
 def test_summary_counts_add_up_and_skip_the_warmup():
     reqs = [wl.Request(t, [1], 10, 0) for t in (0.5, 2.0, 3.0, 4.0, 5.0)]
-    outs = [_outcome(9.0), _outcome(0.1, sent=2.0), _outcome(0.2, sent=3.0), routing.Outcome("shed", 4.0),
-            routing.Outcome("failed", 5.0, error="HTTP 500")]  # fmt: skip
-    samples = [routing.Sample(0.5, 0.9, 0.9, 3, 1), routing.Sample(2.0, 0.2, 0.5, 2, 4),
-               routing.Sample(2.5, 0.4, 0.3, 0, 6)]  # fmt: skip
+    outs = [
+        _outcome(9.0),
+        _outcome(0.1, sent=2.0),
+        _outcome(0.2, sent=3.0),
+        routing.Outcome("shed", 4.0),
+        routing.Outcome("failed", 5.0, error="HTTP 500"),
+    ]
+    samples = [
+        routing.Sample(0.5, 0.9, 0.9, 3, 1),
+        routing.Sample(2.0, 0.2, 0.5, 2, 4),
+        routing.Sample(2.5, 0.4, 0.3, 0, 6),
+    ]
     s = routing.summarize(reqs, outs, samples, warmup_s=1.0, ttft_target_s=0.15, ideal=0.6)
     assert (s["requests"], s["completed"], s["shed"], s["failed"]) == (4, 2, 1, 1)
     assert s["ttft_p50_ms"] == pytest.approx(100) and s["ttft_p99_ms"] == pytest.approx(200)
@@ -186,19 +196,39 @@ def test_the_knee_and_the_goals():
     assert routing.find_knee(sweep[:2], 2.0) == (2, False)
 
     def row(kind, load, policy, p99, hit, tput=100.0, shed=0):
-        return {"workload": kind, "load": load, "policy": policy, "ttft_p99_ms": p99, "hit_rate": hit,
-                "ideal_hit_rate": 0.9, "output_throughput": tput, "shed": shed}  # fmt: skip
+        return {
+            "workload": kind,
+            "load": load,
+            "policy": policy,
+            "ttft_p99_ms": p99,
+            "hit_rate": hit,
+            "ideal_hit_rate": 0.9,
+            "output_throughput": tput,
+            "shed": shed,
+        }
 
-    goals = routing.check_goals([row("shared", "knee", "kv", 100, 0.85), row("shared", "knee", "pow2", 600, 0.25),
-                                 row("unique", "knee", "kv", 104, 0), row("unique", "knee", "pow2", 100, 0, 106),
-                                 row("hot", "knee", "kv", 130, 0.5, shed=1),
-                                 row("hot", "knee", "pow2", 100, 0.5, 90)])  # fmt: skip
+    goals = routing.check_goals(
+        [
+            row("shared", "knee", "kv", 100, 0.85),
+            row("shared", "knee", "pow2", 600, 0.25),
+            row("unique", "knee", "kv", 104, 0),
+            row("unique", "knee", "pow2", 100, 0, 106),
+            row("hot", "knee", "kv", 130, 0.5, shed=1),
+            row("hot", "knee", "pow2", 100, 0.5, 90),
+        ]
+    )
     got = {g["goal"]: g["ok"] for g in goals}
-    assert got == {"shared @ knee: pow2 p99 TTFT / kv's": True, "shared @ knee: kv hit rate / pow2's": True,
-                   "shared @ knee: kv hit rate / ideal": True, "shared @ knee: kv throughput / pow2's": True,
-                   "unique @ knee: kv p99 TTFT / pow2's": True, "unique @ knee: kv throughput / pow2's": False,
-                   "hot @ knee: kv shed - pow2's": False, "hot @ knee: kv p99 TTFT / pow2's": False,
-                   "hot @ knee: kv throughput / pow2's": None}  # fmt: skip
+    assert got == {
+        "shared @ knee: pow2 p99 TTFT / kv's": True,
+        "shared @ knee: kv hit rate / pow2's": True,
+        "shared @ knee: kv hit rate / ideal": True,
+        "shared @ knee: kv throughput / pow2's": True,
+        "unique @ knee: kv p99 TTFT / pow2's": True,
+        "unique @ knee: kv throughput / pow2's": False,
+        "hot @ knee: kv shed - pow2's": False,
+        "hot @ knee: kv p99 TTFT / pow2's": False,
+        "hot @ knee: kv throughput / pow2's": None,
+    }
 
 
 def test_a_cached_knee_and_whole_policies_are_reused_only_for_the_same_setup(tmp_path):
@@ -248,14 +278,44 @@ def test_two_policies_on_two_simulated_workers(tmp_path):
     """A Ray cluster, two simulated workers under kv then pow2, `shared` at a
     fixed rate: the table and the JSON hold every figure for both."""
     cost = tmp_path / "cost.json"
-    cost.write_text(json.dumps({"overhead_s": 0.01, "prefill_s_per_token": 2e-4, "decode_s_per_seq": 1e-3,
-                                "decode_s_per_context_token": 1e-6}))  # fmt: skip
+    cost.write_text(
+        json.dumps(
+            {
+                "overhead_s": 0.01,
+                "prefill_s_per_token": 2e-4,
+                "decode_s_per_seq": 1e-3,
+                "decode_s_per_context_token": 1e-6,
+            }
+        )
+    )
     out = tmp_path / "routing.json"
-    argv = ["bench", "routing", "--num-workers", "2", "--policies", "kv,pow2", "--workloads", "shared",
-            "--rates", "2", "--duration-s", "10", "--warmup-s", "3", "--token-scale", "0.25", "--open-chats", "8",
-            "--simulated-cost-model", str(cost), "--output", str(out)]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "shoal.cluster.cli", *argv], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    argv = [
+        "bench",
+        "routing",
+        "--num-workers",
+        "2",
+        "--policies",
+        "kv,pow2",
+        "--workloads",
+        "shared",
+        "--rates",
+        "2",
+        "--duration-s",
+        "10",
+        "--warmup-s",
+        "3",
+        "--token-scale",
+        "0.25",
+        "--open-chats",
+        "8",
+        "--simulated-cost-model",
+        str(cost),
+        "--output",
+        str(out),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "shoal.cluster.cli", *argv], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["setup"]["num_workers"] == 2 and report["setup"]["working_set_per_worker_cache"] >= 3

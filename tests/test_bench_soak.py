@@ -18,7 +18,7 @@ from aiohttp import web
 from shoal.benchmarks import soak
 from shoal.cluster.cli import main
 
-STAND_IN = textwrap.dedent('''
+STAND_IN = textwrap.dedent("""
     import json, subprocess, sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -66,7 +66,7 @@ STAND_IN = textwrap.dedent('''
         srv.serve_forever()
     except KeyboardInterrupt:
         pass  # the child is left behind: the bench must end it
-''')
+""")
 
 
 def test_soak_counts_every_answer_samples_the_tree_and_fails_on_growth(tmp_path, monkeypatch, capsys):
@@ -74,8 +74,26 @@ def test_soak_counts_every_answer_samples_the_tree_and_fails_on_growth(tmp_path,
     script.write_text(STAND_IN)
     monkeypatch.setattr(soak, "serve_command", lambda ns, http, grpc: [sys.executable, str(script), str(http)])
     out = tmp_path / "soak.json"
-    rc = main(["bench", "soak", "--rate", "40", "--duration", "1", "--abort-every", "4", "--sample-every", "0.25",
-               "--baseline-s", "0", "--max-growth-mb", "50", "--output", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "soak",
+            "--rate",
+            "40",
+            "--duration",
+            "1",
+            "--abort-every",
+            "4",
+            "--sample-every",
+            "0.25",
+            "--baseline-s",
+            "0",
+            "--max-growth-mb",
+            "50",
+            "--output",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     # Every one of the 40 ticks started a request, and each is counted by its answer.
     expect = Counter("aborted" if k % 4 == 3 else "429" if k % 3 == 0 else "200" for k in range(40))
@@ -120,8 +138,9 @@ def test_a_tick_that_finds_the_concurrency_cap_full_is_skipped_not_queued():
                 release.set()
 
         try:
-            return await soak.offer_load(f"http://127.0.0.1:{port}/v1", 40, 0.5, 2, lambda k: {"seed": k},
-                                         on_tick=on_tick), ticks  # fmt: skip
+            return await soak.offer_load(
+                f"http://127.0.0.1:{port}/v1", 40, 0.5, 2, lambda k: {"seed": k}, on_tick=on_tick
+            ), ticks
         finally:
             await runner.cleanup()
 
@@ -138,8 +157,10 @@ def test_processes_are_named_by_ray_title_script_or_program():
 
 
 def test_growth_is_measured_from_the_baseline_sample_to_the_last():
-    procs = [soak.Proc(1, "a", [(0, 100 << 20), (10, 300 << 20), (20, 320 << 20), (30, 340 << 20)]),
-             soak.Proc(2, "late", [(25, 10 << 20), (30, 90 << 20)])]  # fmt: skip
+    procs = [
+        soak.Proc(1, "a", [(0, 100 << 20), (10, 300 << 20), (20, 320 << 20), (30, 340 << 20)]),
+        soak.Proc(2, "late", [(25, 10 << 20), (30, 90 << 20)]),
+    ]
     rows = {r["role"]: r for r in soak.growth_rows(procs, baseline_s=10, limit_mb=50)}
     assert rows["a"]["baseline_mb"] == 300 and rows["a"]["growth_mb"] == 40 and rows["a"]["ok"]
     assert rows["a"]["peak_mb"] == 340 and rows["a"]["peak_growth_mb"] == 0  # one window: the same peak

@@ -6,8 +6,8 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from stand_in import stand_in_step
+
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.sampling_params import SamplingParams
@@ -51,20 +51,22 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, max_size=60), num_blocks=st.integers(16, 40), budget=st.integers(4, 64),
-       caching=st.booleans())  # fmt: skip
+@settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(ops=st.lists(op, max_size=60), num_blocks=st.integers(16, 40), budget=st.integers(4, 64), caching=st.booleans())
 def test_pool_invariants(ops, num_blocks, budget, caching):
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8), bm, max_model_len=1 << 20,
-                      eos_token_ids=[])  # fmt: skip
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8), bm, max_model_len=1 << 20, eos_token_ids=[]
+    )
     live: list[Sequence] = []
     n = 0
     shared = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]  # a common prefix for cache hits
     for o in ops:
         if o[0] == "add":
             _, plen, max_tokens, prefix_kind = o
-            toks = (shared[: plen] if prefix_kind else []) + [(n * 7 + k) % 50 for k in range(plen)]
+            toks = (shared[:plen] if prefix_kind else []) + [(n * 7 + k) % 50 for k in range(plen)]
             if bm.blocks_needed(len(toks) + max_tokens) > num_blocks:
                 continue  # the engine refuses these at submission
             s = Sequence(str(n), toks, len(toks), SamplingParams(max_tokens=max_tokens), n, 0, RequestTimings(0.0))

@@ -35,8 +35,7 @@ from shoal.workers.messages import RequestFinished, Riding
 from shoal.workers.model_executor.simulated_runner import StepCostModel
 from shoal.workers.worker import Worker
 
-FAST = StepCostModel(overhead_s=1e-4, prefill_s_per_token=1e-7, decode_s_per_seq=1e-6,
-                     decode_s_per_context_token=0.0)  # fmt: skip
+FAST = StepCostModel(overhead_s=1e-4, prefill_s_per_token=1e-7, decode_s_per_seq=1e-6, decode_s_per_context_token=0.0)
 NUM_REQUESTS = 10_000
 WAVE = 100  # requests in flight together
 KILL_EVERY = 10  # waves: a worker dies mid-wave, and Serve replaces it
@@ -60,8 +59,12 @@ def _finished(worker: str, reason: str = "length") -> RequestFinished:
 
 
 def _series_workers(m: RouterMetrics) -> set[str]:
-    return {s.labels["worker"] for fam in text_string_to_metric_families(m.render([]).decode())
-            for s in fam.samples if "worker" in s.labels}  # fmt: skip
+    return {
+        s.labels["worker"]
+        for fam in text_string_to_metric_families(m.render([]).decode())
+        for s in fam.samples
+        if "worker" in s.labels
+    }
 
 
 def test_ttft_window_is_pruned_on_every_insert_and_capped(monkeypatch):
@@ -256,8 +259,9 @@ class ChurningHandle:
                     return _Call(handle, i, handle._watch(i, handle.ws[i].subscribe(arg)))
                 i = min(handle.live(), key=handle.sent.__getitem__)
                 handle.sent[i] += 1
-                reserve = functools.partial(replica_stats.REGISTRY.reserve, arg.request_id, handle.ws[i].name, 1,
-                                            arg.block_hashes or ())  # fmt: skip
+                reserve = functools.partial(
+                    replica_stats.REGISTRY.reserve, arg.request_id, handle.ws[i].name, 1, arg.block_hashes or ()
+                )
                 agen = handle._watch(i, handle.ws[i].generate(arg))
                 if (sent := handle.sent_events.pop(arg.request_id, None)) is not None:
                     sent.set()  # its client hangs up now, while Serve is still routing it (it reserves after)
@@ -286,8 +290,9 @@ class ChurningHandle:
 async def _one(fe: Frontend, handle: ChurningHandle, ids: list[int], kind: int, n: int) -> str:
     """One client: what became of its request."""
     max_tokens = 1020 if kind == 9 else n  # 9: the worker refuses it (past max_model_len)
-    params = SamplingParams(temperature=0 if kind % 2 else 0.7, max_tokens=max_tokens, ignore_eos=True,
-                            stop=["zz"] if kind == 3 else None)  # fmt: skip
+    params = SamplingParams(
+        temperature=0 if kind % 2 else 0.7, max_tokens=max_tokens, ignore_eos=True, stop=["zz"] if kind == 3 else None
+    )
     rid = fe.new_request_id("cmpl")
     if kind == 6:  # the client hangs up once its request is sent, before its first token
         sent = handle.sent_events[rid] = asyncio.Event()
@@ -334,9 +339,15 @@ async def _until(cond, timeout_s: float = 10.0) -> bool:
 def _engine_entries(w: Worker) -> dict[str, int]:
     e = w.engine
     bm = e.engine.block_manager
-    return {"queues": len(e._queues), "pending": len(e._pending), "requests": len(e.engine.requests),
-            "waiting": e.engine.scheduler.num_waiting, "running": e.engine.scheduler.num_running,
-            "blocks_held": bm.num_total_blocks - bm.num_free_blocks, "outboxes": len(w._outboxes)}  # fmt: skip
+    return {
+        "queues": len(e._queues),
+        "pending": len(e._pending),
+        "requests": len(e.engine.requests),
+        "waiting": e.engine.scheduler.num_waiting,
+        "running": e.engine.scheduler.num_running,
+        "blocks_held": bm.num_total_blocks - bm.num_free_blocks,
+        "outboxes": len(w._outboxes),
+    }
 
 
 def test_10000_mixed_requests_leave_no_request_keyed_entry_behind(tiny_model, tmp_path, monkeypatch):
@@ -345,16 +356,18 @@ def test_10000_mixed_requests_leave_no_request_keyed_entry_behind(tiny_model, tm
     monkeypatch.setattr(rebalance, "start", lambda handle: None)  # the handle has no broadcast
     monkeypatch.setattr(delta_outbox, "IDLE_S", 0.1)  # delta streams end soon after the run
     monkeypatch.setattr(replica_stats, "REGISTRY", ReplicaStats())
-    args = EngineArgs(model=tiny_model, load_format="simulated", simulated_cost_model=str(cost), num_kv_blocks=512,
-                      max_model_len=1024)  # fmt: skip
+    args = EngineArgs(
+        model=tiny_model, load_format="simulated", simulated_cost_model=str(cost), num_kv_blocks=512, max_model_len=1024
+    )
 
     async def main():
         handle = ChurningHandle(lambda: Worker(args, max_waiting=10_000), 3)
         w0 = handle.ws[0]
         pool = FailoverPool(ServeWorkerPool(handle, "router-bounded"), max_retries=3, backoff_s=0.001)
         fe = Frontend(pool, w0.engine.engine.tokenizer, ModelInfo.from_worker_info(w0.info(), 3))
-        prompts = [w0.engine.engine.tokenize(f"Numbers: {i} {i + 1} {i + 2} and the quick brown fox")
-                   for i in range(50)]  # fmt: skip
+        prompts = [
+            w0.engine.engine.tokenize(f"Numbers: {i} {i + 1} {i + 2} and the quick brown fox") for i in range(50)
+        ]
         outcomes: dict[str, int] = {}
         t0 = time.perf_counter()
         for wave in range(NUM_REQUESTS // WAVE):
@@ -372,17 +385,35 @@ def test_10000_mixed_requests_leave_no_request_keyed_entry_behind(tiny_model, tm
 
         mux, stats = pool.pool.mux, replica_stats.REGISTRY
         # The delta streams end once idle; their readers with them.
-        settled = await _until(lambda: not mux._readers and all(not w._outboxes for w in handle.ws)
-                               and all(not any(_engine_entries(w).values()) for w in handle.ws))  # fmt: skip
+        settled = await _until(
+            lambda: (
+                not mux._readers
+                and all(not w._outboxes for w in handle.ws)
+                and all(not any(_engine_entries(w).values()) for w in handle.ws)
+            )
+        )
         live = {handle.ws[i].name for i in handle.live()}
         dead = {w.name for w in handle.ws} - live
-        result = dict(outcomes=outcomes, elapsed=elapsed, settled=settled, failovers=pool.num_failovers,
-                      riding=handle.riding, dead=dead, live=live, in_flight=fe.num_in_flight,
-                      mux=(mux.num_request_entries, len(mux._retry_at)), firsts=list(fe.metrics._firsts),
-                      stats=(stats.num_request_entries(), sum(f.in_flight for f in stats.replicas.values()),
-                             set(stats.replicas), len(stats._ended)),
-                      engines={w.name: _engine_entries(w) for w in handle.ws},
-                      series=_series_workers(fe.metrics))  # fmt: skip
+        result = dict(
+            outcomes=outcomes,
+            elapsed=elapsed,
+            settled=settled,
+            failovers=pool.num_failovers,
+            riding=handle.riding,
+            dead=dead,
+            live=live,
+            in_flight=fe.num_in_flight,
+            mux=(mux.num_request_entries, len(mux._retry_at)),
+            firsts=list(fe.metrics._firsts),
+            stats=(
+                stats.num_request_entries(),
+                sum(f.in_flight for f in stats.replicas.values()),
+                set(stats.replicas),
+                len(stats._ended),
+            ),
+            engines={w.name: _engine_entries(w) for w in handle.ws},
+            series=_series_workers(fe.metrics),
+        )
         for w in handle.ws:
             await w.engine.shutdown()
         return result

@@ -44,8 +44,13 @@ def test_small_m_linear_matches_float64_reference(kernel, wdtype, K, bias):
             ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
             y = kernel.small_m_linear(x, w, b)
             assert y.shape == (M, N) and y.dtype == torch.float32
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * math.sqrt(K),
-                                       msg=lambda m: f"M={M} N={N} K={K} {wdtype} bias={bias}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                y,
+                ref,
+                rtol=1e-5,
+                atol=1e-4 * math.sqrt(K),
+                msg=lambda m: f"M={M} N={N} K={K} {wdtype} bias={bias}: {m}",
+            )
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
@@ -191,7 +196,9 @@ def test_silu_and_mul_strided_rows(kernel):
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(4, 2, 32), (3, 1, 12), (2, 2, 64)])
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}]
+)
 def test_rotary_embedding_in_place_on_fused_qkv(kernel, heads, kv_heads, D, scaling):
     max_pos = 300
     rot = RotaryEmbedding(D, max_pos, 10000.0, scaling)  # cpu_kernels None: the torch path
@@ -232,8 +239,9 @@ def test_rotary_embedding_refuses_out_of_range_positions(kernel):
 
 def _llm(tiny_model, backend: str, weight_dtype: str = "auto") -> LLM:
     # No prefix caching: each step's mix of prefills and decodes follows from the prompts alone.
-    llm = LLM(tiny_model, num_kv_blocks=256, attention_backend=backend, enable_prefix_caching=False,
-              weight_dtype=weight_dtype)  # fmt: skip
+    llm = LLM(
+        tiny_model, num_kv_blocks=256, attention_backend=backend, enable_prefix_caching=False, weight_dtype=weight_dtype
+    )
     model = llm.engine.runner.model
     if backend == "torch":
         assert model.cpu_kernels is None and all(getattr(m, "cpu_kernels", None) is None for m in model.modules())
@@ -409,8 +417,13 @@ def test_logits_of_kernel_and_torch_paths_agree(kernel, tiny_model, monkeypatch,
     for i, (fused, ref, out) in enumerate(both.records):
         assert out.shape == ref.shape and out.shape[0] in (1, 4)
         scale = ref.abs().max().item()
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * scale,
-                                   msg=lambda m: f"forward {i} (decode-only: {fused}), |logits| up to {scale:.1f}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            out,
+            ref,
+            rtol=1e-4,
+            atol=1e-4 * scale,
+            msg=lambda m: f"forward {i} (decode-only: {fused}), |logits| up to {scale:.1f}: {m}",
+        )
 
 
 def test_release_kv_cache_drops_the_binding(kernel, tiny_model):

@@ -66,8 +66,14 @@ def test_staged_views_keep_their_layout_in_another_buffer():
 
 
 def _generate(tiny_model: str, padded: bool, budget: int = 64):
-    llm = LLM(tiny_model, dtype="float32", attention_backend="triton", max_num_batched_tokens=budget,
-              num_kv_blocks=48, max_num_seqs=4)  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        dtype="float32",
+        attention_backend="triton",
+        max_num_batched_tokens=budget,
+        num_kv_blocks=48,
+        max_num_seqs=4,
+    )
     if padded:
         stats = llm.engine.runner.capture_cudagraphs()
         assert stats.num_graphs == 0  # no CUDA: replayed eagerly

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from reference import check_setting, check_tokens, hf_greedy
+
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.model_loader import default_model_path
 
@@ -38,8 +38,9 @@ def gguf_path():
 def hf_model(gguf_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                dtype=torch.float32).eval()  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
 
 
 def prompts_for(setting: str) -> list[list[int]]:
@@ -47,8 +48,10 @@ def prompts_for(setting: str) -> list[list[int]]:
     vocab = 49152
     if setting == "prefix":
         shared = [rng.randrange(vocab) for _ in range(400)]
-        return [shared[: rng.choice([128, 256, 400])] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
-                for _ in range(16)]  # fmt: skip
+        return [
+            shared[: rng.choice([128, 256, 400])] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+            for _ in range(16)
+        ]
     lengths = list(LENGTHS)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
@@ -85,9 +88,16 @@ def test_gguf_tokenizer_matches_transformers(gguf_path):
 
     ours = Tokenizer.from_gguf_metadata(GGUFFile(gguf_path).metadata)
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    texts = ["Hello world", "  leading spaces and trailing  ", "<|im_start|>user\nHi<|im_end|>\n",
-             "Émile's café – 日本語, emojis 🙂🚀", "def f(x):\n\treturn x ** 2  # comment", "1234567890 3.14159",
-             "MiXeD CaSe\r\nnewlines\n\n\n", ""]  # fmt: skip
+    texts = [
+        "Hello world",
+        "  leading spaces and trailing  ",
+        "<|im_start|>user\nHi<|im_end|>\n",
+        "Émile's café – 日本語, emojis 🙂🚀",
+        "def f(x):\n\treturn x ** 2  # comment",
+        "1234567890 3.14159",
+        "MiXeD CaSe\r\nnewlines\n\n\n",
+        "",
+    ]
     for t in texts:
         assert ours.encode(t) == ref(t).input_ids, t
         assert ours.decode(ours.encode(t), skip_special_tokens=False) == ref.decode(ref(t).input_ids)
@@ -98,8 +108,9 @@ def test_gguf_tokenizer_matches_transformers(gguf_path):
 
 def test_cli_generate_prints_load_time():
     shoal = os.path.join(os.path.dirname(sys.executable), "shoal")
-    r = subprocess.run([shoal, "generate", "Name a colour.", "--max-tokens", "8"], capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [shoal, "generate", "Name a colour.", "--max-tokens", "8"], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     assert "loaded SmolLM2-135M-Instruct in" in r.stderr
     assert r.stdout.strip()

@@ -11,14 +11,13 @@ import asyncio
 from contextlib import aclosing
 
 import pytest
+from engine_hold import EngineHold, until
 
 from shoal.router import rebalance, replica_stats
 from shoal.router.failover import FailoverPool, WorkerLost
 from shoal.router.worker_pool import ServeWorkerPool
 from shoal.workers import delta_outbox
 from shoal.workers.messages import Riding, Subscribe
-
-from engine_hold import EngineHold, until
 from tests.test_failover import PROMPTS, Result, all_free, request, run, same, workers
 
 
@@ -100,8 +99,9 @@ async def _many(pool, reqs) -> list[Result]:
 def test_riding_requests_equal_their_own_streams_and_share_batches(tiny_model):
     async def main():
         async with workers(tiny_model) as ws:
-            reqs = [request(ws, p, f"r{i}", temperature=0, max_tokens=16, ignore_eos=True)
-                    for i, p in enumerate(PROMPTS)]  # fmt: skip
+            reqs = [
+                request(ws, p, f"r{i}", temperature=0, max_tokens=16, ignore_eos=True) for i, p in enumerate(PROMPTS)
+            ]
             refs = [await run(ws[0], r) for r in reqs]  # each on a worker's own stream, alone
             handle = StandInHandle(ws)
             pool = ServeWorkerPool(handle, "router-a")
@@ -109,8 +109,10 @@ def test_riding_requests_equal_their_own_streams_and_share_batches(tiny_model):
             # The first deltas opened the stream to each worker: later requests ride once it is up there.
             up = await until(lambda: all(pool.mux.router_id in w._outboxes for w in ws))
             opened = set(handle.subscribed) if up < 10 else set()
-            got = await _many(pool, [request(ws, p, f"s{i}", temperature=0, max_tokens=16, ignore_eos=True)
-                                     for i, p in enumerate(PROMPTS)])  # fmt: skip
+            got = await _many(
+                pool,
+                [request(ws, p, f"s{i}", temperature=0, max_tokens=16, ignore_eos=True) for i, p in enumerate(PROMPTS)],
+            )
             return refs, got, first, opened, {w.name for w in ws}, handle.riding, pool.mux, await all_free(ws)
 
     refs, got, first, opened, names, riding, mux, free = asyncio.run(main())
@@ -146,8 +148,14 @@ def test_a_worker_lost_under_riding_requests_fails_them_over_without_gap_or_repe
             killer = asyncio.create_task(kill_when_riding())
             got = await _many(pool, [request(ws, p, f"k{i}", **params) for i, p in enumerate(PROMPTS[:4])])
             await killer
-            return refs, got, pool.num_failovers, [r.finished[0].worker for r in got], ws[1].name, \
-                await all_free(ws[1:])  # fmt: skip
+            return (
+                refs,
+                got,
+                pool.num_failovers,
+                [r.finished[0].worker for r in got],
+                ws[1].name,
+                await all_free(ws[1:]),
+            )
 
     refs, got, failovers, where, survivor, free = asyncio.run(main())
     for g, r in zip(got, refs):

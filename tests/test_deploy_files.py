@@ -221,7 +221,7 @@ def test_the_parser_joins_continuations_and_reads_flags_and_forms():
         "\n"
         " && apt-get install -y g++\n"
         "COPY --from=build --chown=1000:1000 /a /b\n"
-        "COPY --link a.txt \"b c/\"  dest/\n"
+        'COPY --link a.txt "b c/"  dest/\n'
         'CMD ["shoal", "serve"]\n'
         "ENTRYPOINT echo hi\n"
     )
@@ -263,10 +263,12 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
                 rel = src.lstrip("/")
                 matches = sorted(CONTEXT.glob(rel)) if any(c in rel for c in "*?[") else [CONTEXT / rel]
                 assert matches and all(p.exists() for p in matches), (
-                    f"line {ins.line}: {src} is not in the build context ({CONTEXT})")
+                    f"line {ins.line}: {src} is not in the build context ({CONTEXT})"
+                )
                 for p in matches:
                     assert not dockerignore_excludes(p.relative_to(CONTEXT).as_posix(), ignore), (
-                        f"line {ins.line}: {src} is left out of the context by .dockerignore")
+                        f"line {ins.line}: {src} is left out of the context by .dockerignore"
+                    )
                 checked += 1
     assert checked, "no COPY from the build context at all"
 
@@ -316,7 +318,8 @@ def _command(final_stage: Stage) -> list[str]:
     assert entry, "set ENTRYPOINT in the final stage (to [] or to shoal), or the base image's one runs"
     for ins in entry[-1:] + cmd[-1:]:
         assert ins.exec_form is not None, (
-            f"line {ins.line}: {ins.keyword} in shell form runs under /bin/sh, which keeps SIGTERM from shoal")
+            f"line {ins.line}: {ins.keyword} in shell form runs under /bin/sh, which keeps SIGTERM from shoal"
+        )
     return entry[-1].exec_form + (cmd[-1].exec_form if cmd else [])
 
 
@@ -400,8 +403,11 @@ def test_metrics_scrape_the_routers_and_end_in_the_prometheus_exporter(collector
     for job in jobs:
         assert job.get("metrics_path", "/metrics") == "/metrics"
         targets = [t for sc in job.get("static_configs", []) for t in sc.get("targets", [])]
-        rewrites = [rc.get("replacement", "") for rc in job.get("relabel_configs", [])
-                    if rc.get("target_label") == "__address__"]  # fmt: skip
+        rewrites = [
+            rc.get("replacement", "")
+            for rc in job.get("relabel_configs", [])
+            if rc.get("target_label") == "__address__"
+        ]
         if any(t.endswith(":8000") for t in targets) or any(r.endswith(":8000") for r in rewrites):
             router_jobs.append(job["job_name"])
     assert router_jobs, "no scrape job points at the routers' HTTP port 8000"

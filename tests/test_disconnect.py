@@ -11,13 +11,13 @@ import json
 
 import grpc
 import pytest
+from engine_hold import EngineHold, until
+from serving import free_port, grpc_server, make_frontend
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.ingress import start_http
 from shoal.router.openai_app import OpenAIApp
-from engine_hold import EngineHold, until
-from serving import free_port, grpc_server, make_frontend
 
 # A prompt several prefill chunks long: one step computes 16 of its tokens and yields none.
 LONG_PROMPT = list(range(5, 69))
@@ -27,8 +27,7 @@ SHORT_PROMPT = list(range(5, 13))
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("first_token", [False, True], ids=["before-first-token", "after-first-token"])
 @pytest.mark.parametrize("num_prompts", [1, 2])
-def test_http_client_hanging_up_aborts_in_the_engine_and_frees_its_blocks(tiny_model, stream, first_token,
-                                                                            num_prompts):  # fmt: skip
+def test_http_client_hanging_up_aborts_in_the_engine_and_frees_its_blocks(tiny_model, stream, first_token, num_prompts):
     prompt = SHORT_PROMPT if first_token else LONG_PROMPT
     steps = 3 if first_token else 1
 
@@ -39,11 +38,19 @@ def test_http_client_hanging_up_aborts_in_the_engine_and_frees_its_blocks(tiny_m
         server, task = await start_http(OpenAIApp(fe, 1 << 20).app, "127.0.0.1", port)
         try:
             hold = EngineHold(worker, steps)
-            body = json.dumps({"prompt": prompt if num_prompts == 1 else [prompt] * num_prompts, "max_tokens": 500,
-                               "ignore_eos": True, "stream": stream}).encode()  # fmt: skip
+            body = json.dumps(
+                {
+                    "prompt": prompt if num_prompts == 1 else [prompt] * num_prompts,
+                    "max_tokens": 500,
+                    "ignore_eos": True,
+                    "stream": stream,
+                }
+            ).encode()
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             await writer.drain()
             held_after = await until(lambda: hold.held(steps))
             eng = worker.engine.engine
@@ -76,8 +83,11 @@ def test_grpc_cancel_before_the_first_token_aborts_in_the_engine(tiny_model):
         hold = EngineHold(worker, 1)
         async with grpc_server(fe) as addr, grpc.aio.insecure_channel(addr) as ch:
             stub = shoal_pb2_grpc.ShoalStub(ch)
-            call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=LONG_PROMPT),
-                                                    sampling=pb.SamplingParams(max_tokens=500, ignore_eos=True)))  # fmt: skip
+            call = stub.Generate(
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=LONG_PROMPT), sampling=pb.SamplingParams(max_tokens=500, ignore_eos=True)
+                )
+            )
             reading = asyncio.ensure_future(call.read())
             held_after = await until(lambda: hold.held(1))
             ids = list(worker.engine.engine.requests)

@@ -18,8 +18,16 @@ from shoal.workers.model_executor.models.config import ModelConfig
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2)  # fmt: skip
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +54,16 @@ def test_auto_still_wants_the_weights(config_only):
         LLM(config_only)
 
 
-@pytest.mark.parametrize("variant", [
-    dict(model_type="llama", tie_word_embeddings=False),
-    dict(model_type="llama", tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
-    dict(model_type="qwen2", tie_word_embeddings=True),
-    dict(model_type="qwen2", tie_word_embeddings=False),
-    dict(model_type="mistral", head_dim=32),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(model_type="llama", tie_word_embeddings=False),
+        dict(model_type="llama", tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+        dict(model_type="qwen2", tie_word_embeddings=True),
+        dict(model_type="qwen2", tie_word_embeddings=False),
+        dict(model_type="mistral", head_dim=32),
+    ],
+)
 def test_every_parameter_is_loaded(variant):
     cfg = ModelConfig.from_hf_dict({**TINY, **variant})
     # load_weights raises on a parameter left without a tensor
@@ -114,6 +125,7 @@ def test_tensor_parallel_ranks_split_one_model(config_only):
     try:
         with LLM(config_only, **engine) as one, LLM(config_only, tensor_parallel_size=2, **engine) as two:
             assert [o.token_ids for o in one.generate(prompts, GREEDY)] == [
-                o.token_ids for o in two.generate(prompts, GREEDY)]
+                o.token_ids for o in two.generate(prompts, GREEDY)
+            ]
     finally:
         ray.shutdown()

@@ -87,8 +87,7 @@ def test_stats_count_the_prompt_tokens_still_to_prefill(tiny_model):
     """num_waiting_tokens (what the request router weighs a queue by): a
     waiting request counts its prompt less the prefix cached when it came,
     a running one the rest of its chunked prompt, a decoding one nothing."""
-    engine = LLMEngine(model=tiny_model, block_size=16, num_kv_blocks=128, max_num_batched_tokens=32,
-                       max_num_seqs=1)  # fmt: skip
+    engine = LLMEngine(model=tiny_model, block_size=16, num_kv_blocks=128, max_num_batched_tokens=32, max_num_seqs=1)
     p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     shared = list(range(3, 67))  # 64 tokens: 4 full blocks
     engine.add_request("first", shared + [99], p)

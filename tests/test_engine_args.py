@@ -74,8 +74,10 @@ def test_old_spellings_still_parse():
     assert EngineArgs.from_cli_args(ns).enable_prefix_caching is True
 
 
-@pytest.mark.parametrize("command", [["serve"], ["bench", "offline"], ["bench", "serve"], ["bench", "tp"], ["bench", "gpu"],
-                                     ["generate", "hi"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [["serve"], ["bench", "offline"], ["bench", "serve"], ["bench", "tp"], ["bench", "gpu"], ["generate", "hi"]],
+)
 def test_every_engine_field_is_a_flag_of_each_command_and_a_serve_config_arg(command):
     args = _non_default(EngineArgs)
     ns = build_parser().parse_args(command + _argv(args))
@@ -98,13 +100,17 @@ def test_serve_options_round_trip_through_flags_and_config_args():
 def test_the_older_environment_switches_set_the_defaults_once():
     """SHOAL_FUSED_OPS=1, SHOAL_CPU_KERNEL=0 and SHOAL_KUBERAY=1 still work: they set
     the options' defaults when the modules are imported, and a flag wins over them."""
-    code = ("import argparse; from shoal.cluster.options import ServeOptions; "
-            "from shoal.workers.engine_args import EngineArgs; e = EngineArgs(); "
-            "ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(['--cpu-kernels']); "
-            "print(e.fused_ops, e.cpu_kernels, ServeOptions().nodes_join_later, EngineArgs.from_cli_args(ns).cpu_kernels)")  # fmt: skip
+    code = (
+        "import argparse; from shoal.cluster.options import ServeOptions; "
+        "from shoal.workers.engine_args import EngineArgs; e = EngineArgs(); "
+        "ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(['--cpu-kernels']); "
+        "print(e.fused_ops, e.cpu_kernels, ServeOptions().nodes_join_later, EngineArgs.from_cli_args(ns).cpu_kernels)"
+    )
     env = os.environ | {"SHOAL_FUSED_OPS": "1", "SHOAL_CPU_KERNEL": "0", "SHOAL_KUBERAY": "1"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert run.stdout.split() == ["True", "False", "True", "True"]
     clean = {k: v for k, v in os.environ.items() if k not in ("SHOAL_FUSED_OPS", "SHOAL_CPU_KERNEL", "SHOAL_KUBERAY")}
-    run = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60, check=True
+    )
     assert run.stdout.split() == ["False", "True", "False", "True"]

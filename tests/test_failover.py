@@ -11,6 +11,8 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
+from engine_hold import EngineHold, until
+from step_gate import StepGate
 
 from shoal.router.failover import FailoverPool, WorkerLost
 from shoal.router.frontend import Frontend, ModelInfo, ServingError
@@ -20,11 +22,16 @@ from shoal.workers.messages import GenerateRequest, RequestFinished
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.worker import Worker
 
-from engine_hold import EngineHold, until
-from step_gate import StepGate
-
-PROMPTS = ["The quick brown fox", "Paged attention keeps", "def add(a, b):", "Hello, world! How are",
-           "Numbers: 0 1 2", "Continuous batching rebuilds", "I am fine, thank", "keys and values in"]  # fmt: skip
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention keeps",
+    "def add(a, b):",
+    "Hello, world! How are",
+    "Numbers: 0 1 2",
+    "Continuous batching rebuilds",
+    "I am fine, thank",
+    "keys and values in",
+]
 
 
 class DyingWorkers:
@@ -38,8 +45,9 @@ class DyingWorkers:
     gates (a StepGate per worker): each engine steps once per delta asked
     for, so every delta is one token, however fast the machine."""
 
-    def __init__(self, workers: list[Worker], die_after: dict[int, int] | None = None,
-                 gates: list[StepGate] | None = None):  # fmt: skip
+    def __init__(
+        self, workers: list[Worker], die_after: dict[int, int] | None = None, gates: list[StepGate] | None = None
+    ):
         self.workers, self.die_after, self.gates = workers, dict(die_after or {}), gates
         self.dead: set[int] = set()
         self.tokens = [0] * len(workers)
@@ -107,8 +115,12 @@ async def run(pool, request: GenerateRequest) -> Result:
 
 @asynccontextmanager
 async def workers(model: str, n: int = 2, stall_timeout_s: float = 0.0):
-    ws = [Worker(EngineArgs(model=model, num_kv_blocks=128, num_threads=1), max_waiting=64,
-                 stall_timeout_s=stall_timeout_s) for _ in range(n)]  # fmt: skip
+    ws = [
+        Worker(
+            EngineArgs(model=model, num_kv_blocks=128, num_threads=1), max_waiting=64, stall_timeout_s=stall_timeout_s
+        )
+        for _ in range(n)
+    ]
     try:
         yield ws
     finally:
@@ -120,8 +132,11 @@ async def all_free(ws: list[Worker]) -> bool:
     """Every live engine ends with no request and every block free: nothing
     left behind by a lost stream, nothing run twice."""
     for _ in range(200):
-        if all(not w.engine.engine.requests and w.stats().num_free_blocks == w.stats().num_total_blocks
-               for w in ws if w.engine.failed is None):  # fmt: skip
+        if all(
+            not w.engine.engine.requests and w.stats().num_free_blocks == w.stats().num_total_blocks
+            for w in ws
+            if w.engine.failed is None
+        ):
             return True
         await asyncio.sleep(0.01)
     return False
@@ -135,8 +150,12 @@ def same(got: Result, ref: Result) -> None:
     assert got.tokens == ref.tokens and got.text == ref.text
     assert len(got.finished) == len(ref.finished) == 1
     g, f = got.finished[0], ref.finished[0]
-    assert (g.finish_reason, g.stop_reason, g.num_prompt_tokens, g.num_output_tokens) == \
-        (f.finish_reason, f.stop_reason, f.num_prompt_tokens, f.num_output_tokens)  # fmt: skip
+    assert (g.finish_reason, g.stop_reason, g.num_prompt_tokens, g.num_output_tokens) == (
+        f.finish_reason,
+        f.stop_reason,
+        f.num_prompt_tokens,
+        f.num_output_tokens,
+    )
 
 
 @pytest.mark.parametrize("k", [0, 7, 23], ids=["before-first-token", "mid-stream", "just-before-the-end"])
@@ -222,8 +241,10 @@ def test_stop_string_spanning_the_seam_is_found_and_cut(tiny_model):
 def test_16_concurrent_streams_survive_a_worker_death(tiny_model):
     async def main():
         async with workers(tiny_model) as ws:
-            reqs = [request(ws, PROMPTS[i % 8], f"r{i}", temperature=0, max_tokens=20 + i % 5, ignore_eos=True)
-                    for i in range(16)]  # fmt: skip
+            reqs = [
+                request(ws, PROMPTS[i % 8], f"r{i}", temperature=0, max_tokens=20 + i % 5, ignore_eos=True)
+                for i in range(16)
+            ]
             refs = await asyncio.gather(*(run(FailoverPool(DyingWorkers(ws)), r) for r in reqs))
             pool = DyingWorkers(ws, die_after={0: 60})
             failover = FailoverPool(pool)

@@ -13,15 +13,23 @@ import time
 
 import grpc
 import pytest
-
 from serving import local_cluster_app
+
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 APP = "shoal-failover"
-PROMPTS = ["The quick brown fox", "Paged attention keeps", "def add(a, b):", "Hello, world! How are",
-           "Numbers: 0 1 2", "Continuous batching rebuilds", "I am fine, thank", "keys and values in"]  # fmt: skip
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention keeps",
+    "def add(a, b):",
+    "Hello, world! How are",
+    "Numbers: 0 1 2",
+    "Continuous batching rebuilds",
+    "I am fine, thank",
+    "keys and values in",
+]
 GREEDY = dict(temperature=0.0, max_tokens=160, ignore_eos=True)
 ACT_S = 5.0  # a disturbed run's streams last at least about this long after their 10th chunk
 MAX_TOKENS = 480  # 16 streams of this many fit one worker's 512 blocks of 16 (after a failover)
@@ -29,8 +37,9 @@ MAX_TOKENS = 480  # 16 streams of this many fit one worker's 512 blocks of 16 (a
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    with local_cluster_app(APP, model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=512,
-                           stall_timeout_s=2.0, drain_timeout_s=5.0) as (base, addr):  # fmt: skip
+    with local_cluster_app(
+        APP, model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=512, stall_timeout_s=2.0, drain_timeout_s=5.0
+    ) as (base, addr):
         wait_for_workers(addr, 2, 120)
         yield base, addr
 
@@ -41,15 +50,19 @@ def cluster(tiny_model):
 async def grpc_stream(addr: str, prompt: str, sampling: dict, out: dict) -> dict:
     out.update(tokens=[], text="", times=[], finished=None)
     async with grpc.aio.insecure_channel(addr) as ch:
-        call = pb_grpc.ShoalStub(ch).Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(**sampling)),
-                                              timeout=180)  # fmt: skip
+        call = pb_grpc.ShoalStub(ch).Generate(
+            pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(**sampling)), timeout=180
+        )
         async for m in call:
             out["tokens"] += m.token_ids
             out["text"] += m.text
             out["times"].append(time.monotonic())
             if m.HasField("finished"):
-                out["finished"] = (m.finished.finish_reason, m.finished.usage.prompt_tokens,
-                                   m.finished.usage.completion_tokens)  # fmt: skip
+                out["finished"] = (
+                    m.finished.finish_reason,
+                    m.finished.usage.prompt_tokens,
+                    m.finished.usage.completion_tokens,
+                )
     return out
 
 
@@ -61,8 +74,9 @@ async def http_stream(base: str, prompt: str, sampling: dict, out: dict) -> dict
     extra = {"ignore_eos": s.pop("ignore_eos")} if "ignore_eos" in s else {}
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=180) as client:
         model = (await client.models.list()).data[0].id
-        stream = await client.completions.create(model=model, prompt=prompt, stream=True, extra_body=extra,
-                                                 stream_options={"include_usage": True}, **s)  # fmt: skip
+        stream = await client.completions.create(
+            model=model, prompt=prompt, stream=True, extra_body=extra, stream_options={"include_usage": True}, **s
+        )
         reason = None
         async for chunk in stream:
             if chunk.choices:
@@ -80,9 +94,14 @@ async def run_streams(base: str, addr: str, sampling: list[dict], act=None) -> t
     act(victim) on the worker running the most of them. Returns the streams'
     results, the victim and when the act began."""
     outs = [{"times": []} for _ in sampling]
-    tasks = [asyncio.ensure_future(grpc_stream(addr, PROMPTS[i % len(PROMPTS)], s, outs[i]) if i % 2 == 0 else
-                                   http_stream(base, PROMPTS[i % len(PROMPTS)], s, outs[i]))
-             for i, s in enumerate(sampling)]  # fmt: skip
+    tasks = [
+        asyncio.ensure_future(
+            grpc_stream(addr, PROMPTS[i % len(PROMPTS)], s, outs[i])
+            if i % 2 == 0
+            else http_stream(base, PROMPTS[i % len(PROMPTS)], s, outs[i])
+        )
+        for i, s in enumerate(sampling)
+    ]
     victim, t_act = None, 0.0
     try:
         while act is not None:
@@ -132,8 +151,11 @@ def wait_for_workers(addr: str, n: int, timeout: float, gone: str | None = None)
             workers = load(addr)
         except grpc.RpcError:
             workers = []
-        if len(workers) == n and gone not in {w.worker for w in workers} and \
-                all(w.num_running == 0 and w.num_free_blocks == w.num_total_blocks for w in workers):  # fmt: skip
+        if (
+            len(workers) == n
+            and gone not in {w.worker for w in workers}
+            and all(w.num_running == 0 and w.num_free_blocks == w.num_total_blocks for w in workers)
+        ):
             return workers
         time.sleep(0.5)
     raise AssertionError(f"{n} idle workers never reported (without {gone}): {workers}")
@@ -144,8 +166,11 @@ def replica_actor(worker: str, app: str = APP):
     import ray
 
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{app}#Worker#") and \
-                a["name"].endswith("#" + worker):  # fmt: skip
+        if (
+            a["namespace"] == "serve"
+            and a["name"].startswith(f"SERVE_REPLICA::{app}#Worker#")
+            and a["name"].endswith("#" + worker)
+        ):
             return ray.get_actor(a["name"], namespace="serve")
     raise AssertionError(f"no replica actor for worker {worker}")
 
@@ -193,9 +218,11 @@ def test_killed_worker_process_16_greedy_streams_all_complete_as_undisturbed(clu
     got, victim, t_kill = asyncio.run(run_streams(base, addr, sampling, kill_process))
     same(got, ref)
     gaps, calm = gaps_ms(got, t_kill), gaps_ms(ref)
-    print(f"\nkilled {victim}: 16/16 complete; each stream's longest gap between chunks (ms): after the kill "
-          f"max {max(gaps):.0f}, median {sorted(gaps)[8]:.0f}; undisturbed max {max(calm):.0f}, "
-          f"median {sorted(calm)[8]:.0f}")
+    print(
+        f"\nkilled {victim}: 16/16 complete; each stream's longest gap between chunks (ms): after the kill "
+        f"max {max(gaps):.0f}, median {sorted(gaps)[8]:.0f}; undisturbed max {max(calm):.0f}, "
+        f"median {sorted(calm)[8]:.0f}"
+    )
     wait_for_workers(addr, 2, 90, gone=victim)  # replaced; nothing left running anywhere
 
 
@@ -220,5 +247,7 @@ def test_stalled_engine_is_replaced_and_its_requests_finish_elsewhere(cluster):
     gaps = gaps_ms(got, t_stall)
     t0 = time.monotonic()
     wait_for_workers(addr, 2, 120, gone=victim)
-    print(f"\nstalled {victim} (stall timeout 2 s): 8/8 complete, longest gap {max(gaps):.0f} ms; "
-          f"replaced {time.monotonic() - t0:.0f} s after the streams ended")
+    print(
+        f"\nstalled {victim} (stall timeout 2 s): 8/8 complete, longest gap {max(gaps):.0f} ms; "
+        f"replaced {time.monotonic() - t0:.0f} s after the streams ended"
+    )

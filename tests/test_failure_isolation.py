@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_failover import DyingWorkers, request, run, workers
 
 from shoal.router.failover import FailoverPool
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.errors import EngineFaultError
 from shoal.workers.fault_injection import ENV
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
-from test_failover import DyingWorkers, request, run, workers
 
 POISON = 7  # a token id only the poisoned request's prompt holds
 
@@ -24,8 +24,14 @@ def _requests(n: int = 16) -> list[tuple[str, list[int], SamplingParams]]:
     out = []
     for i in range(n):
         prompt = [20 + (i * 7 + j) % 400 for j in range(5 + 3 * i)]
-        params = SamplingParams(max_tokens=12 + i % 5, ignore_eos=True, temperature=0 if i % 2 else 0.8,
-                                seed=1000 + i, top_k=40 if i % 3 == 0 else -1, logprobs=2 if i % 4 == 0 else None)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=12 + i % 5,
+            ignore_eos=True,
+            temperature=0 if i % 2 else 0.8,
+            seed=1000 + i,
+            top_k=40 if i % 3 == 0 else -1,
+            logprobs=2 if i % 4 == 0 else None,
+        )
         out.append((f"r{i}", prompt, params))
     return out
 
@@ -125,8 +131,9 @@ def test_a_request_that_kills_every_worker_it_lands_on_is_sent_to_two_at_most(ti
             poisoned = request(ws, "ignored", "poison", max_tokens=5)
             poisoned.prompt_token_ids = [POISON, 30, 31]
             got = [msg async for msg in failover.generate(poisoned)]
-            after = await run(failover, request(ws, "The quick brown fox", "after", temperature=0, max_tokens=5,
-                                                ignore_eos=True))  # fmt: skip
+            after = await run(
+                failover, request(ws, "The quick brown fox", "after", temperature=0, max_tokens=5, ignore_eos=True)
+            )
             return got, after, pool, failover, [w.engine.failed is not None for w in ws]
 
     with caplog.at_level("WARNING", logger="shoal.router.failover"):

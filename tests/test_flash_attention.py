@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.workers.model_executor.layers import flash_attention
+from shoal.workers.utils import cdiv
 
 
 def _flash_attn_runs() -> bool:
@@ -35,8 +36,14 @@ MIXED = [(0, 37), (16, 1), (40, 23), (300, 1), (0, 1), (250, 20), (31, 1), (600,
 DECODES = [(0, 1), (255, 1), (256, 1), (700, 1)]
 
 
-def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]],
-              step: list[tuple[int, int]], scale: float) -> torch.Tensor:  # fmt: skip
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: list[list[int]],
+    step: list[tuple[int, int]],
+    scale: float,
+) -> torch.Tensor:
     """Each sequence's queries are its last new-token positions."""
     outs, start = [], 0
     for table, (cached, n) in zip(tables, step):
@@ -60,7 +67,7 @@ def test_flash_attn_equals_reference(step, heads, kv_heads, dim, dtype, tol):
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, device=device).to(dtype)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, device=device).to(dtype)
     free = torch.randperm(NUM_BLOCKS).tolist()  # no sequence's blocks are contiguous or in order
-    tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK_SIZE))] for c, n in step]
+    tables = [[free.pop() for _ in range(cdiv(c + n, BLOCK_SIZE))] for c, n in step]
     max_blocks = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([c + n for c, n in step], dtype=torch.int32, device=device)

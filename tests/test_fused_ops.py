@@ -23,8 +23,11 @@ from shoal.workers.model_executor.layers.activation import SiluAndMul
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
-             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}  # fmt: skip
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 DTYPES = list(TOLERANCE)
 
 
@@ -92,9 +95,16 @@ def test_silu_and_mul(fused_calls, width, dtype):
 @pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(16, 4, 2), (64, 6, 2), (64, 4, 4), (16, 3, 1)])
 def test_rotary(fused_calls, head_dim, q_heads, kv_heads, dtype):
     torch.manual_seed(head_dim + q_heads)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}  # fmt: skip
-    rotary = RotaryEmbedding(head_dim, 256, 10000.0, scaling, fused_ops=True).to(dtype)  # the loader casts the tables too
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, scaling, fused_ops=True).to(
+        dtype
+    )  # the loader casts the tables too
     tokens, q_size, kv_size = 6, q_heads * head_dim, kv_heads * head_dim
     # views into one fused qkv output, as LlamaAttention passes them
     qkv = torch.randn(tokens, q_size + 2 * kv_size).to(dtype)
@@ -121,8 +131,10 @@ def test_the_engine_with_fused_ops_gives_the_same_tokens(fused_calls, tiny_model
 
 
 def test_cpu_tensors_without_the_interpreter_are_a_clear_error():
-    code = ("import torch; from shoal.workers.model_executor.layers.norm import RMSNorm; "
-            "RMSNorm(8, 1e-6, fused_ops=True)(torch.ones(2, 8))")  # fmt: skip
+    code = (
+        "import torch; from shoal.workers.model_executor.layers.norm import RMSNorm; "
+        "RMSNorm(8, 1e-6, fused_ops=True)(torch.ones(2, 8))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0

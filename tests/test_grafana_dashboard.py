@@ -13,19 +13,37 @@ from shoal.router.metrics import METRIC_NAMES as EXPOSED
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "shoal.json"
 
 # The names each router exposes at /metrics, by kind (checked against shoal.router.metrics below).
-GAUGES = {"shoal:num_requests_running", "shoal:num_requests_waiting", "shoal:kv_cache_usage_perc",
-          "shoal:num_free_kv_blocks"}  # fmt: skip
-COUNTERS = {"shoal:prompt_tokens_total", "shoal:generation_tokens_total", "shoal:num_preemptions_total",
-            "shoal:prefix_cache_queries_total", "shoal:prefix_cache_hits_total", "shoal:request_success_total"}  # fmt: skip
-HISTOGRAMS = {"shoal:time_to_first_token_seconds", "shoal:inter_token_latency_seconds",
-              "shoal:e2e_request_latency_seconds", "shoal:request_queue_time_seconds", "shoal:request_prompt_tokens",
-              "shoal:request_generation_tokens"}  # fmt: skip
+GAUGES = {
+    "shoal:num_requests_running",
+    "shoal:num_requests_waiting",
+    "shoal:kv_cache_usage_perc",
+    "shoal:num_free_kv_blocks",
+}
+COUNTERS = {
+    "shoal:prompt_tokens_total",
+    "shoal:generation_tokens_total",
+    "shoal:num_preemptions_total",
+    "shoal:prefix_cache_queries_total",
+    "shoal:prefix_cache_hits_total",
+    "shoal:request_success_total",
+}
+HISTOGRAMS = {
+    "shoal:time_to_first_token_seconds",
+    "shoal:inter_token_latency_seconds",
+    "shoal:e2e_request_latency_seconds",
+    "shoal:request_queue_time_seconds",
+    "shoal:request_prompt_tokens",
+    "shoal:request_generation_tokens",
+}
 METRIC_NAMES = GAUGES | COUNTERS | HISTOGRAMS
 assert METRIC_NAMES == set(EXPOSED), "the dashboard's list of series and /metrics' differ"
 # Read from the workers and exposed identically by every router: summing them over routers would count each
 # worker once per router, so every query over them must go through `max by (worker)`.
-WORKER_METRICS = GAUGES | {"shoal:num_preemptions_total", "shoal:prefix_cache_queries_total",
-                           "shoal:prefix_cache_hits_total"}  # fmt: skip
+WORKER_METRICS = GAUGES | {
+    "shoal:num_preemptions_total",
+    "shoal:prefix_cache_queries_total",
+    "shoal:prefix_cache_hits_total",
+}
 
 _METRIC = re.compile(r"shoal:[a-z0-9_:]+")  # digits too: e2e_request_latency_seconds
 _HIST_SUFFIX = re.compile(r"_(bucket|sum|count)$")
@@ -137,6 +155,7 @@ def _quantile_panel(dashboard, metric: str, quantiles: set[str]) -> list[dict]:
     def pred(exprs):
         qs = {m.group(1) for e in exprs for m in re.finditer(r"histogram_quantile\((0?\.\d+), .*" + metric, e)}
         return quantiles <= qs
+
     return _find(dashboard, pred)
 
 
@@ -155,6 +174,10 @@ def test_panels_cover_what_an_operator_needs(dashboard):
     assert any("{{worker}}" in t["legendFormat"] for p in kv for t in p["targets"]), "KV usage per worker"
     assert any(p["type"] == "bargauge" for p in kv)
     assert _find(dashboard, uses("shoal:num_preemptions_total")), "preemptions"
-    hit = _find(dashboard, lambda exprs: any("prefix_cache_hits_total" in e and "/" in e
-                                             and "prefix_cache_queries_total" in e for e in exprs))  # fmt: skip
+    hit = _find(
+        dashboard,
+        lambda exprs: any(
+            "prefix_cache_hits_total" in e and "/" in e and "prefix_cache_queries_total" in e for e in exprs
+        ),
+    )
     assert hit and all(p["fieldConfig"]["defaults"]["unit"] == "percentunit" for p in hit), "prefix hit rate"

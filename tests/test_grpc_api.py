@@ -10,16 +10,16 @@ import tempfile
 
 import grpc
 import pytest
+from engine_hold import EngineHold
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serving import grpc_server, make_frontend
 
 from shoal.proto import generate as proto_generate
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.worker import logger as worker_logger
-from engine_hold import EngineHold
-from serving import grpc_server, make_frontend
 
 PROMPT = "The quick brown fox"
 
@@ -40,11 +40,19 @@ def test_generate_streams_what_the_engine_makes_plus_info_load_tokenize(tiny_mod
         fe = make_frontend(tiny_model, num_workers=2)
         async with grpc_server(fe) as addr, grpc.aio.insecure_channel(addr) as ch:
             stub = shoal_pb2_grpc.ShoalStub(ch)
-            req = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
-                                                                            logprobs=2))  # fmt: skip
+            req = pb.GenerateRequest(
+                text=PROMPT, sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+            )
             msgs = [m async for m in stub.Generate(req)]
-            by_ids = [m async for m in stub.Generate(pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=ref.prompt_token_ids), sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))]  # fmt: skip
+            by_ids = [
+                m
+                async for m in stub.Generate(
+                    pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=ref.prompt_token_ids),
+                        sampling=pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                    )
+                )
+            ]
             info = await stub.GetModelInfo(pb.GetModelInfoRequest())
             load = await stub.GetLoad(pb.GetLoadRequest())
             tok = await stub.Tokenize(pb.TokenizeRequest(text=PROMPT))
@@ -59,8 +67,15 @@ def test_generate_streams_what_the_engine_makes_plus_info_load_tokenize(tiny_mod
     assert fin.finish_reason == "length" and fin.worker.startswith("local-")
     assert fin.usage.prompt_tokens == len(ref.prompt_token_ids) and fin.usage.completion_tokens == 10
     assert 0 <= fin.timings.queue_s <= fin.timings.time_to_first_token_s <= fin.timings.total_s
-    assert sum(len(m.logprobs) for m in msgs) == 10 and all(len(lp.top_logprobs) == 2 for m in msgs for lp in m.logprobs)
-    assert (info.max_model_len, info.block_size, info.tensor_parallel_size, info.num_workers) == (llm.engine.max_model_len, 16, 1, 2)
+    assert sum(len(m.logprobs) for m in msgs) == 10 and all(
+        len(lp.top_logprobs) == 2 for m in msgs for lp in m.logprobs
+    )
+    assert (info.max_model_len, info.block_size, info.tensor_parallel_size, info.num_workers) == (
+        llm.engine.max_model_len,
+        16,
+        1,
+        2,
+    )
     assert len(load.workers) == 2 and all(w.num_free_blocks == w.num_total_blocks == 256 for w in load.workers)
     assert list(tok.token_ids) == ref.prompt_token_ids and tok.count == len(ref.prompt_token_ids)
 
@@ -72,10 +87,11 @@ def test_request_id_is_the_servers_and_a_client_id_is_echoed_never_shared(tiny_m
         fe = make_frontend(tiny_model)
         async with grpc_server(fe) as addr, grpc.aio.insecure_channel(addr) as a, grpc.aio.insecure_channel(addr) as b:
             mine = pb.GenerateRequest(request_id="my-id", text=PROMPT, sampling=sampling)
-            return await asyncio.gather(_drain(shoal_pb2_grpc.ShoalStub(a).Generate(mine)),
-                                        _drain(shoal_pb2_grpc.ShoalStub(b).Generate(mine)),
-                                        _drain(shoal_pb2_grpc.ShoalStub(b).Generate(pb.GenerateRequest(
-                                            text=PROMPT, sampling=sampling))))  # fmt: skip
+            return await asyncio.gather(
+                _drain(shoal_pb2_grpc.ShoalStub(a).Generate(mine)),
+                _drain(shoal_pb2_grpc.ShoalStub(b).Generate(mine)),
+                _drain(shoal_pb2_grpc.ShoalStub(b).Generate(pb.GenerateRequest(text=PROMPT, sampling=sampling))),
+            )
 
     with caplog.at_level(logging.INFO, logger=worker_logger.name):
         streams = asyncio.run(main())
@@ -91,15 +107,18 @@ def test_request_id_is_the_servers_and_a_client_id_is_echoed_never_shared(tiny_m
     assert len(set(ids)) == 3 and "my-id" not in ids
 
 
-@pytest.mark.parametrize("request_kwargs,word", [
-    ({}, "prompt"),
-    ({"text": ""}, "empty"),
-    ({"text": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "temperature"),
-    ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=10**6)}, "max_tokens"),
-    ({"token_ids": pb.TokenIds(ids=[10**6])}, "vocabulary"),
-    ({"text": "hi", "sampling": pb.SamplingParams(top_k=0)}, "top_k"),
-    ({"text": "hi", "request_id": "x" * 300}, "request_id"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "request_kwargs,word",
+    [
+        ({}, "prompt"),
+        ({"text": ""}, "empty"),
+        ({"text": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "temperature"),
+        ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=10**6)}, "max_tokens"),
+        ({"token_ids": pb.TokenIds(ids=[10**6])}, "vocabulary"),
+        ({"text": "hi", "sampling": pb.SamplingParams(top_k=0)}, "top_k"),
+        ({"text": "hi", "request_id": "x" * 300}, "request_id"),
+    ],
+)
 def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(tiny_model, request_kwargs, word):
     async def main():
         fe = make_frontend(tiny_model)
@@ -165,8 +184,10 @@ def test_api_key_health_and_reflection(tiny_model):
             stub = shoal_pb2_grpc.ShoalStub(ch)
             codes = []
             for md in (None, (("authorization", "Bearer nope"),)):
-                for call in (lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md),
-                             lambda: _drain(stub.Generate(pb.GenerateRequest(text=PROMPT), metadata=md))):  # fmt: skip
+                for call in (
+                    lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md),
+                    lambda: _drain(stub.Generate(pb.GenerateRequest(text=PROMPT), metadata=md)),
+                ):
                     try:
                         await call()
                     except grpc.aio.AioRpcError as e:
@@ -176,12 +197,16 @@ def test_api_key_health_and_reflection(tiny_model):
             serving = await health.Check(health_pb2.HealthCheckRequest(service="shoal.v1.Shoal"))
             refl = reflection_pb2_grpc.ServerReflectionStub(ch)
             names = []
-            async for r in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                     metadata=(("authorization", "Bearer sekret"),)):  # fmt: skip
+            async for r in refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                metadata=(("authorization", "Bearer sekret"),),
+            ):
                 names += [s.name for s in r.list_services_response.service]
             await fe.drain(1.0)
             with pytest.raises(grpc.aio.AioRpcError) as draining:
-                await _drain(stub.Generate(pb.GenerateRequest(text=PROMPT), metadata=(("authorization", "Bearer sekret"),)))
+                await _drain(
+                    stub.Generate(pb.GenerateRequest(text=PROMPT), metadata=(("authorization", "Bearer sekret"),))
+                )
         return codes, good, serving, names, draining.value
 
     codes, good, serving, names, draining = asyncio.run(main())
@@ -196,7 +221,6 @@ async def _drain(call):
     return [m async for m in call]
 
 
-
 def test_flood_past_max_waiting_gets_resource_exhausted_and_admitted_ones_finish(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [f"{PROMPT} {i}" for i in range(10)]
@@ -209,7 +233,9 @@ def test_flood_past_max_waiting_gets_resource_exhausted_and_admitted_ones_finish
 
             async def one(p):
                 try:
-                    req = pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                    req = pb.GenerateRequest(
+                        text=p, sampling=pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+                    )
                     return [t async for m in stub.Generate(req) for t in m.token_ids]
                 except grpc.aio.AioRpcError as e:
                     return e.code()

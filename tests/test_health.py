@@ -25,6 +25,7 @@ def test_health_answers_for_this_router_and_all_for_every_worker(tiny_model):
         workers = list(fe.pool.workers)
         out = {}
         async with http_client(fe) as c:
+
             async def both(name):
                 out[name] = [(r.status_code, r.json()) for r in (await c.get("/health"), await c.get("/health?all=1"))]
 
@@ -41,8 +42,13 @@ def test_health_answers_for_this_router_and_all_for_every_worker(tiny_model):
 
     out = asyncio.run(main())
     codes = {k: [c for c, _ in v] for k, v in out.items()}
-    assert codes == {"all up": [200, 200], "one gone": [200, 503], "none": [503, 503], "back": [200, 200],
-                     "draining": [503, 503]}  # fmt: skip
+    assert codes == {
+        "all up": [200, 200],
+        "one gone": [200, 503],
+        "none": [503, 503],
+        "back": [200, 200],
+        "draining": [503, 503],
+    }
     assert out["one gone"][0][1] == {"status": "ok", "workers": 1, "num_workers": 2}
     assert out["one gone"][1][1]["status"] == "not ready"
     assert out["draining"][0][1]["status"] == "draining"

@@ -45,15 +45,19 @@ EXAMPLES = {
     "values-8gpu-tp2.yaml": (
         "--host 0.0.0.0 --device cuda --model /models/Qwen2.5-32B-Instruct -tp 2 "
         "--num-workers 2 --max-workers 4 --target-queue-depth 4 --routers 2 --max-model-len 16384",
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317", "OTEL_SERVICE_NAME": "shoal",
-         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317",
+            "OTEL_SERVICE_NAME": "shoal",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": "0.1",
+        },
     ),
     "values-cpu-demo.yaml": (
         "--host 0.0.0.0 --device cpu --num-threads 2 --kv-cache-memory-bytes 536870912 --max-num-seqs 32 "
         "--allowed-hosts '*'",  # no API key: the Host names of a Service, not just loopback
         {},
     ),
-}  # fmt: skip
+}
 # Every optional object on at once: a hostPath model, Ingress, ServiceMonitor, key, tracing.
 EVERYTHING = {
     "model": {"source": "hostPath", "path": "/models/m.gguf", "hostPath": {"path": "/srv/models", "type": "Directory"}},
@@ -64,7 +68,7 @@ EVERYTHING = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
     "head": {"rayStartParams": {"object-store-memory": "1000000000"}},
     "rayService": {"rayClusterDeletionDelaySeconds": 300},
-}  # fmt: skip
+}
 # Custom resources: checked against their CRDs, not Kubernetes' own schemas.
 CRD_KINDS = {"RayService", "ServiceMonitor"}
 
@@ -165,8 +169,12 @@ def test_every_manifest_validates_against_kubernetes(case):
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
     # The pods KubeRay will make: each group's template, as a core PodTemplate.
     for name, group in groups(rayservice(docs)).items():
-        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
-                        "template": group["template"]}  # fmt: skip
+        pod_template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": name},
+            "template": group["template"],
+        }
         kubernetes_validate.validate(pod_template, KUBE_VERSION, strict=True)
 
 
@@ -285,8 +293,15 @@ def test_print_config_prints_that_config_and_starts_nothing(capsys, monkeypatch)
 
 
 def test_serve_config_round_trips_every_option_but_the_key():
-    opts = ServeOptions(host="0.0.0.0", routers=3, routing="pow2", min_workers=2, max_workers=5, api_key="secret",
-                        engine=EngineArgs(model="/m", tensor_parallel_size=2, enable_prefix_caching=False))  # fmt: skip
+    opts = ServeOptions(
+        host="0.0.0.0",
+        routers=3,
+        routing="pow2",
+        min_workers=2,
+        max_workers=5,
+        api_key="secret",
+        engine=EngineArgs(model="/m", tensor_parallel_size=2, enable_prefix_caching=False),
+    )
     config = serve_config(opts, otel_env={})
     (app,) = config["applications"]
     assert "runtime_env" not in app and "api_key" not in app["args"]  # the key never goes into a file
@@ -369,10 +384,12 @@ def test_routers_land_on_their_own_pods_behind_the_services():
         for name, group in groups(rs).items():  # ... and no other group's pods
             if name != "routers":
                 assert not svc["spec"]["selector"].items() <= group["template"]["metadata"]["labels"].items()
-    assert http["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
-                                      "appProtocol": "http"}]  # fmt: skip
-    assert grpc["spec"]["ports"] == [{"name": "grpc", "port": 9000, "targetPort": "grpc", "protocol": "TCP",
-                                      "appProtocol": "grpc"}]  # fmt: skip
+    assert http["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    ]
+    assert grpc["spec"]["ports"] == [
+        {"name": "grpc", "port": 9000, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}
+    ]
     container = ray_container(routers)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (ports["http"], ports["grpc"]) == (8000, 9000)
@@ -393,8 +410,14 @@ def test_pods_tell_build_app_that_routers_and_gpus_come_from_the_chart():
         assert {"name": "SHOAL_KUBERAY", "value": "1"} in ray_container(group)["env"], name
     code = "from shoal.cluster.options import ServeOptions; print(ServeOptions().nodes_join_later)"
     for env, expected in (("0", "False"), ("1", "True")):
-        run = subprocess.run([sys.executable, "-c", code], env=os.environ | {"SHOAL_KUBERAY": env},
-                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            env=os.environ | {"SHOAL_KUBERAY": env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         assert run.stdout.strip() == expected
     assert not cluster_has_router_nodes()  # outside Ray, no marked node
     assert cluster_has_router_nodes(nodes_join_later=True)
@@ -416,16 +439,21 @@ def test_api_key_reaches_the_routers_from_its_secret_only():
         if name != "routers":
             assert "SHOAL_API_KEY" not in env, name
             continue
-        assert env["SHOAL_API_KEY"] == {"name": "SHOAL_API_KEY",
-                                        "valueFrom": {"secretKeyRef": {"name": "shoal-api-key", "key": "api-key"}}}
+        assert env["SHOAL_API_KEY"] == {
+            "name": "SHOAL_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "shoal-api-key", "key": "api-key"}},
+        }
     for group in groups(rayservice(render())).values():  # no Secret named: no key, no variable
         assert "SHOAL_API_KEY" not in {e["name"] for e in ray_container(group).get("env", [])}
 
 
 def test_otel_settings_go_on_the_pods_and_into_the_runtime_env():
     rs = rayservice(render(EVERYTHING))
-    want = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", "OTEL_SERVICE_NAME": "shoal",
-            "OTEL_RESOURCE_ATTRIBUTES": "env=test"}  # fmt: skip
+    want = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+        "OTEL_SERVICE_NAME": "shoal",
+        "OTEL_RESOURCE_ATTRIBUTES": "env=test",
+    }
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
     assert app["runtime_env"] == {"env_vars": want}
     for group in groups(rs).values():
@@ -439,18 +467,22 @@ def test_otel_settings_go_on_the_pods_and_into_the_runtime_env():
 @pytest.mark.parametrize(
     ("model", "volume"),
     [
-        ({"source": "pvc", "path": "/models/m", "pvc": {"claimName": "weights"}},
-         {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}),
-        ({"source": "hostPath", "path": "/models/m", "hostPath": {"path": "/srv/m"}},
-         {"hostPath": {"path": "/srv/m", "type": "Directory"}}),
+        (
+            {"source": "pvc", "path": "/models/m", "pvc": {"claimName": "weights"}},
+            {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
+        ),
+        (
+            {"source": "hostPath", "path": "/models/m", "hostPath": {"path": "/srv/m"}},
+            {"hostPath": {"path": "/srv/m", "type": "Directory"}},
+        ),
         ({"source": "image", "path": "/opt/models/m"}, None),
     ],
-)  # fmt: skip
+)
 def test_model_comes_from_a_pvc_a_host_path_or_the_image(model, volume):
     rs = rayservice(render({"model": model}))
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
     assert app["args"]["model"] == model["path"]
-    for name, group in groups(rs).items():  # the app is built, and the tokenizer read, on any of them
+    for group in groups(rs).values():  # the app is built, and the tokenizer read, on any of them
         spec = group["template"]["spec"]
         volumes = [v for v in spec["volumes"] if v["name"] == "model"]
         mounts = [m for m in ray_container(group)["volumeMounts"] if m["name"] == "model"]
@@ -479,8 +511,12 @@ def test_optional_ingress_and_service_monitor():
     assert ports == {"http": "/metrics", "ray-metrics": "/metrics"}
     services = [d for d in docs if d["kind"] == "Service"]
     for endpoint_port in ports:  # each endpoint names a port of a Service the monitor selects
-        assert any(p["name"] == endpoint_port for s in services for p in s["spec"]["ports"]
-                   if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items())
+        assert any(
+            p["name"] == endpoint_port
+            for s in services
+            for p in s["spec"]["ports"]
+            if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        )
     (metrics,) = [s for s in services if s["metadata"]["name"].endswith("-ray-metrics")]
     assert metrics["spec"]["ports"][0]["port"] == 8080
     assert metrics["spec"]["selector"]["app.kubernetes.io/part-of"] == "shoal"  # every Ray pod of the release
@@ -490,7 +526,7 @@ def test_notes_say_how_to_reach_the_api_and_the_status_page():
     with helm.Chart.load(CHART) as chart:
         notes = chart.render(EVERYTHING, name=RELEASE, namespace=NAMESPACE)["shoal/templates/NOTES.txt"]
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
-    assert 'Authorization: Bearer $SHOAL_API_KEY' in notes
+    assert "Authorization: Bearer $SHOAL_API_KEY" in notes
     assert "grpcurl -plaintext" in notes and "127.0.0.1:9000 shoal.v1.Shoal/GetModelInfo" in notes
     assert "Status page" in notes and "http://127.0.0.1:8000/" in notes
     assert f"port-forward svc/{RELEASE}-grpc 9000:9000" in notes
@@ -501,8 +537,10 @@ def test_notes_say_how_to_reach_the_api_and_the_status_page():
 # Ray's control plane: whoever reaches the GCS, the dashboard (Jobs API) or the client server runs code there.
 RAY_PORTS = {6379, 8265, 10001, "gcs-server", "dashboard", "client"}
 OUTSIDE = {"namespace": {"kubernetes.io/metadata.name": "elsewhere"}, "labels": {"app": "curious"}}
-OPERATOR = {"namespace": {"kubernetes.io/metadata.name": "kuberay"},
-            "labels": {"app.kubernetes.io/name": "kuberay-operator"}}  # fmt: skip
+OPERATOR = {
+    "namespace": {"kubernetes.io/metadata.name": "kuberay"},
+    "labels": {"app.kubernetes.io/name": "kuberay-operator"},
+}
 
 
 def test_ray_token_authentication_is_on_with_the_token_from_a_secret(rayservice_schema):
@@ -614,7 +652,9 @@ def test_pods_hold_no_api_token_and_write_only_to_their_emptydirs(case):
     if autoscaling:  # only the autoscaler sidecar patches the RayCluster: it alone mounts the projected token
         scaler = cluster["autoscalerOptions"]
         assert {m["mountPath"]: m["name"] for m in scaler["volumeMounts"]} == {
-            "/tmp": "tmp", "/var/run/secrets/kubernetes.io/serviceaccount": "kube-api-access"}
+            "/tmp": "tmp",
+            "/var/run/secrets/kubernetes.io/serviceaccount": "kube-api-access",
+        }
         assert scaler["securityContext"]["readOnlyRootFilesystem"] is True
         sources = groups(rs)["head"]["template"]["spec"]["volumes"][-1]["projected"]["sources"]
         assert sources[0]["serviceAccountToken"]["path"] == "token"
@@ -628,11 +668,17 @@ def test_router_pods_have_a_disruption_budget():
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
     for name, group in groups(rayservice(docs)).items():
         assert _selects(pdb["spec"]["selector"], group["template"]["metadata"]["labels"]) == (name == "routers")
-    (pdb,) = [d for d in render({"routerGroup": {"podDisruptionBudget": {"minAvailable": 1}}})
-              if d["kind"] == "PodDisruptionBudget"]  # fmt: skip
+    (pdb,) = [
+        d
+        for d in render({"routerGroup": {"podDisruptionBudget": {"minAvailable": 1}}})
+        if d["kind"] == "PodDisruptionBudget"
+    ]
     assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
-    assert not [d for d in render({"routerGroup": {"podDisruptionBudget": {"enabled": False}}})
-                if d["kind"] == "PodDisruptionBudget"]  # fmt: skip
+    assert not [
+        d
+        for d in render({"routerGroup": {"podDisruptionBudget": {"enabled": False}}})
+        if d["kind"] == "PodDisruptionBudget"
+    ]
 
 
 # ---- values.schema.json -----------------------------------------------------
@@ -646,10 +692,14 @@ def test_router_pods_have_a_disruption_budget():
         ({"shoal": {"routers": -2}}, "at '/shoal/routers': minimum: got -2, want 1"),
         ({"shoal": {"max_workers": 4, "min_workers": -1}}, "at '/shoal/min_workers': minimum: got -1, want 1"),
         # a tensor-parallel size that does not divide the GPUs per pod
-        ({"workerGroup": {"gpusPerPod": 4}, "shoal": {"tensor_parallel_size": 3}},
-         "at '/shoal/tensor_parallel_size': value must be one of 1, 2, 4"),
-        ({"workerGroup": {"gpusPerPod": 1}, "shoal": {"tensor_parallel_size": 2}},
-         "at '/shoal/tensor_parallel_size': value must be 1"),
+        (
+            {"workerGroup": {"gpusPerPod": 4}, "shoal": {"tensor_parallel_size": 3}},
+            "at '/shoal/tensor_parallel_size': value must be one of 1, 2, 4",
+        ),
+        (
+            {"workerGroup": {"gpusPerPod": 1}, "shoal": {"tensor_parallel_size": 2}},
+            "at '/shoal/tensor_parallel_size': value must be 1",
+        ),
         # no model
         ({"model": {"source": "pvc", "pvc": {"claimName": "weights"}}}, "at '/model': missing property 'path'"),
         ({"model": {"source": "hostPath", "path": ""}}, "at '/model/path': minLength: got 0, want 2"),
@@ -657,14 +707,16 @@ def test_router_pods_have_a_disruption_budget():
         # an API key inline rather than from a Secret
         ({"apiKey": "sk-123"}, "at '/apiKey': false schema"),
         ({"shoal": {"api_key": "sk-123"}}, "at '/shoal/api_key': false schema"),
-        ({"apiKeySecret": {"name": "s", "value": "sk-123"}},
-         "at '/apiKeySecret': additional properties 'value' not allowed"),
+        (
+            {"apiKeySecret": {"name": "s", "value": "sk-123"}},
+            "at '/apiKeySecret': additional properties 'value' not allowed",
+        ),
         ({"extraEnv": [{"name": "SHOAL_API_KEY", "value": "sk-123"}]}, "at '/extraEnv/0/name': 'not' failed"),
         # and typos
         ({"shoal": {"num_wrokers": 2}}, "at '/shoal': additional properties 'num_wrokers' not allowed"),
         ({"shoal": {"min_workers": 2}}, "at '/shoal': missing property 'max_workers'"),
     ],
-)  # fmt: skip
+)
 def test_schema_refuses_bad_values_naming_the_field(values, message):
     with pytest.raises(helm.HelmValuesError) as err:
         render(values)

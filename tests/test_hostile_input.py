@@ -9,10 +9,10 @@ import json
 
 import grpc
 import pytest
+from serving import grpc_server, http_client, make_frontend
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
-from serving import grpc_server, http_client, make_frontend
 
 HEADERS = {"Content-Type": "application/json"}
 NORMAL = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
@@ -21,8 +21,11 @@ BIG = 10**400  # an integer past any float
 # (body, expected status, the field the error names; None: any)
 HTTP_CASES = {
     # vllm#54195: an out-of-vocabulary stop id banned before min_tokens indexed the logits
-    "stop_id_oov_min_tokens": ({"prompt": "hi", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [1000000000]},
-                               400, "stop_token_ids"),
+    "stop_id_oov_min_tokens": (
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [1000000000]},
+        400,
+        "stop_token_ids",
+    ),
     "stop_id_oov": ({"prompt": "hi", "max_tokens": 4, "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
     "stop_id_negative": ({"prompt": "hi", "max_tokens": 4, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     "prompt_ids_oov": ({"prompt": [1, 2, 10**9], "max_tokens": 2}, 400, "prompt"),
@@ -32,8 +35,11 @@ HTTP_CASES = {
     "logit_bias_value_range": ({"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 1000}}, 400, "logit_bias"),
     "logprobs_huge": ({"prompt": "hi", "max_tokens": 2, "logprobs": 10**6}, 400, "logprobs"),
     "logprobs_past_max": ({"prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400, "logprobs"),
-    "top_logprobs_past_max": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
-                               "top_logprobs": 10**6}, 400, "logprobs"),
+    "top_logprobs_past_max": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 10**6},
+        400,
+        "logprobs",
+    ),
     "temperature_nan": ('{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400, None),
     "temperature_infinity": ('{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', 400, None),
     "temperature_1e400": ('{"prompt": "hi", "max_tokens": 2, "temperature": 1e400}', 400, None),
@@ -45,12 +51,10 @@ HTTP_CASES = {
     "min_tokens_past_max": ({"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
     "seed_past_64_bits": ({"prompt": "hi", "max_tokens": 2, "seed": 2**70}, 400, "seed"),
     "presence_penalty_range": ({"prompt": "hi", "max_tokens": 2, "presence_penalty": 3}, 400, "presence_penalty"),
-    "repetition_penalty_zero": ({"prompt": "hi", "max_tokens": 2, "repetition_penalty": 0}, 400,
-                                "repetition_penalty"),
+    "repetition_penalty_zero": ({"prompt": "hi", "max_tokens": 2, "repetition_penalty": 0}, 400, "repetition_penalty"),
     "too_many_stop_strings": ({"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
     "long_stop_string": ({"prompt": "hi", "max_tokens": 2, "stop": ["x" * 1025]}, 400, "stop"),
-    "too_many_stop_ids": ({"prompt": "hi", "max_tokens": 2, "stop_token_ids": list(range(65))}, 400,
-                          "stop_token_ids"),
+    "too_many_stop_ids": ({"prompt": "hi", "max_tokens": 2, "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
     "too_many_prompts": ({"prompt": ["hi"] * 65, "max_tokens": 1}, 400, "prompt"),
     "fifty_thousand_prompts": ({"prompt": ["hi"] * 50_000, "max_tokens": 1}, 400, "prompt"),
     "deep_nesting": ('{"prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
@@ -95,7 +99,7 @@ def test_every_hostile_http_body_gets_its_answer_and_harms_nothing(frontend_fact
         return results, free
 
     results, free = asyncio.run(main())
-    for name, (body, status, field) in HTTP_CASES.items():
+    for name, (_body, status, field) in HTTP_CASES.items():
         got, payload = results[name]
         assert got == status, (name, got, payload)
         if status == 400:
@@ -126,16 +130,31 @@ def test_every_hostile_grpc_request_gets_invalid_argument_and_harms_nothing(fron
             stub = shoal_pb2_grpc.ShoalStub(ch)
             for name, (sampling, _) in GRPC_CASES.items():
                 try:
-                    [m async for m in stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling)))]
+                    [
+                        m
+                        async for m in stub.Generate(
+                            pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))
+                        )
+                    ]
                     got[name] = (grpc.StatusCode.OK, "")
                 except grpc.aio.AioRpcError as e:
                     got[name] = (e.code(), e.details())
                 assert all(w.engine.failed is None for w in fe.pool.workers)
             # top_k past the vocabulary is served (clamped), and a normal request completes
-            big_k = [m async for m in stub.Generate(pb.GenerateRequest(
-                text="hi", sampling=pb.SamplingParams(max_tokens=2, top_k=2**31 - 1, temperature=1.0)))]  # fmt: skip
-            normal = [m async for m in stub.Generate(pb.GenerateRequest(
-                text="hi", sampling=pb.SamplingParams(max_tokens=3, temperature=0)))]  # fmt: skip
+            big_k = [
+                m
+                async for m in stub.Generate(
+                    pb.GenerateRequest(
+                        text="hi", sampling=pb.SamplingParams(max_tokens=2, top_k=2**31 - 1, temperature=1.0)
+                    )
+                )
+            ]
+            normal = [
+                m
+                async for m in stub.Generate(
+                    pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, temperature=0))
+                )
+            ]
         return got, big_k, normal, [w.stats() for w in fe.pool.workers]
 
     got, big_k, normal, stats = asyncio.run(main())
@@ -155,11 +174,17 @@ def test_the_engine_refuses_what_the_router_would_have(tiny_model):
 
     engine = LLMEngine(model=tiny_model, num_kv_blocks=64, max_model_len=256)
     vocab = engine.model_config.vocab_size
-    cases = {"stop_token_ids": dict(stop_token_ids=[vocab]), "logit_bias": dict(logit_bias={vocab + 1: 1.0}),
-             "logprobs": dict(logprobs=engine.limits.max_logprobs + 1),
-             "temperature": dict(temperature=float("nan")), "top_p": dict(top_p=float("inf")),
-             "seed": dict(seed=2**64), "stop": dict(stop=["x"] * 65), "min_tokens": dict(min_tokens=-1),
-             "max_tokens": dict(max_tokens=True)}  # fmt: skip
+    cases = {
+        "stop_token_ids": dict(stop_token_ids=[vocab]),
+        "logit_bias": dict(logit_bias={vocab + 1: 1.0}),
+        "logprobs": dict(logprobs=engine.limits.max_logprobs + 1),
+        "temperature": dict(temperature=float("nan")),
+        "top_p": dict(top_p=float("inf")),
+        "seed": dict(seed=2**64),
+        "stop": dict(stop=["x"] * 65),
+        "min_tokens": dict(min_tokens=-1),
+        "max_tokens": dict(max_tokens=True),
+    }
     for field, change in cases.items():
         params = SamplingParams(max_tokens=2)
         for k, v in change.items():

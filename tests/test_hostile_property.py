@@ -11,14 +11,29 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shoal.workers import InvalidRequestError, LLMEngine, SamplingParams
 from serving import http_client, make_frontend
 
+from shoal.workers import InvalidRequestError, LLMEngine, SamplingParams
+
 MAX_MODEL_LEN = 32  # every request, however wild its max_tokens, stays short
-FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs",
-          "skip_special_tokens", "logit_bias")  # fmt: skip
+FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
+    "logit_bias",
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -26,12 +41,21 @@ json_values = st.recursive(
     max_leaves=8,
 )
 # Values near the edges of each field's range, so that many requests are valid and run.
-plausible = (st.integers(-3, 70) | st.floats(-1.5, 3.0) | st.sampled_from([0, 1, 2**31, 2**63, -(2**63), 2**64, 1e-300])
-             | st.lists(st.integers(-2, 600), max_size=4) | st.lists(st.text(min_size=0, max_size=3), max_size=3)
-             | st.dictionaries(st.integers(-1, 600), st.floats(-200, 200), max_size=3))  # fmt: skip
+plausible = (
+    st.integers(-3, 70)
+    | st.floats(-1.5, 3.0)
+    | st.sampled_from([0, 1, 2**31, 2**63, -(2**63), 2**64, 1e-300])
+    | st.lists(st.integers(-2, 600), max_size=4)
+    | st.lists(st.text(min_size=0, max_size=3), max_size=3)
+    | st.dictionaries(st.integers(-1, 600), st.floats(-200, 200), max_size=3)
+)
 field_values = st.dictionaries(st.sampled_from(FIELDS), plausible | json_values, max_size=6)
-prompts = (st.text(max_size=30) | st.lists(st.integers(-5, 600), max_size=20)
-           | st.lists(st.integers(0, 511), min_size=1, max_size=20) | json_values)  # fmt: skip
+prompts = (
+    st.text(max_size=30)
+    | st.lists(st.integers(-5, 600), max_size=20)
+    | st.lists(st.integers(0, 511), min_size=1, max_size=20)
+    | json_values
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +63,13 @@ def engine(tiny_model):
     return LLMEngine(model=tiny_model, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, num_threads=1)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(batch=st.lists(st.tuples(prompts, field_values), min_size=1, max_size=12))  # ~2,600 requests in all
 def test_any_request_to_the_engine_is_refused_clearly_or_completes(engine, batch):
     admitted = []
@@ -63,8 +92,9 @@ def test_any_request_to_the_engine_is_refused_clearly_or_completes(engine, batch
     assert bm.num_free_blocks == bm.num_total_blocks and not engine.requests
 
 
-body_values = st.dictionaries(st.sampled_from(FIELDS + ("n", "stream", "echo", "model", "stream_options")),
-                              plausible | json_values, max_size=6)  # fmt: skip
+body_values = st.dictionaries(
+    st.sampled_from(FIELDS + ("n", "stream", "echo", "model", "stream_options")), plausible | json_values, max_size=6
+)
 
 
 def test_any_body_to_the_openai_app_gets_a_4xx_or_a_reply(tiny_model):
@@ -74,7 +104,9 @@ def test_any_body_to_the_openai_app_gets_a_4xx_or_a_reply(tiny_model):
     loop = asyncio.new_event_loop()
     answers: dict[int, int] = {}
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(prompt=prompts, fields=body_values, chat=st.booleans())
     def one(prompt, fields, chat):
         if chat:
@@ -88,8 +120,11 @@ def test_any_body_to_the_openai_app_gets_a_4xx_or_a_reply(tiny_model):
 
         async def send():
             async with http_client(fe) as client:
-                return await client.post("/v1/chat/completions" if chat else "/v1/completions", content=content,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+                return await client.post(
+                    "/v1/chat/completions" if chat else "/v1/completions",
+                    content=content,
+                    headers={"Content-Type": "application/json"},
+                )
 
         r = loop.run_until_complete(send())
         answers[r.status_code] = answers.get(r.status_code, 0) + 1

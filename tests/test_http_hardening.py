@@ -9,10 +9,10 @@ import asyncio
 
 import httpx
 import pytest
+from serving import http_client, make_frontend
 
 from shoal.router.http_guards import LOOPBACK, host_allowlist
 from shoal.router.openai_app import OpenAIApp
-from serving import http_client, make_frontend
 
 JSON = {"Content-Type": "application/json"}
 GOOD = {"prompt": "The quick brown fox", "max_tokens": 2}
@@ -42,7 +42,7 @@ BAD_BODIES = [
     (b'{"prompt": "hi", "\\ud800": 1}', 400, "body", "surrogate"),
     (b"NaN", 400, None, "finite"),
     (b'{"prompt": "hi"', 400, None, "malformed JSON"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("body,status,param,word", BAD_BODIES, ids=range(len(BAD_BODIES)))
@@ -51,8 +51,9 @@ def test_hostile_bodies_get_400_naming_the_problem_and_the_worker_keeps_serving(
         fe = make_frontend(tiny_model)
         async with http_client(fe) as c:
             bad = await c.post("/v1/completions", content=body, headers=JSON)
-            chat = await c.post("/v1/chat/completions", content=body.replace(b'"prompt": ', b'"messages": '),
-                                headers=JSON)  # fmt: skip
+            chat = await c.post(
+                "/v1/chat/completions", content=body.replace(b'"prompt": ', b'"messages": '), headers=JSON
+            )
             good = await c.post("/v1/completions", json=GOOD)
         return bad, chat, good, fe
 
@@ -70,10 +71,12 @@ def test_nesting_of_64_levels_passes_the_reader_and_a_surrogate_pair_is_text(tin
         fe = make_frontend(tiny_model)
         async with http_client(fe) as c:
             deep = await c.post("/v1/completions", content=_deep(64), headers=JSON)
-            emoji = await c.post("/v1/completions", content=b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}',
-                                 headers=JSON)  # fmt: skip
-            large = await c.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e300}',
-                                 headers=JSON)  # fmt: skip
+            emoji = await c.post(
+                "/v1/completions", content=b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}', headers=JSON
+            )
+            large = await c.post(
+                "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e300}', headers=JSON
+            )
         return deep, emoji, large
 
     deep, emoji, large = asyncio.run(main())
@@ -86,10 +89,18 @@ def test_nesting_of_64_levels_passes_the_reader_and_a_surrogate_pair_is_text(tin
         assert large.json()["error"]["param"] == "temperature"
 
 
-@pytest.mark.parametrize("content_type,status", [
-    (None, 415), ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("application/jsonx", 415),
-    ("application/json; charset=latin-1", 415), ("application/json", 200), ("Application/JSON; charset=UTF-8", 200),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content_type,status",
+    [
+        (None, 415),
+        ("text/plain", 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("application/jsonx", 415),
+        ("application/json; charset=latin-1", 415),
+        ("application/json", 200),
+        ("Application/JSON; charset=UTF-8", 200),
+    ],
+)
 def test_posts_need_content_type_application_json(tiny_model, content_type, status):
     import json
 
@@ -126,23 +137,36 @@ def test_allowed_hosts_rule():
     assert host_allowlist(" API.example.com , *.svc.cluster.local,", None) == ("api.example.com", "*.svc.cluster.local")
 
 
-@pytest.mark.parametrize("allowed,host,ok", [
-    (None, "localhost:8000", True), (None, "127.0.0.1", True), (None, "[::1]:8000", True), (None, "LOCALHOST", True),
-    (None, "evil.example", False), (None, "localhost.evil.example", False), (None, "evil.example:8000", False),
-    (None, "127.0.0.1.nip.io", False), (None, "", False),
-    ("api.example.com,*.svc.cluster.local", "api.example.com:443", True),
-    ("api.example.com,*.svc.cluster.local", "shoal.ns.svc.cluster.local", True),
-    ("api.example.com,*.svc.cluster.local", "localhost", False),
-    ("api.example.com,*.svc.cluster.local", "xapi.example.com", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "allowed,host,ok",
+    [
+        (None, "localhost:8000", True),
+        (None, "127.0.0.1", True),
+        (None, "[::1]:8000", True),
+        (None, "LOCALHOST", True),
+        (None, "evil.example", False),
+        (None, "localhost.evil.example", False),
+        (None, "evil.example:8000", False),
+        (None, "127.0.0.1.nip.io", False),
+        (None, "", False),
+        ("api.example.com,*.svc.cluster.local", "api.example.com:443", True),
+        ("api.example.com,*.svc.cluster.local", "shoal.ns.svc.cluster.local", True),
+        ("api.example.com,*.svc.cluster.local", "localhost", False),
+        ("api.example.com,*.svc.cluster.local", "xapi.example.com", False),
+    ],
+)
 def test_host_header_outside_the_allowlist_gets_400_but_health_stays_open(tiny_model, allowed, host, ok):
     async def main():
         fe = make_frontend(tiny_model)
         app = OpenAIApp(fe, 1 << 20, allowed_hosts=host_allowlist(allowed, None)).app
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
             h = {"Host": host}
-            return (await c.post("/v1/completions", json=GOOD, headers=h), await c.get("/", headers=h),
-                    await c.get("/health", headers=h), await c.get("/metrics", headers=h))  # fmt: skip
+            return (
+                await c.post("/v1/completions", json=GOOD, headers=h),
+                await c.get("/", headers=h),
+                await c.get("/health", headers=h),
+                await c.get("/metrics", headers=h),
+            )
 
     api, page, health, metrics = asyncio.run(main())
     assert (api.status_code, page.status_code) == ((200, 200) if ok else (400, 400)), api.text

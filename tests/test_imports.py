@@ -16,16 +16,25 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = {"workers": "shoal.workers", "router": "shoal.router", "cluster": "shoal.cluster",
-            "benchmarks": "shoal.benchmarks", "proto": "shoal.proto"}  # fmt: skip
+PACKAGES = {
+    "workers": "shoal.workers",
+    "router": "shoal.router",
+    "cluster": "shoal.cluster",
+    "benchmarks": "shoal.benchmarks",
+    "proto": "shoal.proto",
+}
 RANK = {"shoal.workers": 0, "shoal.proto": 0, "shoal.router": 1, "shoal.cluster": 2, "shoal.benchmarks": 3}
 ENTRY_POINT = "shoal.cluster.cli"
-# Inside workers/: what each lower room may import from the package.
+# Inside workers/: what each lower room may import from the package (workers/utils.py is a
+# leaf of plain arithmetic that every room may use).
 ROOMS = {
-    "shoal.workers.model_executor.layers": ("shoal.workers.model_executor.layers",),
-    "shoal.workers.model_executor.models": ("shoal.workers.model_executor.models",
-                                            "shoal.workers.model_executor.layers"),  # fmt: skip
-    "shoal.workers.core": ("shoal.workers.core", "shoal.workers.errors"),
+    "shoal.workers.model_executor.layers": ("shoal.workers.model_executor.layers", "shoal.workers.utils"),
+    "shoal.workers.model_executor.models": (
+        "shoal.workers.model_executor.models",
+        "shoal.workers.model_executor.layers",
+        "shoal.workers.utils",
+    ),
+    "shoal.workers.core": ("shoal.workers.core", "shoal.workers.errors", "shoal.workers.utils"),
 }
 
 
@@ -131,20 +140,25 @@ def test_dependencies_point_downwards():
     assert layering_violations(import_graph()) == []
 
 
-@pytest.mark.parametrize("graph, cycle", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
-    ({"a": {"b"}, "b": set(), "c": {"c2"}, "c2": {"c"}}, ["c", "c2", "c"]),
-    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "graph, cycle",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+        ({"a": {"b"}, "b": set(), "c": {"c2"}, "c2": {"c"}}, ["c", "c2", "c"]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
 def test_the_cycle_finder_finds_cycles(graph, cycle):
     assert find_cycle(graph) == cycle
 
 
 def test_the_layering_check_flags_upward_imports():
-    graph = {"shoal.workers.worker": {"shoal.router.frontend"},
-             "shoal.workers.model_executor.layers.sampler": {"shoal.workers.core.sequence"},
-             "shoal.cluster.cli": {"shoal.benchmarks.offline"},
-             "shoal.cluster.app": {"shoal.benchmarks.serve"}}  # fmt: skip
+    graph = {
+        "shoal.workers.worker": {"shoal.router.frontend"},
+        "shoal.workers.model_executor.layers.sampler": {"shoal.workers.core.sequence"},
+        "shoal.cluster.cli": {"shoal.benchmarks.offline"},
+        "shoal.cluster.app": {"shoal.benchmarks.serve"},
+    }
     assert layering_violations(graph) == [
         "shoal.cluster.app -> shoal.benchmarks.serve (upwards)",
         "shoal.workers.model_executor.layers.sampler -> shoal.workers.core.sequence (out of layers/)",

@@ -36,8 +36,9 @@ def _meets(cls, protocol) -> None:
             pytest.fail(f"{cls.__name__}.generate is not an async generator")
         else:
             assert not inspect.iscoroutinefunction(want), f"{cls.__name__}.{name} must be async"
-        assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), \
+        assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), (
             f"{cls.__name__}.{name}"
+        )
 
 
 @pytest.mark.parametrize("cls", [ServeWorkerPool, LocalWorkerPool, FailoverPool])

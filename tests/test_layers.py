@@ -5,26 +5,36 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.model_executor.layers.rotary import rope_inv_freq
 from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.sampling_metadata_builder import build_sampling_metadata
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.core.sequence import RequestTimings, Sequence
 
 
-@pytest.mark.parametrize("scaling", [
-    None,
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2},
+    ],
+)
 def test_rope_scaling_matches_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = {"rope_type": "default", "rope_theta": 500000.0} if scaling is None else {**scaling, "rope_theta": 500000.0}
+    params = (
+        {"rope_type": "default", "rope_theta": 500000.0} if scaling is None else {**scaling, "rope_theta": 500000.0}
+    )
     cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=params)
     if scaling is None:
         ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))

@@ -16,8 +16,7 @@ from shoal.workers.model_executor.model_loader import build_model, load_model_fi
 from shoal.workers.model_executor.models.config import ModelConfig
 
 GiB = 1 << 30
-KNOBS = ("--gpu-memory-utilization", "--max-model-len", "--max-num-batched-tokens", "--tensor-parallel-size",
-         "--dtype")  # fmt: skip
+KNOBS = ("--gpu-memory-utilization", "--max-model-len", "--max-num-batched-tokens", "--tensor-parallel-size", "--dtype")
 
 
 def profile(total=80, weights=16, activation=2, non_torch=1) -> mp.MemoryProfile:
@@ -64,9 +63,17 @@ def test_plan_refuses_too_few_blocks_with_every_figure_and_the_knobs():
     with pytest.raises(mp.InsufficientMemoryError) as e:
         mp.plan_kv_cache_blocks(p, 0.5, bytes_per_block=2 << 20, min_blocks=1024)
     msg = str(e.value)
-    for figure in ("80.00 GiB", "gpu_memory_utilization 0.5", "40.00 GiB", "weights 30.00 GiB",
-                   "activation peak 6.00 GiB", "non-torch memory 3.00 GiB", "leaves 1.00 GiB",
-                   "needs 1024 blocks (2.00 GiB", "512 fit"):  # fmt: skip
+    for figure in (
+        "80.00 GiB",
+        "gpu_memory_utilization 0.5",
+        "40.00 GiB",
+        "weights 30.00 GiB",
+        "activation peak 6.00 GiB",
+        "non-torch memory 3.00 GiB",
+        "leaves 1.00 GiB",
+        "needs 1024 blocks (2.00 GiB",
+        "512 fit",
+    ):
         assert figure in msg, figure
     for knob in KNOBS:
         assert knob in msg, knob
@@ -88,9 +95,11 @@ def test_plan_rejects_nonsense_block_figures():
 
 @pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.01, 2, float("nan"), float("inf"), True, "0.9", None])
 def test_utilization_outside_zero_one_is_refused_naming_the_knob(bad):
-    for call in (lambda: profile().kv_cache_bytes(bad),
-                 lambda: mp.plan_kv_cache_blocks(profile(), bad, 1024, 1),
-                 lambda: mp.check_weights_fit(GiB, 80 * GiB, bad)):  # fmt: skip
+    for call in (
+        lambda: profile().kv_cache_bytes(bad),
+        lambda: mp.plan_kv_cache_blocks(profile(), bad, 1024, 1),
+        lambda: mp.check_weights_fit(GiB, 80 * GiB, bad),
+    ):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             call()
 
@@ -102,10 +111,21 @@ def test_utilization_inside_zero_one_is_taken(good):
 
 
 def llama3_70b() -> ModelConfig:
-    return ModelConfig.from_hf_dict(dict(
-        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=8192, tie_word_embeddings=False))  # fmt: skip
+    return ModelConfig.from_hf_dict(
+        dict(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def test_estimate_matches_llama3_70b_published_parameter_count():
@@ -138,16 +158,29 @@ def test_estimate_equals_the_parameters_of_a_built_checkpoint(tiny_models, varia
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    d = dict(model_type="llama", vocab_size=509, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-             rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    d = dict(
+        model_type="llama",
+        vocab_size=509,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     d.update(overrides)
     return ModelConfig(**d)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])  # 4 > 2 KV heads: each rank holds one replicated KV head
-@pytest.mark.parametrize("shape", [{}, {"tie_word_embeddings": True},
-                                   {"qkv_bias": True, "o_bias": True, "mlp_bias": True}])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape", [{}, {"tie_word_embeddings": True}, {"qkv_bias": True, "o_bias": True, "mlp_bias": True}]
+)
 def test_estimate_equals_each_tensor_parallel_ranks_parameters(monkeypatch, tp, shape):
     """Each rank builds its slice (the parallel layers read the group when
     built; loading slices the full tensors, no collective runs), vocab 509

@@ -8,9 +8,9 @@ import asyncio
 import json
 
 from prometheus_client.parser import text_string_to_metric_families
+from serving import http_client, make_frontend
 
 from shoal.router.metrics import METRIC_NAMES, token_buckets
-from serving import http_client, make_frontend
 
 
 def _scrape(text: str) -> dict[tuple[str, tuple], float]:
@@ -23,8 +23,9 @@ def _scrape(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def _total(samples: dict, name: str, **match) -> float:
-    return sum(v for (n, labels), v in samples.items()
-               if n == name and all(dict(labels).get(k) == w for k, w in match.items()))  # fmt: skip
+    return sum(
+        v for (n, labels), v in samples.items() if n == name and all(dict(labels).get(k) == w for k, w in match.items())
+    )
 
 
 def _usage(events_text: str) -> dict:
@@ -52,12 +53,23 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
                     r = await c.post("/v1/completions", json=b, headers=auth)
                     usages.append(r.json()["usage"])
                 else:
-                    r = await c.post("/v1/completions", headers=auth,
-                                     json=dict(b, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+                    r = await c.post(
+                        "/v1/completions",
+                        headers=auth,
+                        json=dict(b, stream=True, stream_options={"include_usage": True}),
+                    )
                     usages.append(_usage(r.text))
-            chat = await c.post("/v1/chat/completions", headers=auth, json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}})  # fmt: skip
+            chat = await c.post(
+                "/v1/chat/completions",
+                headers=auth,
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 6,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
             usages.append(_usage(chat.text))
             # The last stream's end reaches the workers' gauges a moment after its client has it: until idle.
             loop = asyncio.get_running_loop()
@@ -65,8 +77,10 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
             while True:
                 resp = await c.get("/metrics")
                 idle = _scrape(resp.text)
-                busy = sum(_total(idle, f"shoal:{g}") for g in ("num_requests_running", "num_requests_waiting",
-                                                                 "kv_cache_usage_perc"))  # fmt: skip
+                busy = sum(
+                    _total(idle, f"shoal:{g}")
+                    for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+                )
                 if busy == 0 or loop.time() > deadline:
                     break
                 await asyncio.sleep(0.01)
@@ -89,8 +103,13 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
     assert _total(m, "shoal:prompt_tokens_total") - _total(m0, "shoal:prompt_tokens_total") == prompt
     assert _total(m, "shoal:generation_tokens_total") - _total(m0, "shoal:generation_tokens_total") == gen
     assert _total(m, "shoal:request_success_total", finished_reason="length") == n_req
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "request_prompt_tokens", "request_generation_tokens"):  # fmt: skip
+    for h in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert _total(m, f"shoal:{h}_count") == n_req, h
     assert _total(m, "shoal:request_prompt_tokens_sum") == prompt
     assert _total(m, "shoal:request_generation_tokens_sum") == gen
@@ -101,7 +120,8 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
     # Both workers served and are labelled by name and model.
     workers = {dict(lb)["worker"] for n, lb in m if n == "shoal:num_free_kv_blocks"}
     assert len(workers) == 2 and {dict(lb)["model_name"] for n, lb in m if n == "shoal:num_free_kv_blocks"} == {
-        fe.info.model}
+        fe.info.model
+    }
     # The workers' prefix-cache counters saw every prompt token, and the repeated prompt hit.
     assert _total(m, "shoal:prefix_cache_queries_total") == prompt
     assert _total(m, "shoal:prefix_cache_hits_total") == cached > 0

@@ -8,36 +8,44 @@ import json
 import logging
 
 import pytest
+from serving import http_client, make_frontend
 
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.worker import logger as worker_logger
-from serving import http_client, make_frontend
 
 PROMPT = "The quick brown fox"
 
 
 def _events(body: str) -> list:
-    lines = [ln[len("data: "):] for ln in body.split("\n\n") if ln.startswith("data: ")]
+    lines = [ln[len("data: ") :] for ln in body.split("\n\n") if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(ln) for ln in lines[:-1]]
 
 
 def test_completion_streamed_and_whole_both_equal_offline_with_usage(tiny_model):
-    ref = LLM(tiny_model, num_kv_blocks=256).generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ref = LLM(tiny_model, num_kv_blocks=256).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )[0]
 
     async def main():
         fe = make_frontend(tiny_model)
         async with http_client(fe) as c:
             body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
             whole = (await c.post("/v1/completions", json=body)).json()
-            streamed = await c.post("/v1/completions", json=dict(body, stream=True, stream_options={"include_usage": True}))
+            streamed = await c.post(
+                "/v1/completions", json=dict(body, stream=True, stream_options={"include_usage": True})
+            )
         return whole, streamed
 
     whole, streamed = asyncio.run(main())
     assert whole["choices"][0]["text"] == ref.text
     assert whole["choices"][0]["finish_reason"] == "length"
-    assert whole["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 10,
-                              "total_tokens": len(ref.prompt_token_ids) + 10, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert whole["usage"] == {
+        "prompt_tokens": len(ref.prompt_token_ids),
+        "completion_tokens": 10,
+        "total_tokens": len(ref.prompt_token_ids) + 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert streamed.headers["content-type"].startswith("text/event-stream")
     chunks = _events(streamed.text)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref.text
@@ -49,15 +57,45 @@ def test_chat_stop_string_logprobs_and_several_prompts(tiny_model):
     async def main():
         fe = make_frontend(tiny_model)
         async with http_client(fe) as c:
-            free = (await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                "max_tokens": 12, "temperature": 0, "ignore_eos": True})).json()
+            free = (
+                await c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 12,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+            ).json()
             text = free["choices"][0]["message"]["content"]
             stop = text[3:5]
-            stopped = (await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                   "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                                                                   "stop": stop, "logprobs": True, "top_logprobs": 2})).json()
-            multi = (await c.post("/v1/completions", json={"prompt": [PROMPT, [5, 6, 7]], "max_tokens": 4,
-                                                            "temperature": 0, "ignore_eos": True, "logprobs": 1})).json()
+            stopped = (
+                await c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 12,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stop": stop,
+                        "logprobs": True,
+                        "top_logprobs": 2,
+                    },
+                )
+            ).json()
+            multi = (
+                await c.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": [PROMPT, [5, 6, 7]],
+                        "max_tokens": 4,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "logprobs": 1,
+                    },
+                )
+            ).json()
         return text, stop, stopped, multi
 
     text, stop, stopped, multi = asyncio.run(main())
@@ -79,8 +117,12 @@ def test_the_response_id_is_the_engine_id_and_a_client_id_is_echoed_never_shared
             same = await asyncio.gather(
                 c.post("/v1/completions", json=body, headers=mine),
                 c.post("/v1/completions", json=dict(body, stream=True), headers=mine),
-                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-                       headers=mine))  # fmt: skip
+                c.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                    headers=mine,
+                ),
+            )
             multi = await c.post("/v1/completions", json=dict(body, prompt=[PROMPT, PROMPT]))
         return same, multi
 
@@ -101,20 +143,23 @@ def test_the_response_id_is_the_engine_id_and_a_client_id_is_echoed_never_shared
     assert sorted(ln.split()[1] for ln in lines if multi_id in ln) == [f"{multi_id}-0", f"{multi_id}-1"]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
-    ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi", "stop": 3}, "stop"),
-    ({"prompt": [1, 2, 10**9]}, "prompt"),
-    ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": {"text": "hi"}}, "prompt"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "stop": 3}, "stop"),
+        ({"prompt": [1, 2, 10**9]}, "prompt"),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": {"text": "hi"}}, "prompt"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(tiny_model, body, param):
     async def main():
         fe = make_frontend(tiny_model)
@@ -134,13 +179,17 @@ def test_malformed_json_oversize_unknown_model_and_chat_errors(tiny_model):
     async def main():
         fe = make_frontend(tiny_model)
         async with http_client(fe, max_request_bytes=1000) as c:
-            return [await c.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}),
-                    await c.post("/v1/completions", json={"prompt": "x" * 2000}),
-                    await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
-                    await c.post("/v1/chat/completions", json={"messages": []}),
-                    await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
-                    await c.post("/v1/completions", json=[1, 2]),
-                    await c.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "x" * 300})]  # fmt: skip
+            return [
+                await c.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}),
+                await c.post("/v1/completions", json={"prompt": "x" * 2000}),
+                await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
+                await c.post("/v1/chat/completions", json={"messages": []}),
+                await c.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+                ),
+                await c.post("/v1/completions", json=[1, 2]),
+                await c.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "x" * 300}),
+            ]
 
     r = asyncio.run(main())
     assert [x.status_code for x in r] == [400, 413, 404, 400, 400, 400, 400]
@@ -153,16 +202,24 @@ def test_api_key_models_and_health(tiny_model):
     async def main():
         fe = make_frontend(tiny_model, api_key="sekret")
         async with http_client(fe) as c:
-            out = [await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
-                   await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                headers={"Authorization": "Bearer wrong"}),
-                   await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                headers={"Authorization": "Bearer sekret"}),
-                   await c.get("/v1/models", headers={"Authorization": "Bearer sekret"}),
-                   await c.get("/health")]  # fmt: skip
+            out = [
+                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+                await c.post(
+                    "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": "Bearer wrong"}
+                ),
+                await c.post(
+                    "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": "Bearer sekret"},
+                ),
+                await c.get("/v1/models", headers={"Authorization": "Bearer sekret"}),
+                await c.get("/health"),
+            ]
             await fe.drain(1.0)
-            out += [await c.get("/health"), await c.post("/v1/completions", json={"prompt": "hi"},
-                                                         headers={"Authorization": "Bearer sekret"})]  # fmt: skip
+            out += [
+                await c.get("/health"),
+                await c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"}),
+            ]
         return out, fe
 
     r, fe = asyncio.run(main())
@@ -180,8 +237,12 @@ def test_flood_past_max_waiting_gets_429_and_admitted_requests_finish_right(tiny
     async def main():
         fe = make_frontend(tiny_model, max_waiting=2, max_num_seqs=2)
         async with http_client(fe) as c:
-            rs = await asyncio.gather(*(c.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0,
-                                                                         "ignore_eos": True}) for p in prompts))  # fmt: skip
+            rs = await asyncio.gather(
+                *(
+                    c.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                    for p in prompts
+                )
+            )
         return rs, await fe.load()
 
     rs, load = asyncio.run(main())
@@ -212,8 +273,9 @@ def test_a_worker_failing_midstream_ends_the_request_with_503_not_a_hang(tiny_mo
         fe.pool.workers[0] = Broken(fe.pool.workers[0])
         async with http_client(fe) as c:
             whole = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True})
-            streamed = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True,
-                                                              "stream": True})  # fmt: skip
+            streamed = await c.post(
+                "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "stream": True}
+            )
         return whole, streamed, fe
 
     whole, streamed, fe = asyncio.run(main())

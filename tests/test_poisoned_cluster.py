@@ -9,10 +9,10 @@ import os
 
 import httpx
 import pytest
-
 from serving import local_cluster_app
-from shoal.workers.fault_injection import ENV
 from test_failover_cluster import load, wait_for_workers
+
+from shoal.workers.fault_injection import ENV
 
 pytestmark = pytest.mark.slow
 POISON = 509  # a token id of the tiny model's that only the poisoned prompt holds
@@ -23,8 +23,9 @@ def cluster(tiny_model):
     old = os.environ.get(ENV)
     os.environ[ENV] = f"fatal={POISON}"  # the local Ray cluster's processes inherit it
     try:
-        with local_cluster_app("shoal-poison", model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256,
-                               stall_timeout_s=5.0) as (base, addr):  # fmt: skip
+        with local_cluster_app(
+            "shoal-poison", model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256, stall_timeout_s=5.0
+        ) as (base, addr):
             wait_for_workers(addr, 2, 120)
             yield base, addr
     finally:
@@ -45,6 +46,9 @@ def test_a_request_that_kills_its_workers_reaches_two_at_most_and_the_cluster_re
     # Serve replaces both dead workers; then the cluster serves as before.
     after = wait_for_workers(addr, 2, 240)
     assert not before & {w.worker for w in after}  # both that held it died; no third was sent it
-    ok = httpx.post(base + "/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 5,
-                                                    "temperature": 0, "ignore_eos": True}, timeout=120)  # fmt: skip
+    ok = httpx.post(
+        base + "/v1/completions",
+        json={"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5

@@ -38,8 +38,10 @@ class _Records(logging.Handler):
 def loggers():
     """The `shoal` and `ray.serve` loggers, put back as they were afterwards
     (other tests read shoal's records through the root logger)."""
-    saved = [(lg, list(lg.handlers), lg.level, lg.propagate)
-             for lg in (logging.getLogger("shoal"), logging.getLogger("ray.serve"))]  # fmt: skip
+    saved = [
+        (lg, list(lg.handlers), lg.level, lg.propagate)
+        for lg in (logging.getLogger("shoal"), logging.getLogger("ray.serve"))
+    ]
     yield saved[0][0], saved[1][0]
     for lg, handlers, level, propagate in saved:
         lg.handlers, lg.level, lg.propagate = handlers, level, propagate

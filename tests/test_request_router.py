@@ -23,13 +23,13 @@ BS = 16
 
 
 def fig(free=200, total=200, running=0, waiting=0, held=(), waiting_tokens=0) -> ReplicaFigures:
-    return ReplicaFigures(free, total, running, waiting, waiting_tokens, reported_at=1.0,
-                          held=dict.fromkeys(held, 0.0))  # fmt: skip
+    return ReplicaFigures(free, total, running, waiting, waiting_tokens, reported_at=1.0, held=dict.fromkeys(held, 0.0))
 
 
 def request(ids: list[int], max_tokens: int = 64, rid: str | None = None) -> GenerateRequest:
-    return GenerateRequest(rid or f"r{random.random()}", ids, SamplingParams(max_tokens=max_tokens), 0, None,
-                           chain_hashes(ids, BS))  # fmt: skip
+    return GenerateRequest(
+        rid or f"r{random.random()}", ids, SamplingParams(max_tokens=max_tokens), 0, None, chain_hashes(ids, BS)
+    )
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -197,8 +197,10 @@ def test_binary_search_hit_count_equals_a_linear_scan():
     for _ in range(300):
         # A cache as engines hold one: whole prefixes of a few chains sharing some blocks.
         base = [rng.randrange(500) for _ in range(rng.randrange(0, 40) * 4)]
-        chains = [chain_hashes(base + [rng.randrange(500) for _ in range(rng.randrange(0, 40) * 4)], 4)
-                  for _ in range(rng.randrange(1, 5))]  # fmt: skip
+        chains = [
+            chain_hashes(base + [rng.randrange(500) for _ in range(rng.randrange(0, 40) * 4)], 4)
+            for _ in range(rng.randrange(1, 5))
+        ]
         held = {h for c in chains for h in c[: rng.randrange(0, len(c) + 1)]}
         query = chain_hashes(base + [rng.randrange(500) for _ in range(rng.randrange(0, 40) * 4)], 4)
         query = rng.choice([query, *chains])
@@ -255,8 +257,9 @@ def test_choose_cost_at_32_replicas(monkeypatch):
     stats.block_size = BS
     for i in range(32):
         held = [rng.getrandbits(63) for _ in range(1000)] + hashes[: rng.choice([0, 0, 0, 10, 60, 124])]
-        stats.replicas[f"r{i}"] = fig(free=rng.randrange(500, 4000), total=4000, running=rng.randrange(8),
-                                      waiting=rng.randrange(3), held=held)  # fmt: skip
+        stats.replicas[f"r{i}"] = fig(
+            free=rng.randrange(500, 4000), total=4000, running=rng.randrange(8), waiting=rng.randrange(3), held=held
+        )
     figs = list(stats.replicas.values())
     req = request(ids, max_tokens=512, rid="bench")
     n = 2000
@@ -270,7 +273,11 @@ def test_choose_cost_at_32_replicas(monkeypatch):
     pure = min(per_call_us(lambda: routing.choose("kv", req, figs, BS)) for _ in range(3))
     # The whole choose_replicas as Serve awaits it, with the reservation (and its release).
     monkeypatch.setattr(replica_stats, "REGISTRY", stats)
-    router, reps, pending = KVRequestRouter.__new__(KVRequestRouter), [_replica(f"r{i}") for i in range(32)], _pending(req)
+    router, reps, pending = (
+        KVRequestRouter.__new__(KVRequestRouter),
+        [_replica(f"r{i}") for i in range(32)],
+        _pending(req),
+    )
 
     def choose_replicas():
         coro = router.choose_replicas(reps, pending)
@@ -280,8 +287,10 @@ def test_choose_cost_at_32_replicas(monkeypatch):
 
     full = min(per_call_us(choose_replicas) for _ in range(3))
     loop = min(per_call_us(lambda: None) for _ in range(3))
-    print(f"\nchoose at 32 replicas, 2,000-token prompt: {pure:.1f} us scoring, {full:.1f} us choose_replicas "
-          f"(+ reserve and release); an empty call here: {loop:.2f} us")  # fmt: skip
+    print(
+        f"\nchoose at 32 replicas, 2,000-token prompt: {pure:.1f} us scoring, {full:.1f} us choose_replicas "
+        f"(+ reserve and release); an empty call here: {loop:.2f} us"
+    )
     assert pure < 1000 and full < 1000  # the goal is < 100 us; loose here, the cores are shared
 
 
@@ -312,7 +321,7 @@ def test_block_pool_keeps_its_in_use_cached_index_under_random_use():
     rng = random.Random(1)
     pool = BlockPool(32, enable_caching=True)
     live: list[list[int]] = []
-    for step in range(3000):
+    for _ in range(3000):
         op = rng.random()
         if op < 0.4 and pool.num_free_blocks >= 3:
             blocks = pool.get_new_blocks(rng.randrange(1, 4))
@@ -398,8 +407,9 @@ def test_routing_option_in_cli_and_serve_config():
     assert cfg.request_router_class.endswith(Pow2Router.__name__)
     with pytest.raises(ValueError, match="routing must be one of"):
         ServeOptions.from_dict({"routing": "random"})
-    out = subprocess.run([sys.executable, "-m", "shoal.cluster.cli", "serve", "--help"], capture_output=True,
-                         text=True, timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "shoal.cluster.cli", "serve", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     assert "--routing {kv,least-requests,pow2,round-robin}" in out
 
 
@@ -414,12 +424,12 @@ def test_served_kv_routing_keeps_a_shared_prefix_on_its_holder(tiny_model):
     import grpc
     import ray
     from ray import serve
-
     from serving import free_port
+    from test_tp_cluster import wait_healthy
+
     from shoal.cluster.app import build_app
     from shoal.proto.v1 import shoal_pb2 as pb
     from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
-    from test_tp_cluster import wait_healthy
 
     prefixes = {"a": prompt(320, seed=11), "b": prompt(320, seed=12)}  # 20 blocks each
 
@@ -432,8 +442,17 @@ def test_served_kv_routing_keeps_a_shared_prefix_on_its_holder(tiny_model):
     http, grpc_port = free_port(), free_port()
     try:
         serve.start(proxy_location="Disabled")
-        opts = dict(model=tiny_model, num_workers=2, routing="kv", http_port=http, grpc_port=grpc_port,
-                    num_threads=1, num_kv_blocks=128, max_num_seqs=8, device="cpu")  # fmt: skip
+        opts = dict(
+            model=tiny_model,
+            num_workers=2,
+            routing="kv",
+            http_port=http,
+            grpc_port=grpc_port,
+            num_threads=1,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            device="cpu",
+        )
         serve.run(build_app(opts), name="shoal-kv", route_prefix=None)
         wait_healthy(f"http://127.0.0.1:{http}", 120)
 

@@ -14,8 +14,8 @@ import time
 import grpc
 import httpx
 import pytest
-
 from serving import free_port
+
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -50,10 +50,21 @@ def routers(tiny_model):
             cluster.add_node(**node, num_cpus=1)
             ray.init(address=cluster.address, logging_level="WARNING")
             http, grpc_port = free_port(), free_port()
-            opts = dict(model=tiny_model, routers=2, num_workers=1, cpus_per_worker=0.5, num_threads=1,
-                        num_kv_blocks=256, device="cpu", http_port=http, grpc_port=grpc_port, drain_timeout_s=2.0)  # fmt: skip
-            assert router_deployment_options(ServeOptions.from_dict(opts))["ray_actor_options"]["resources"] == \
-                {"shoal_router": 0.01}  # fmt: skip
+            opts = dict(
+                model=tiny_model,
+                routers=2,
+                num_workers=1,
+                cpus_per_worker=0.5,
+                num_threads=1,
+                num_kv_blocks=256,
+                device="cpu",
+                http_port=http,
+                grpc_port=grpc_port,
+                drain_timeout_s=2.0,
+            )
+            assert router_deployment_options(ServeOptions.from_dict(opts))["ray_actor_options"]["resources"] == {
+                "shoal_router": 0.01
+            }
             serve.start(proxy_location="Disabled")
             handle = serve.run(build_app(opts), name=APP, route_prefix=None)
             yield handle, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"
@@ -68,8 +79,12 @@ def routers(tiny_model):
 def complete(base: str, prompt: str = "The quick brown fox", max_tokens: int = 4) -> httpx.Response:
     """One completion over a connection of its own."""
     # ignore_eos: a sampled reply of the random tiny model may draw its EOS and end short.
-    return httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
-                      timeout=60, headers={"Connection": "close"})  # fmt: skip
+    return httpx.post(
+        base + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+        timeout=60,
+        headers={"Connection": "close"},
+    )
 
 
 def generate(addr: str, prompt: str = "Paged attention keeps") -> list:
@@ -98,13 +113,13 @@ def test_two_routers_on_two_nodes_share_the_ports_and_both_serve(routers):
     for e in ends:  # both processes listen on both ports
         assert {http_port, grpc_port} <= listening_ports(e["pid"]), e
     served_by = []
-    for i in range(24):
+    for _ in range(24):
         r = complete(base, max_tokens=2)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         served_by.append(r.headers["x-shoal-router"])
     # The kernel spreads fresh connections over both (all 24 on one: 2^-23).
     assert set(served_by) == {e["router"] for e in ends}, served_by
-    for i in range(12):
+    for _ in range(12):
         msgs = generate(addr)
         assert msgs[-1].HasField("finished") and msgs[-1].finished.usage.completion_tokens == 4
 
@@ -197,10 +212,10 @@ def test_killing_one_router_loses_only_its_streams_and_the_other_keeps_serving(r
     # From now on every request is served at once, never by the dead router
     # (Serve may have started its replacement on that node by now).
     served_by = set()
-    for i in range(20):
+    for _ in range(20):
         r = complete(base, max_tokens=2)
         assert r.status_code == 200
         served_by.add(r.headers["x-shoal-router"])
-    for i in range(10):
+    for _ in range(10):
         assert generate(addr)[-1].finished.usage.completion_tokens == 4
     assert victim not in served_by and survivor in served_by, served_by

@@ -11,13 +11,24 @@ import sys
 
 from test_imports import module_files
 
-LIGHT = ("shoal.workers.messages", "shoal.workers.errors", "shoal.workers.engine_args",
-         "shoal.workers.core.request_checks", "shoal.workers.core.block_hash", "shoal.workers.core.stats")  # fmt: skip
+LIGHT = (
+    "shoal.workers.messages",
+    "shoal.workers.errors",
+    "shoal.workers.engine_args",
+    "shoal.workers.core.request_checks",
+    "shoal.workers.core.block_hash",
+    "shoal.workers.core.stats",
+)
 
 
 def _run(code: str) -> str:
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"})  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 
@@ -25,11 +36,13 @@ def _run(code: str) -> str:
 def test_no_router_or_cluster_module_imports_torch():
     names = sorted(n for n in module_files() if n.startswith(("shoal.router", "shoal.cluster")))
     names += LIGHT
-    out = _run("import importlib, sys\n"
-               f"for name in {names!r}:\n"
-               "    importlib.import_module(name)\n"
-               "    assert 'torch' not in sys.modules, name\n"
-               "print(len(sys.modules))\n")  # fmt: skip
+    out = _run(
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, name\n"
+        "print(len(sys.modules))\n"
+    )
     assert int(out.strip()) > 100  # they did import
 
 

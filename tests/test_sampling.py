@@ -25,13 +25,24 @@ def test_seed_same_alone_and_batched_with_31_others(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate([prompt], params)[0].token_ids
     others = [rand_prompt(rng, rng.randrange(1, 120)) for _ in range(31)]
-    other_params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.3]), top_k=rng.choice([-1, 5]),
-                                   seed=rng.choice([None, 7]), max_tokens=rng.randrange(1, 30)) for _ in others]  # fmt: skip
+    other_params = [
+        SamplingParams(
+            temperature=rng.choice([0, 0.7, 1.3]),
+            top_k=rng.choice([-1, 5]),
+            seed=rng.choice([None, 7]),
+            max_tokens=rng.randrange(1, 30),
+        )
+        for _ in others
+    ]
     batch = llm.generate([others[0], prompt] + others[1:], [other_params[0], params] + other_params[1:])
     assert batch[1].token_ids == alone
     # a different seed gives different tokens
-    assert llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24,
-                                                 ignore_eos=True))[0].token_ids != alone  # fmt: skip
+    assert (
+        llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True))[
+            0
+        ].token_ids
+        != alone
+    )
 
 
 def test_top_k_1_is_greedy(llm):
@@ -45,8 +56,10 @@ def test_top_p_and_min_p_keep_only_the_head(llm):
     prompt = rand_prompt(random.Random(3), 30)
     # With a tiny top_p (or min_p near 1) only the most likely token survives.
     greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].token_ids
-    for p in (SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.999999, max_tokens=10, ignore_eos=True)):  # fmt: skip
+    for p in (
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.999999, max_tokens=10, ignore_eos=True),
+    ):
         assert llm.generate(prompt, p)[0].token_ids == greedy
 
 
@@ -80,10 +93,17 @@ def test_repetition_penalty_matches_transformers(llm, tiny_model):
 
     prompt = rand_prompt(random.Random(6), 25)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, repetition_penalty=1.3,
-                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
-    ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                               repetition_penalty=1.3))[0].token_ids  # fmt: skip
+    ref = hf.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=12,
+        repetition_penalty=1.3,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3))[
+        0
+    ].token_ids
     assert ours == ref
 
 

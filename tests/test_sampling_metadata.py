@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 import torch
-
 from reference_sampler import ReferenceSampler
+
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.model_executor.layers.sampler import Sampler
@@ -80,8 +80,10 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
 def test_a_seed_and_index_give_one_token_whatever_the_batch_holds():
     rng = random.Random(2)
     seeds = [rng.getrandbits(63) for _ in range(6)] + [5, 5]  # two requests on one seed
-    seqs = [Sequence("r", [1] * (3 + i), 3, SamplingParams(temperature=1.0, top_p=0.95), 0, 0, RequestTimings(0.0))
-            for i in range(8)]  # fmt: skip
+    seqs = [
+        Sequence("r", [1] * (3 + i), 3, SamplingParams(temperature=1.0, top_p=0.95), 0, 0, RequestTimings(0.0))
+        for i in range(8)
+    ]
     for seq, seed in zip(seqs, seeds):
         seq.sampling_seed = seed
     logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(2))
@@ -118,8 +120,12 @@ def test_staged_with_the_step_inputs_it_resolves_as_built_alone():
 
 def test_a_plain_greedy_batch_asks_for_no_extra_work():
     rng = random.Random(1)
-    seqs = [Sequence("r", [rng.randrange(VOCAB) for _ in range(9)], 5, SamplingParams(temperature=0), 0, 0,
-                     RequestTimings(0.0)) for _ in range(4)]  # fmt: skip
+    seqs = [
+        Sequence(
+            "r", [rng.randrange(VOCAB) for _ in range(9)], 5, SamplingParams(temperature=0), 0, 0, RequestTimings(0.0)
+        )
+        for _ in range(4)
+    ]
     batch = StagingBuffer(CPU).begin()
     stage_sampling_metadata(seqs, EOS, VOCAB, batch)
     assert batch.upload() == {}  # nothing staged, nothing to copy

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from reference_sampler import inverse_cdf_token, reference_hash, reference_uniform
+
 from shoal.workers.model_executor.layers.sampler import sample_inverse_cdf
 from shoal.workers.model_executor.layers.sampling_noise import as_int64_seed, hash32, uniforms
 
@@ -45,13 +45,15 @@ def test_the_uniform_is_strictly_inside_0_1_and_spread():
 
 
 def test_a_zero_probability_token_is_never_sampled():
-    rows = torch.tensor([
-        [0.0, 0.5, 0.0, 0.5, 0.0],
-        [0.0, 0.0, 0.0, 0.0, 1.0],
-        [1.0, 0.0, 0.0, 0.0, 0.0],
-        [1e-30, 0.0, 1.0, 0.0, 1e-30],
-        [0.3, 0.0, 0.0, 0.7 - 1e-8, 0.0],
-    ])  # fmt: skip
+    rows = torch.tensor(
+        [
+            [0.0, 0.5, 0.0, 0.5, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 1.0],
+            [1.0, 0.0, 0.0, 0.0, 0.0],
+            [1e-30, 0.0, 1.0, 0.0, 1e-30],
+            [0.3, 0.0, 0.0, 0.7 - 1e-8, 0.0],
+        ]
+    )
     # the uniform's extremes, and 0 and 1 beyond them
     for u in (U_MIN, U_MAX, 0.0, 1.0, 0.5):
         got = sample_inverse_cdf(rows, torch.full((rows.shape[0],), u, dtype=torch.float64))

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serving import free_port
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams
-from serving import free_port
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -34,9 +34,30 @@ PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):
 class Server:
     def __init__(self):
         self.http, self.grpc = free_port(), free_port()
-        cmd = [sys.executable, "-m", "shoal.cluster.cli", "serve", "--num-workers", "2", "--api-key", KEY,
-               "--max-waiting", "2", "--max-num-seqs", "2", "--num-kv-blocks", "512", "--num-threads", "1",
-               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--drain-timeout", str(DRAIN_S)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "shoal.cluster.cli",
+            "serve",
+            "--num-workers",
+            "2",
+            "--api-key",
+            KEY,
+            "--max-waiting",
+            "2",
+            "--max-num-seqs",
+            "2",
+            "--num-kv-blocks",
+            "512",
+            "--num-threads",
+            "1",
+            "--http-port",
+            str(self.http),
+            "--grpc-port",
+            str(self.grpc),
+            "--drain-timeout",
+            str(DRAIN_S),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -94,20 +115,33 @@ def test_openai_client_completions_and_chat_equal_llm_generate(server, reference
         ref = reference[p]
         assert r.choices[0].text == ref.text
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == len(ref.token_ids)
-        chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt=p,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
         assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
     ref = reference["chat"]
     msgs = [{"role": "user", "content": "Name a fruit."}]
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0)
     assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == len(ref.prompt_token_ids)
-    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16,
-                                                 temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     # A stop string taken from inside the greedy reply ends it just before.
     stop = ref.text[4:9]
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stop=[stop])
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stop=[stop]
+    )
     assert r.choices[0].message.content == ref.text[: ref.text.index(stop)] and r.choices[0].finish_reason == "stop"
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
 
@@ -115,8 +149,11 @@ def test_openai_client_completions_and_chat_equal_llm_generate(server, reference
 def test_each_request_is_logged_by_its_worker_under_both_ids(server):
     """The worker's line for a request (counts, never text) reaches the
     console that started the cluster, as Serve's own replica lines do."""
-    r = httpx.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "log-me-7"},
-                   json={"prompt": PROMPTS[3], "max_tokens": 3, "ignore_eos": True})  # fmt: skip
+    r = httpx.post(
+        server.base + "/completions",
+        headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "log-me-7"},
+        json={"prompt": PROMPTS[3], "max_tokens": 3, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     want = f"request {r.json()['id']} (client id 'log-me-7') finished: length, "
     deadline = time.monotonic() + 15  # Ray forwards a replica's stderr to the driver every few hundred ms
@@ -132,8 +169,11 @@ def test_grpc_stream_info_health_reflection_and_both_workers_used(server, refere
         stub = shoal_pb2_grpc.ShoalStub(ch)
         workers = set()
         for p in PROMPTS:
-            msgs = list(stub.Generate(pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=16, temperature=0)),
-                                      metadata=AUTH))  # fmt: skip
+            msgs = list(
+                stub.Generate(
+                    pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=16, temperature=0)), metadata=AUTH
+                )
+            )
             assert [t for m in msgs for t in m.token_ids] == reference[p].token_ids
             assert "".join(m.text for m in msgs) == reference[p].text
             workers.add(msgs[-1].finished.worker)
@@ -142,16 +182,25 @@ def test_grpc_stream_info_health_reflection_and_both_workers_used(server, refere
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="shoal.v1.Shoal"))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        names = [s.name for r in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                            metadata=AUTH) for s in r.list_services_response.service]  # fmt: skip
+        names = [
+            s.name
+            for r in refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=AUTH
+            )
+            for s in r.list_services_response.service
+        ]
         assert "shoal.v1.Shoal" in names
+
         # Concurrent requests spread over both workers.
         async def spread():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc}") as ach:
                 astub = shoal_pb2_grpc.ShoalStub(ach)
-                calls = [astub.Generate(pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=8)), metadata=AUTH)
-                         for p in PROMPTS]  # fmt: skip
+                calls = [
+                    astub.Generate(pb.GenerateRequest(text=p, sampling=pb.SamplingParams(max_tokens=8)), metadata=AUTH)
+                    for p in PROMPTS
+                ]
                 return [[m async for m in c][-1].finished.worker for c in calls]
+
         workers |= set(asyncio.run(spread()))
         assert len(workers) == 2, workers
     assert httpx.get(f"http://127.0.0.1:{server.http}/health").status_code == 200
@@ -193,8 +242,12 @@ def test_cancel_and_deadline_free_the_blocks_within_a_second(server):
 def test_http_stream_closed_midway_frees_the_blocks(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
         stub = shoal_pb2_grpc.ShoalStub(ch)
-        with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            server.base + "/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as r:
             assert r.status_code == 200, r.read()
             # Hold the line iterator: a `for ... break` over r.iter_lines()
             # drops it, and closing it hangs up the connection there and then.
@@ -213,8 +266,16 @@ def test_flood_past_max_waiting_gets_429_and_admitted_ones_are_right(server, ref
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as c:
-            return await asyncio.gather(*(c.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                                                 json={"prompt": p, "max_tokens": 16, "temperature": 0}) for p in prompts))  # fmt: skip
+            return await asyncio.gather(
+                *(
+                    c.post(
+                        server.base + "/completions",
+                        headers={"Authorization": f"Bearer {KEY}"},
+                        json={"prompt": p, "max_tokens": 16, "temperature": 0},
+                    )
+                    for p in prompts
+                )
+            )
 
     rs = asyncio.run(flood())
     codes = [r.status_code for r in rs]
@@ -231,7 +292,8 @@ def test_auth_and_bad_requests(server):
 
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base, api_key="wrong", max_retries=0).completions.create(
-            model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)  # fmt: skip
+            model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2
+        )
     assert httpx.post(server.base + "/completions", json={"prompt": "hi"}).status_code == 401
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
         stub = shoal_pb2_grpc.ShoalStub(ch)
@@ -242,18 +304,28 @@ def test_auth_and_bad_requests(server):
             list(stub.Generate(pb.GenerateRequest(text=""), metadata=AUTH))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in err.value.details()
     client = _client(server)
-    for kwargs, param in (({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "x " * 9000}, "prompt"),
-                          ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"), ({"prompt": "hi", "top_p": 7}, "top_p")):  # fmt: skip
+    for kwargs, param in (
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "x " * 9000}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "hi", "top_p": 7}, "top_p"),
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="SmolLM2-135M-Instruct", **kwargs)
         assert err.value.body["param"] == param
-    bad = httpx.post(server.base + "/completions", content=b"{oops", headers={"Authorization": f"Bearer {KEY}",
-                                                                              "Content-Type": "application/json"})
+    bad = httpx.post(
+        server.base + "/completions",
+        content=b"{oops",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     untyped = httpx.post(server.base + "/completions", content=b"{}", headers={"Authorization": f"Bearer {KEY}"})
     assert untyped.status_code == 415 and untyped.json()["error"]["code"] == "unsupported_media_type"
-    wrong_type = httpx.post(server.base + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"})  # fmt: skip
+    wrong_type = httpx.post(
+        server.base + "/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"},
+    )
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"
     ok = client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
@@ -264,9 +336,33 @@ def test_bench_serve_measures_an_openai_url(server, tmp_path):
     import json
 
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "-m", "shoal.cluster.cli", "bench", "serve", "--url", server.base, "--api-key", KEY,
-                    "--served-model", "SmolLM2-135M-Instruct", "--num-prompts", "3", "--request-rate", "1",
-                    "--input-len", "16", "--output-len", "8", "--output", str(out)], check=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shoal.cluster.cli",
+            "bench",
+            "serve",
+            "--url",
+            server.base,
+            "--api-key",
+            KEY,
+            "--served-model",
+            "SmolLM2-135M-Instruct",
+            "--num-prompts",
+            "3",
+            "--request-rate",
+            "1",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+    )
     row = json.loads(out.read_text())["results"][0]
     assert (row["completed"], row["failed"]) == (3, 0) and row["output_throughput"] > 0
     assert row["ttft_ms"]["p50"] > 0 and (tmp_path / "bench.svg").exists()
@@ -276,8 +372,13 @@ def _seconds_per_token(server) -> float:
     """A stream's decode pace on this server and machine, measured now: the
     time between its first and last of 32 tokens."""
     stamps = []
-    with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"prompt": PROMPTS[3], "max_tokens": 32, "ignore_eos": True, "stream": True}, timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.base + "/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"prompt": PROMPTS[3], "max_tokens": 32, "ignore_eos": True, "stream": True},
+        timeout=60,
+    ) as r:
         for ln in r.iter_lines():
             if ln.startswith("data: {"):
                 stamps.append(time.monotonic())
@@ -294,9 +395,13 @@ def test_ctrl_c_drains_streams_then_stops_the_cluster(server):
     result, streaming = {}, threading.Event()
 
     def stream():
-        with httpx.stream("POST", server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"prompt": PROMPTS[3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
-                          timeout=DRAIN_S) as r:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            server.base + "/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"prompt": PROMPTS[3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
+            timeout=DRAIN_S,
+        ) as r:
             lines = []
             for ln in r.iter_lines():
                 if ln:
@@ -309,8 +414,13 @@ def test_ctrl_c_drains_streams_then_stops_the_cluster(server):
     assert streaming.wait(60), "the stream never started"
     server.proc.send_signal(signal.SIGINT)
     # Admitted until the router hears of the drain, then refused; the stream goes on meanwhile.
-    while (refused := httpx.post(server.base + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-                                 json={"prompt": "hi", "max_tokens": 2})).status_code == 200:  # fmt: skip
+    while (
+        refused := httpx.post(
+            server.base + "/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"prompt": "hi", "max_tokens": 2},
+        )
+    ).status_code == 200:
         assert t.is_alive(), f"the stream ({max_tokens} tokens) ended before the drain began"
     assert refused.status_code == 503, refused.text
     assert t.is_alive() and "lines" not in result, f"the stream ({max_tokens} tokens) ended before the refusal"

@@ -66,11 +66,16 @@ def test_shoal_serve_refuses_a_size_that_cannot_split_the_model_before_ray_start
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "shoal.cluster.cli", "serve", "--model", tiny_model,
-                        "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "shoal.cluster.cli", "serve", "--model", tiny_model, "--tensor-parallel-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2
-    assert p.stderr.strip() == ("shoal serve: error: tensor_parallel_size 3 does not divide the model's "
-                                "4 attention heads")  # nothing else: refused before Ray started  # fmt: skip
+    assert p.stderr.strip() == (
+        "shoal serve: error: tensor_parallel_size 3 does not divide the model's 4 attention heads"
+    )  # nothing else: refused before Ray started
 
 
 def test_routers_round_trip_through_the_cli_and_the_serve_config(tiny_model, capsys):
@@ -90,8 +95,10 @@ def test_routers_round_trip_through_the_cli_and_the_serve_config(tiny_model, cap
     # One router per node, and a local cluster is one node: refused before Ray starts.
     assert main(["serve", "--model", tiny_model, "--routers", "2"]) == 2
     assert "--routers 2 needs 2 Ray nodes" in capsys.readouterr().err
-    ends = [{"model": "m", "http": "http://0.0.0.0:8000", "grpc": "0.0.0.0:9000", "node": ip}
-            for ip in ("10.0.0.2", "10.0.0.1")]  # fmt: skip
+    ends = [
+        {"model": "m", "http": "http://0.0.0.0:8000", "grpc": "0.0.0.0:9000", "node": ip}
+        for ip in ("10.0.0.2", "10.0.0.1")
+    ]
     msg = ready_message(opts, ends, 1.0)
     assert "  routers      2, each on both ports on its node: 10.0.0.1, 10.0.0.2" in msg
     assert "routers" not in ready_message(opts, ends[:1], 1.0)
@@ -149,7 +156,6 @@ def serve_run_and_complete(config: dict, tmp_path) -> None:
     import time
 
     import httpx
-
     from serving import free_port
 
     http = free_port()
@@ -157,8 +163,12 @@ def serve_run_and_complete(config: dict, tmp_path) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-    proc = subprocess.Popen([serve_bin, "run", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))  # fmt: skip
+    proc = subprocess.Popen(
+        [serve_bin, "run", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
+    )
     try:
         deadline, health = time.monotonic() + 240, None
         while time.monotonic() < deadline and proc.poll() is None:
@@ -190,18 +200,49 @@ def test_shoal_serve_joins_a_running_cluster_and_leaves_it_running(tmp_path):
     import sys
 
     import httpx
-
     from serving import free_port
 
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    subprocess.run([os.path.join(bindir, "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            os.path.join(bindir, "ray"),
+            "start",
+            "--head",
+            "--num-cpus",
+            "2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
     try:
         http = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "shoal.cluster.cli", "serve", "--address", "auto", "--device", "cpu",
-                                 "--http-port", str(http), "--grpc-port", str(free_port()), "--num-kv-blocks", "256"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shoal.cluster.cli",
+                "serve",
+                "--address",
+                "auto",
+                "--device",
+                "cpu",
+                "--http-port",
+                str(http),
+                "--grpc-port",
+                str(free_port()),
+                "--num-kv-blocks",
+                "256",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -213,10 +254,12 @@ def test_shoal_serve_joins_a_running_cluster_and_leaves_it_running(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
         # The cluster and its Serve instance stay up (other apps may be on it); shoal's app is gone.
-        probe = ("import ray; from ray import serve; from ray.serve._private.constants import SERVE_CONTROLLER_NAME, "
-                 "SERVE_NAMESPACE; ray.init(address='auto', logging_level='ERROR'); "
-                 "ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE); "
-                 "print('serve up, apps:', sorted(serve.status().applications))")  # fmt: skip
+        probe = (
+            "import ray; from ray import serve; from ray.serve._private.constants import SERVE_CONTROLLER_NAME, "
+            "SERVE_NAMESPACE; ray.init(address='auto', logging_level='ERROR'); "
+            "ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE); "
+            "print('serve up, apps:', sorted(serve.status().applications))"
+        )
         status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         assert "serve up, apps: []" in status.stdout, status.stdout + status.stderr[-800:]
     finally:

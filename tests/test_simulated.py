@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import TINY_VOCAB, _train_tokenizer
 
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.async_engine import AsyncEngine
@@ -25,15 +26,23 @@ from shoal.workers.model_executor.simulated_runner import (
     load_cost_model,
     stand_in_token,
 )
-from tiny_models import TINY_VOCAB, _train_tokenizer
 
 # SmolLM2-135M's shape (so a KV block has its real size), with the tiny tokenizer's vocabulary.
-SMOL_SHAPE = dict(model_type="llama", vocab_size=TINY_VOCAB, hidden_size=576, intermediate_size=1536,
-                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)  # fmt: skip
+SMOL_SHAPE = dict(
+    model_type="llama",
+    vocab_size=TINY_VOCAB,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 EOS = 2
-FAST = StepCostModel(overhead_s=1e-3, prefill_s_per_token=2e-6, decode_s_per_seq=1e-4,
-                     decode_s_per_context_token=1e-7)  # fmt: skip
+FAST = StepCostModel(overhead_s=1e-3, prefill_s_per_token=2e-6, decode_s_per_seq=1e-4, decode_s_per_context_token=1e-7)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +107,7 @@ def test_reads_no_weights_keeps_the_tokenizer_and_sizes_the_cache_as_asked(sim_m
             deltas.append(out)
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 20
     assert text and EOS not in [t for d in deltas for t in d.new_token_ids]
-    assert all(d.logprobs[0].logprob == 0.0 and d.logprobs[0].top_logprobs == {d.new_token_ids[0]: 0.0}
-               for d in deltas)  # fmt: skip
+    assert all(d.logprobs[0].logprob == 0.0 and d.logprobs[0].top_logprobs == {d.new_token_ids[0]: 0.0} for d in deltas)
 
 
 def test_tokens_are_deterministic_per_seed_and_prompt(sim_model, fast_cost):
@@ -152,8 +160,9 @@ def test_shared_prompts_hit_the_prefix_cache(sim_model, fast_cost):
 
 
 def test_step_time_follows_the_cost_model(sim_model):
-    cost = StepCostModel(overhead_s=0.05, prefill_s_per_token=1e-3, decode_s_per_seq=0.01,
-                         decode_s_per_context_token=1e-4)  # fmt: skip
+    cost = StepCostModel(
+        overhead_s=0.05, prefill_s_per_token=1e-3, decode_s_per_seq=0.01, decode_s_per_context_token=1e-4
+    )
     eng = LLMEngine(model=sim_model, load_format="simulated", max_num_batched_tokens=48)
     eng.runner.cost = cost
     slept, shapes = [], []
@@ -184,8 +193,15 @@ def test_step_time_follows_the_cost_model(sim_model):
     assert eng.step_seconds >= eng.runner.simulated_seconds > 0
 
 
-CALIBRATION_LIKE = [StepShape(32), StepShape(128), StepShape(512), StepShape(0, 1, 65), StepShape(0, 8, 520),
-                    StepShape(0, 32, 2080), StepShape(0, 16, 12300)]  # fmt: skip
+CALIBRATION_LIKE = [
+    StepShape(32),
+    StepShape(128),
+    StepShape(512),
+    StepShape(0, 1, 65),
+    StepShape(0, 8, 520),
+    StepShape(0, 32, 2080),
+    StepShape(0, 16, 12300),
+]
 
 
 def test_least_squares_recovers_known_coefficients():
@@ -240,8 +256,10 @@ def test_32_simulated_engines_share_one_process(sim_model, tmp_path):
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     assert counts == [32] * 256
     simulated = sum(e.engine.runner.simulated_seconds for e in engines)
-    print(f"32 simulated engines: {wall:.2f} s wall, {cpu:.2f} s CPU ({cpu / wall:.2f} cores), "
-          f"{simulated:.1f} s of simulated steps")  # fmt: skip
+    print(
+        f"32 simulated engines: {wall:.2f} s wall, {cpu:.2f} s CPU ({cpu / wall:.2f} cores), "
+        f"{simulated:.1f} s of simulated steps"
+    )
     # Each engine's ~33 steps take ~1.2 s of modelled time: they ran side by side, not one after another.
     assert simulated > 10 * wall
     assert wall < 8 * simulated / 32

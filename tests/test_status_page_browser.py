@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from serving import local_cluster_app
 from test_failover_cluster import kill_process
 
@@ -47,11 +46,15 @@ def _chromium() -> str:
 
 def _load(base: str, n: int, stop: threading.Event) -> None:
     """n streams at a time, again and again, until stop."""
+
     def one():
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
-                c.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"prompt": "Continuous batching rebuilds", "max_tokens": 48, "ignore_eos": True})  # fmt: skip
+                c.post(
+                    base + "/v1/completions",
+                    headers={"Authorization": f"Bearer {KEY}"},
+                    json={"prompt": "Continuous batching rebuilds", "max_tokens": 48, "ignore_eos": True},
+                )
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
     for t in threads:
@@ -61,8 +64,10 @@ def _load(base: str, n: int, stop: threading.Event) -> None:
 
 def _rows(page) -> dict[str, int]:
     """worker -> its KV blocks in total, as the page shows them."""
-    return page.eval_on_selector_all("tr.worker-row", "rs => Object.fromEntries(rs.map(r => "
-                                     "[r.dataset.worker, +r.querySelector('.kv').dataset.total]))")  # fmt: skip
+    return page.eval_on_selector_all(
+        "tr.worker-row",
+        "rs => Object.fromEntries(rs.map(r => [r.dataset.worker, +r.querySelector('.kv').dataset.total]))",
+    )
 
 
 def _play(page, prompt: str) -> tuple[str, int]:
@@ -82,8 +87,10 @@ def test_status_page_in_a_real_browser(tiny_model):
 
     artifacts = os.environ.get("SHOAL_TEST_ARTIFACTS", "test-artifacts")
     os.makedirs(artifacts, exist_ok=True)
-    with local_cluster_app(APP, model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256,
-                           api_key=KEY) as (base, addr):  # fmt: skip
+    with local_cluster_app(APP, model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256, api_key=KEY) as (
+        base,
+        addr,
+    ):
         _workers(base, 2, 120)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
@@ -120,8 +127,9 @@ def test_status_page_in_a_real_browser(tiny_model):
             stop = threading.Event()
             threads = _load(base, 4, stop)
             try:
-                page.wait_for_function(f"+document.getElementById('chart-tps').dataset.points >= {points + 4}",
-                                       timeout=60_000)  # fmt: skip
+                page.wait_for_function(
+                    f"+document.getElementById('chart-tps').dataset.points >= {points + 4}", timeout=60_000
+                )
                 page.wait_for_function("window.shoalStatus.series.tps.some(p => p[1] > 0)", timeout=60_000)
                 page.wait_for_function("window.shoalStatus.series.p50.some(p => p[1] > 0)", timeout=60_000)
             finally:
@@ -137,8 +145,10 @@ def test_status_page_in_a_real_browser(tiny_model):
             # A worker's process dies: the page goes on, the replacement shows up, the playground still works.
             victim = sorted(rows)[0]
             kill_process(victim, APP)
-            page.wait_for_function(f"![...document.querySelectorAll('tr.worker-row')].some(r => r.dataset.worker"
-                                   f" === {victim!r})", timeout=60_000)  # fmt: skip
+            page.wait_for_function(
+                f"![...document.querySelectorAll('tr.worker-row')].some(r => r.dataset.worker === {victim!r})",
+                timeout=60_000,
+            )
             _workers(base, 2, 180, gone=victim)
             page.wait_for_function("document.querySelectorAll('tr.worker-row').length === 2", timeout=60_000)
             assert victim not in _rows(page)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from tiny_models import make_tiny_model
 from tp_helpers import compare_with_k1, tp_prompts
+
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.models.config import ModelConfig
 
@@ -31,8 +31,9 @@ def ray_cluster():
 def tp_models(tmp_path_factory) -> dict[str, str]:
     return {
         "4 heads, 2 KV, untied": make_tiny_model(str(tmp_path_factory.mktemp("tp-4-2"))),
-        "8 heads, 2 KV, tied, bias": make_tiny_model(str(tmp_path_factory.mktemp("tp-8-2")), num_attention_heads=8,
-                                                     tie_word_embeddings=True, attention_bias=True),  # fmt: skip
+        "8 heads, 2 KV, tied, bias": make_tiny_model(
+            str(tmp_path_factory.mktemp("tp-8-2")), num_attention_heads=8, tie_word_embeddings=True, attention_bias=True
+        ),
         # one KV head: at K = 2 each rank keeps a replica of it
         "4 heads, 1 KV (replicated)": make_tiny_model(str(tmp_path_factory.mktemp("tp-4-1")), num_key_value_heads=1),
         # a vocabulary that 2 does not divide: the LM head is padded
@@ -40,8 +41,9 @@ def tp_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("name", ["4 heads, 2 KV, untied", "8 heads, 2 KV, tied, bias",
-                                  "4 heads, 1 KV (replicated)", "odd vocab"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["4 heads, 2 KV, untied", "8 heads, 2 KV, tied, bias", "4 heads, 1 KV (replicated)", "odd vocab"]
+)
 def test_k2_greedy_equals_k1(ray_cluster, tp_models, name):
     diff, ref_stats, stats = compare_with_k1(name, tp_models[name], 2, tp_prompts(500, n=10), 20, ENGINE)
     assert diff < 1e-3
@@ -88,14 +90,25 @@ def test_a_dead_rank_fails_the_engine_fast(ray_cluster, tp_models):
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-                rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    base = dict(
+        model_type="llama",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return ModelConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("size, reason", [(4, "6 attention heads"), (3, "2 KV heads"), (0, ">= 1"),
-                                          (2.0, ">= 1")])  # fmt: skip
+@pytest.mark.parametrize("size, reason", [(4, "6 attention heads"), (3, "2 KV heads"), (0, ">= 1"), (2.0, ">= 1")])
 def test_sizes_that_cannot_split_are_refused_with_the_reason(size, reason):
     with pytest.raises(ValueError, match=reason):
         _cfg().check_tp_size(size)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from reference import check_setting, check_tokens, hf_greedy
+
 from shoal.workers import LLM, SamplingParams
 
 MAX_NEW = 16
@@ -26,8 +26,10 @@ def prompts_for(setting: str, vocab: int) -> list[list[int]]:
     rng = random.Random(1)
     if setting == "prefix":
         shared = [rng.randrange(vocab) for _ in range(200)]
-        return [shared[: rng.randrange(100, 201)] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-                for _ in range(16)]  # fmt: skip
+        return [
+            shared[: rng.randrange(100, 201)] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+            for _ in range(16)
+        ]
     lengths = [1, 2, 5, 17, 31, 64, 100, 150, 200, 256, 300, 350, 420, 480, 550, 600]
     if setting == "preempt":
         rng.shuffle(lengths)  # long and short interleaved: running sequences outgrow the cache

@@ -12,8 +12,8 @@ import time
 import grpc
 import httpx
 import pytest
-
 from serving import local_cluster_app
+
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -26,8 +26,16 @@ MAX_TOKENS = 480  # 4 streams of this many fill a replica's 128 blocks of 16 wit
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
     # Workers ask for logical GPUs and, finding no CUDA, run on the CPU.
-    with local_cluster_app("shoal-tp", num_gpus=4, model=tiny_model, num_workers=2, tensor_parallel_size=2,
-                           num_threads=1, num_kv_blocks=128, max_num_seqs=8) as (base, grpc_addr):  # fmt: skip
+    with local_cluster_app(
+        "shoal-tp",
+        num_gpus=4,
+        model=tiny_model,
+        num_workers=2,
+        tensor_parallel_size=2,
+        num_threads=1,
+        num_kv_blocks=128,
+        max_num_seqs=8,
+    ) as (base, grpc_addr):
         wait_healthy(base, 120)
         yield base, grpc_addr
 
@@ -55,15 +63,22 @@ def shard_actors() -> list[dict]:
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("shoal-tp-")]
 
 
-async def stream_completions(base: str, n: int, max_tokens: int, ends: list[float] | None = None,
-                             **sampling) -> list[tuple[int, str]]:  # fmt: skip
+async def stream_completions(
+    base: str, n: int, max_tokens: int, ends: list[float] | None = None, **sampling
+) -> list[tuple[int, str]]:
     """n concurrent streamed completions; each gives (status, text or error).
     ends: each stream's end (time.monotonic()) is appended to it."""
     model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     async def one(c: httpx.AsyncClient, i: int):
-        body = {"model": model, "prompt": f"The quick brown fox {i}", "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True, **sampling}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": f"The quick brown fox {i}",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            **sampling,
+        }
         try:
             async with c.stream("POST", base + "/v1/completions", json=body) as r:
                 text = "".join([line async for line in r.aiter_lines()])

@@ -40,8 +40,11 @@ def test_preempted_and_resumed_times_become_the_worker_spans_events(tiny_model):
     lengths = [1, 2, 5, 17, 31, 64, 100, 150, 200, 256, 300, 350, 420, 480, 550, 600]
     rng.shuffle(lengths)
     for i, n in enumerate(lengths):
-        eng.add_request(f"r{i}", [rng.randrange(eng.model_config.vocab_size) for _ in range(n)],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))  # fmt: skip
+        eng.add_request(
+            f"r{i}",
+            [rng.randrange(eng.model_config.vocab_size) for _ in range(n)],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        )
     last = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -55,8 +58,19 @@ def test_preempted_and_resumed_times_become_the_worker_spans_events(tiny_model):
         for p, r in zip(t.preempted, t.resumed):
             assert t.first_scheduled <= p <= r <= t.finished
         span = RecordingSpan()
-        _end_span(span, t, RequestFinished(o.finish_reason, None, "w", o.num_prompt_tokens, o.num_cached_tokens,
-                                           o.num_output_tokens, t.first_scheduled - t.arrival))  # fmt: skip
+        _end_span(
+            span,
+            t,
+            RequestFinished(
+                o.finish_reason,
+                None,
+                "w",
+                o.num_prompt_tokens,
+                o.num_cached_tokens,
+                o.num_output_tokens,
+                t.first_scheduled - t.arrival,
+            ),
+        )
         names = [n for n, _ in span.events]
         times = [ts for _, ts in span.events]
         assert times == sorted(times)  # in the order they happened

@@ -16,8 +16,8 @@ import sys
 import textwrap
 
 import pytest
-
 from otlp_collector import OtlpCollector
+
 from shoal.workers import tracing
 
 ROUTER = textwrap.dedent("""
@@ -112,8 +112,9 @@ OFF = textwrap.dedent("""
 
 def run(script: str, *args: str, **env: str) -> str:
     base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    proc = subprocess.run([sys.executable, "-c", script, *args], env={**base, **env}, capture_output=True,
-                          text=True, timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], env={**base, **env}, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
@@ -135,19 +136,51 @@ def test_router_and_worker_spans_join_the_client_trace(collector):
     assert (req.parent_span_id, req.kind, req.service_name) == (client_span, "SERVER", "shoal-router")
     assert req.status_code == "UNSET"
     a = req.attributes
-    assert {k: a[k] for k in ("gen_ai.operation.name", "gen_ai.system", "gen_ai.request.model",
-                              "gen_ai.response.model", "gen_ai.response.id", "gen_ai.request.max_tokens",
-                              "gen_ai.request.temperature", "gen_ai.request.top_p", "gen_ai.request.seed",
-                              "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens",
-                              "gen_ai.response.finish_reasons", "shoal.cached_prompt_tokens", "shoal.worker",
-                              "shoal.client_request_id", "shoal.stream")} == {  # fmt: skip
-        "gen_ai.operation.name": "chat", "gen_ai.system": "shoal", "gen_ai.request.model": "tiny-llama",
-        "gen_ai.response.model": "tiny-llama", "gen_ai.response.id": "chatcmpl-1", "gen_ai.request.max_tokens": 16,
-        "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9, "gen_ai.request.seed": 7,
-        "gen_ai.usage.input_tokens": 7, "gen_ai.usage.output_tokens": 5, "gen_ai.response.finish_reasons": ["stop"],
-        "shoal.cached_prompt_tokens": 3, "shoal.worker": "w1", "shoal.client_request_id": "mine", "shoal.stream": True}
-    for key, want in (("shoal.queue_s", 0.01), ("shoal.ttft_s", 0.1), ("shoal.prefill_s", 0.09),
-                      ("shoal.decode_s", 0.4), ("shoal.e2e_s", 0.5)):  # fmt: skip
+    assert {
+        k: a[k]
+        for k in (
+            "gen_ai.operation.name",
+            "gen_ai.system",
+            "gen_ai.request.model",
+            "gen_ai.response.model",
+            "gen_ai.response.id",
+            "gen_ai.request.max_tokens",
+            "gen_ai.request.temperature",
+            "gen_ai.request.top_p",
+            "gen_ai.request.seed",
+            "gen_ai.usage.input_tokens",
+            "gen_ai.usage.output_tokens",
+            "gen_ai.response.finish_reasons",
+            "shoal.cached_prompt_tokens",
+            "shoal.worker",
+            "shoal.client_request_id",
+            "shoal.stream",
+        )
+    } == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.system": "shoal",
+        "gen_ai.request.model": "tiny-llama",
+        "gen_ai.response.model": "tiny-llama",
+        "gen_ai.response.id": "chatcmpl-1",
+        "gen_ai.request.max_tokens": 16,
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.seed": 7,
+        "gen_ai.usage.input_tokens": 7,
+        "gen_ai.usage.output_tokens": 5,
+        "gen_ai.response.finish_reasons": ["stop"],
+        "shoal.cached_prompt_tokens": 3,
+        "shoal.worker": "w1",
+        "shoal.client_request_id": "mine",
+        "shoal.stream": True,
+    }
+    for key, want in (
+        ("shoal.queue_s", 0.01),
+        ("shoal.ttft_s", 0.1),
+        ("shoal.prefill_s", 0.09),
+        ("shoal.decode_s", 0.4),
+        ("shoal.e2e_s", 0.5),
+    ):
         assert a[key] == pytest.approx(want), key
     assert "gen_ai.request.top_k" not in a  # -1: off
     fo = req.event("failed_over")
@@ -159,10 +192,23 @@ def test_router_and_worker_spans_join_the_client_trace(collector):
     assert prep.attributes == {"num_messages": 2, "shoal.prompt_tokens": 7} and prep.status_code == "UNSET"
     routes = sorted((s for s in children if s.name == "shoal.route"), key=lambda s: s.start_unix_nano)
     assert [r.attributes for r in routes] == [
-        {"shoal.route.chosen": "w0", "shoal.route.num_candidates": 2, "shoal.route.workers": ["w0", "w1"],
-         "shoal.route.free_blocks": [10, 3], "shoal.route.queue_depths": [0, 2], "shoal.route.costs": [1.0, 2.5]},
-        {"shoal.route.chosen": "w1", "shoal.route.num_candidates": 1, "shoal.route.workers": ["w1"],
-         "shoal.route.free_blocks": [3], "shoal.route.queue_depths": [2], "attempt": 2}]  # fmt: skip
+        {
+            "shoal.route.chosen": "w0",
+            "shoal.route.num_candidates": 2,
+            "shoal.route.workers": ["w0", "w1"],
+            "shoal.route.free_blocks": [10, 3],
+            "shoal.route.queue_depths": [0, 2],
+            "shoal.route.costs": [1.0, 2.5],
+        },
+        {
+            "shoal.route.chosen": "w1",
+            "shoal.route.num_candidates": 1,
+            "shoal.route.workers": ["w1"],
+            "shoal.route.free_blocks": [3],
+            "shoal.route.queue_depths": [2],
+            "attempt": 2,
+        },
+    ]
 
     fo_span = next(s for s in children if s.name == "shoal.failed_over")
     assert fo_span.event("failed_over").attributes == {"shoal.from_worker": "w1", "shoal.streamed_tokens": 4}
@@ -181,12 +227,26 @@ def test_router_and_worker_spans_join_the_client_trace(collector):
     assert w.resource["shoal.component"] == "shoal-worker"
     assert [e.name for e in w.events] == ["scheduled", "preempted", "resumed", "first_token"]
     assert w.events[1].attributes == {"num_computed_tokens": 1}
-    assert {k: w.attributes[k] for k in ("shoal.request_id", "shoal.worker", "gen_ai.usage.input_tokens",
-                                         "gen_ai.usage.output_tokens", "shoal.cached_prompt_tokens",
-                                         "gen_ai.response.finish_reasons", "num_preemptions")} == {  # fmt: skip
-        "shoal.request_id": "chatcmpl-1", "shoal.worker": "w1", "gen_ai.usage.input_tokens": 7,
-        "gen_ai.usage.output_tokens": 5, "shoal.cached_prompt_tokens": 3, "gen_ai.response.finish_reasons": ["stop"],
-        "num_preemptions": 1}
+    assert {
+        k: w.attributes[k]
+        for k in (
+            "shoal.request_id",
+            "shoal.worker",
+            "gen_ai.usage.input_tokens",
+            "gen_ai.usage.output_tokens",
+            "shoal.cached_prompt_tokens",
+            "gen_ai.response.finish_reasons",
+            "num_preemptions",
+        )
+    } == {
+        "shoal.request_id": "chatcmpl-1",
+        "shoal.worker": "w1",
+        "gen_ai.usage.input_tokens": 7,
+        "gen_ai.usage.output_tokens": 5,
+        "shoal.cached_prompt_tokens": 3,
+        "gen_ai.response.finish_reasons": ["stop"],
+        "num_preemptions": 1,
+    }
 
 
 def test_off_by_default(collector):
@@ -202,9 +262,14 @@ def _clear_otel(monkeypatch):
     monkeypatch.setattr(tracing, "enabled", False)
 
 
-@pytest.mark.parametrize("var, value", [("OTEL_EXPORTER_OTLP_PROTOCOL", "grcp"),
-                                        ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
-                                        ("OTEL_TRACES_EXPORTER", "zipkin")])  # fmt: skip
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grcp"),
+        ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
+        ("OTEL_TRACES_EXPORTER", "zipkin"),
+    ],
+)
 def test_bad_setting_names_its_variable(monkeypatch, var, value):
     # Raised before any provider is made, so this process's global state is untouched.
     _clear_otel(monkeypatch)
@@ -221,8 +286,10 @@ def test_http_protobuf_needs_its_package(monkeypatch):
     _clear_otel(monkeypatch)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf needs the "
-                                         "opentelemetry-exporter-otlp-proto-http package"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf needs the opentelemetry-exporter-otlp-proto-http package",
+    ):
         tracing.configure("shoal-test")
 
 
@@ -231,6 +298,8 @@ def test_otel_env_passes_on_what_is_set(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     monkeypatch.setenv("OTEL_UNRELATED", "x")
-    assert tracing.otel_env() == {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
-                                  "OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}  # fmt: skip
+    assert tracing.otel_env() == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+    }
     assert all(k.startswith("OTEL_") for k in tracing.ENV_VARS)

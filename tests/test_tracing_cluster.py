@@ -12,12 +12,12 @@ import secrets
 import grpc
 import httpx
 import pytest
-
 from otlp_collector import OtlpCollector
 from serving import local_cluster_app
+from test_failover_cluster import wait_for_workers
+
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
-from test_failover_cluster import wait_for_workers
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -25,19 +25,28 @@ MAX_TOKENS = 8
 
 def _http(base: str, traceparent: str | None) -> dict:
     headers = {"traceparent": traceparent} if traceparent else {}
-    r = httpx.post(base + "/v1/completions", headers=headers, timeout=120,
-                   json={"prompt": "The quick brown fox", "max_tokens": MAX_TOKENS, "temperature": 0,
-                         "ignore_eos": True})  # fmt: skip
+    r = httpx.post(
+        base + "/v1/completions",
+        headers=headers,
+        timeout=120,
+        json={"prompt": "The quick brown fox", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    )
     r.raise_for_status()
     body = r.json()
-    return {"id": body["id"], "prompt": body["usage"]["prompt_tokens"], "output": body["usage"]["completion_tokens"],
-            "reason": body["choices"][0]["finish_reason"]}  # fmt: skip
+    return {
+        "id": body["id"],
+        "prompt": body["usage"]["prompt_tokens"],
+        "output": body["usage"]["completion_tokens"],
+        "reason": body["choices"][0]["finish_reason"],
+    }
 
 
 def _grpc(addr: str, traceparent: str) -> dict:
     with grpc.insecure_channel(addr) as ch:
-        req = pb.GenerateRequest(text="Paged attention keeps", sampling=pb.SamplingParams(
-            temperature=0.7, top_p=0.9, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True))  # fmt: skip
+        req = pb.GenerateRequest(
+            text="Paged attention keeps",
+            sampling=pb.SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
         out = {}
         for m in pb_grpc.ShoalStub(ch).Generate(req, metadata=(("traceparent", traceparent),), timeout=120):
             out["id"] = m.request_id
@@ -78,8 +87,10 @@ def test_http_and_grpc_requests_each_make_one_connected_trace(tiny_model, monkey
         # `shoal serve` hands the OTEL_* of its environment to every replica.
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", col.endpoint)
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export within a fraction of a second
-        with local_cluster_app("shoal-traces", model=tiny_model, num_workers=2, num_threads=1,
-                               num_kv_blocks=256) as (base, addr):  # fmt: skip
+        with local_cluster_app("shoal-traces", model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256) as (
+            base,
+            addr,
+        ):
             wait_for_workers(addr, 2, 120)
             t_http, c_http = secrets.token_hex(16), secrets.token_hex(8)
             got_http = _http(base, f"00-{t_http}-{c_http}-01")
@@ -88,10 +99,13 @@ def test_http_and_grpc_requests_each_make_one_connected_trace(tiny_model, monkey
             got_root = _http(base, None)
             _check_trace(col, t_http, c_http, got_http, "text_completion")
             _check_trace(col, t_grpc, c_grpc, got_grpc, "text_completion")
-            grpc_attrs = col.wait_for(lambda s: s.trace_id == t_grpc and s.kind == "SERVER"
-                                      and s.service_name == "shoal-router").attributes  # fmt: skip
+            grpc_attrs = col.wait_for(
+                lambda s: s.trace_id == t_grpc and s.kind == "SERVER" and s.service_name == "shoal-router"
+            ).attributes
             assert (grpc_attrs["gen_ai.request.temperature"], grpc_attrs["gen_ai.request.seed"]) == (
-                pytest.approx(0.7), 5)
+                pytest.approx(0.7),
+                5,
+            )
             # Without a traceparent the router's span is the root of a trace of its own.
             root = col.wait_for(lambda s: s.attributes.get("gen_ai.response.id") == got_root["id"], timeout=30)
             assert root.trace_id not in (t_http, t_grpc)

@@ -44,8 +44,9 @@ DECODES = [(0, 1), (40, 1), (250, 1), (300, 1)]
 SHORT_DECODES = [(0, 1), (15, 1), (40, 1), (70, 1), (100, 1)]
 
 
-def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int],
-              scale: float) -> torch.Tensor:  # fmt: skip
+def reference(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int], scale: float
+) -> torch.Tensor:
     """Each sequence's queries are its last q_len positions."""
     outs, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
@@ -75,8 +76,17 @@ class Step:
     values: list[torch.Tensor]
 
     def attend(self, **kwargs) -> torch.Tensor:
-        return paged_attention(self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-                               self.query_start_loc, max(self.q_lens), self.scale, **kwargs)  # fmt: skip
+        return paged_attention(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            max(self.q_lens),
+            self.scale,
+            **kwargs,
+        )
 
     @property
     def scale(self) -> float:
@@ -191,7 +201,9 @@ def test_load_refuses_what_the_kernel_cannot_run():
         triton_attention.load(torch.device("cpu"), 8)
     # Compiled (not interpreted), the kernel needs CUDA tensors.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import torch; from shoal.workers.model_executor.layers import triton_attention as t; "
-            "t.load(torch.device('cpu'), 16)")
+    code = (
+        "import torch; from shoal.workers.model_executor.layers import triton_attention as t; "
+        "t.load(torch.device('cpu'), 16)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "needs CUDA" in proc.stderr

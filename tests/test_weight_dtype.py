@@ -70,9 +70,16 @@ def test_tiny_model_stores_matrices_in_bfloat16_and_computes_in_float32(tiny_mod
 
 @pytest.mark.slow
 def test_default_model_in_bfloat16_weights_stays_close_to_float32():
-    prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
-               "Once upon a time, in a small village,", "The three laws of robotics are", "List five fruits:",
-               "Explain photosynthesis in one sentence.", "SELECT name FROM users WHERE"]  # fmt: skip
+    prompts = [
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "The three laws of robotics are",
+        "List five fruits:",
+        "Explain photosynthesis in one sentence.",
+        "SELECT name FROM users WHERE",
+    ]
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
     outs = {}
     for weight_dtype in ("auto", "bfloat16"):

@@ -10,13 +10,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from shoal.workers.core.outputs import RequestOutput
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
 from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine
-from shoal.workers.core.outputs import RequestOutput
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.core.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ class AsyncEngine:
         self._unstall = threading.Event()  # ends a stall() early (shutdown)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs | None = None, stall_timeout_s: float | None = None,
-                         **kwargs) -> "AsyncEngine":  # fmt: skip
+    def from_engine_args(
+        cls, args: EngineArgs | None = None, stall_timeout_s: float | None = None, **kwargs
+    ) -> AsyncEngine:
         return cls(LLMEngine(args or EngineArgs(**kwargs)), stall_timeout_s)
 
     def stats(self) -> EngineStats:
@@ -100,8 +101,10 @@ class AsyncEngine:
         if self._error is None:
             try:
                 if self.stall_timeout_s and self.stalled_s > self.stall_timeout_s:
-                    raise EngineDeadError(f"the engine loop made no progress for {self.stalled_s:.1f} s "
-                                          f"(stall timeout {self.stall_timeout_s:g} s) while it had work")  # fmt: skip
+                    raise EngineDeadError(
+                        f"the engine loop made no progress for {self.stalled_s:.1f} s "
+                        f"(stall timeout {self.stall_timeout_s:g} s) while it had work"
+                    )
                 self.engine.check_health()
             except Exception as e:
                 self._fail(e)
@@ -141,9 +144,16 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------
 
-    async def generate(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                       priority: int = 0, num_resumed_tokens: int = 0, num_resumed_chars: int = 0,
-                       block_hashes: list[bytes] | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def generate(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        num_resumed_tokens: int = 0,
+        num_resumed_chars: int = 0,
+        block_hashes: list[bytes] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; the last has finish_reason set.
         Bad input raises InvalidRequestError before anything is queued; a
         dead engine raises EngineDeadError (before or amid the deltas).
@@ -164,8 +174,11 @@ class AsyncEngine:
         try:
             self._queues[request_id] = queue  # inside the try: every way out removes it
             self._ensure_loop()
-            self._submit(AddRequest(request_id, prompt_ids, params, priority, num_resumed_tokens,
-                                    num_resumed_chars, block_hashes))
+            self._submit(
+                AddRequest(
+                    request_id, prompt_ids, params, priority, num_resumed_tokens, num_resumed_chars, block_hashes
+                )
+            )
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -202,9 +215,12 @@ class AsyncEngine:
         token before RequestMoved, which the router resumes from as after
         a failover."""
         waiting = sorted(list(self.engine.scheduler.waiting))  # (priority, arrival order, seq); a copy is atomic
-        movable = [seq.request_id for _, _, seq in waiting
-                   if seq.status is SequenceStatus.WAITING and seq.request_id in self._queues]  # fmt: skip
-        moved = movable[max(0, len(movable) - max(0, len(waiting) - keep)):]
+        movable = [
+            seq.request_id
+            for _, _, seq in waiting
+            if seq.status is SequenceStatus.WAITING and seq.request_id in self._queues
+        ]
+        moved = movable[max(0, len(movable) - max(0, len(waiting) - keep)) :]
         for request_id in moved:
             self._queues[request_id].put_nowait(RequestMoved(f"request {request_id} handed back to move"))
             self.abort(request_id)
@@ -228,10 +244,15 @@ class AsyncEngine:
                 self._unstall.wait(cmd.seconds)
             elif isinstance(cmd, AddRequest):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority,
-                                            num_resumed_tokens=cmd.num_resumed_tokens,
-                                            num_resumed_chars=cmd.num_resumed_chars,
-                                            block_hashes=cmd.block_hashes)
+                    self.engine.add_request(
+                        cmd.request_id,
+                        cmd.prompt_ids,
+                        cmd.params,
+                        cmd.priority,
+                        num_resumed_tokens=cmd.num_resumed_tokens,
+                        num_resumed_chars=cmd.num_resumed_chars,
+                        block_hashes=cmd.block_hashes,
+                    )
                 except Exception as e:  # validated already; never let one request stop the loop
                     delivered.append((cmd.request_id, e))
             else:

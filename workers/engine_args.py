@@ -57,51 +57,79 @@ def dataclass_from_cli_args(cls: type, ns: argparse.Namespace, **given: Any) -> 
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = cli_field(None, "HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    load_format: str = cli_field("auto", "auto = the checkpoint's weights; dummy = random ones from the config alone "
-                                         "(a folder with only config.json will do), for benchmarks; simulated = "
-                                         "no weights: the real scheduler and KV block accounting over a stand-in "
-                                         "model whose steps take --simulated-cost-model's time, for studying the "
-                                         "router with more replicas than the machine can serve",
-                                 choices=("auto", "dummy", "simulated"))  # fmt: skip
-    simulated_cost_model: str | None = cli_field(None, "load_format simulated: the step cost model, a JSON file "
-                                                       "written by `shoal bench calibrate` (default: coefficients "
-                                                       "measured on the development machine's CPU)")  # fmt: skip
+    load_format: str = cli_field(
+        "auto",
+        "auto = the checkpoint's weights; dummy = random ones from the config alone "
+        "(a folder with only config.json will do), for benchmarks; simulated = "
+        "no weights: the real scheduler and KV block accounting over a stand-in "
+        "model whose steps take --simulated-cost-model's time, for studying the "
+        "router with more replicas than the machine can serve",
+        choices=("auto", "dummy", "simulated"),
+    )
+    simulated_cost_model: str | None = cli_field(
+        None,
+        "load_format simulated: the step cost model, a JSON file "
+        "written by `shoal bench calibrate` (default: coefficients "
+        "measured on the development machine's CPU)",
+    )
     dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
-    weight_dtype: str = cli_field("auto", "auto = --dtype; bfloat16 stores the weight matrices (linear layers, "
-                                         "embedding, LM head) in bfloat16 while a float32 model computes and "
-                                         "accumulates in float32: half the bytes a decode step reads, on the CPU "
-                                         "with its compiled kernels", choices=("auto", "bfloat16"))  # fmt: skip
+    weight_dtype: str = cli_field(
+        "auto",
+        "auto = --dtype; bfloat16 stores the weight matrices (linear layers, "
+        "embedding, LM head) in bfloat16 while a float32 model computes and "
+        "accumulates in float32: half the bytes a decode step reads, on the CPU "
+        "with its compiled kernels",
+        choices=("auto", "bfloat16"),
+    )
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")
-    kv_cache_memory_bytes: int | None = cli_field(None, "KV budget in bytes (default: 2 GiB on CPU; on GPU what "
-                                                        "--gpu-memory-utilization leaves)")  # fmt: skip
-    gpu_memory_utilization: float = cli_field(0.9, "share of the GPU's total memory this engine may use: weights, "
-                                                   "the activation peak of one profiling forward, and the KV cache "
-                                                   "in what is left")  # fmt: skip
+    kv_cache_memory_bytes: int | None = cli_field(
+        None, "KV budget in bytes (default: 2 GiB on CPU; on GPU what --gpu-memory-utilization leaves)"
+    )
+    gpu_memory_utilization: float = cli_field(
+        0.9,
+        "share of the GPU's total memory this engine may use: weights, "
+        "the activation peak of one profiling forward, and the KV cache "
+        "in what is left",
+    )
     num_kv_blocks: int | None = cli_field(None, "KV budget in blocks (wins over bytes)")
     max_model_len: int | None = cli_field(None, "prompt + output cap (default: the model's context length)")
     max_num_batched_tokens: int = cli_field(2048, "tokens one step computes (the prefill chunk size)")
     max_num_seqs: int = cli_field(256, "sequences in one step")
     # The alias also gives --no-prefix-caching, the flag's older spelling.
-    enable_prefix_caching: bool = cli_field(True, "share KV blocks of common prompt prefixes",
-                                            aliases=("--prefix-caching",))  # fmt: skip
+    enable_prefix_caching: bool = cli_field(
+        True, "share KV blocks of common prompt prefixes", aliases=("--prefix-caching",)
+    )
     seed: int = cli_field(0, "draws the sampling seeds of requests that bring none")
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
-    attention_backend: str = cli_field("auto", "auto: triton on CUDA (flash_attn, where installed, on request); "
-                                               "on the CPU in float32 the compiled decode kernel when it builds, "
-                                               "else torch (the reference)",
-                                       choices=("auto", "torch", "cpu_kernel", "triton", "flash_attn"))  # fmt: skip
-    enforce_eager: bool = cli_field(False, "never replay CUDA graphs: every step runs eagerly (graphs capture "
-                                           "decode-only steps at bucketed batch sizes on CUDA)")  # fmt: skip
-    cpu_kernels: bool = cli_field(_ENV_CPU_KERNELS, "build and use the compiled CPU kernels (csrc/: decode "
-                                                    "attention, few-row linear, norm, activation, rotary); off: the "
-                                                    "torch path, the reference ($SHOAL_CPU_KERNEL=0 sets the default "
-                                                    "off)")  # fmt: skip
-    fused_ops: bool = cli_field(_ENV_FUSED_OPS, "run the fused Triton norm, activation and rotary kernels off CUDA "
-                                                "too (the tests, under TRITON_INTERPRET=1); on CUDA they always run "
-                                                "($SHOAL_FUSED_OPS=1 sets the default on)")  # fmt: skip
-    tensor_parallel_size: int = cli_field(1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors",
-                                          aliases=("-tp",))  # fmt: skip
+    attention_backend: str = cli_field(
+        "auto",
+        "auto: triton on CUDA (flash_attn, where installed, on request); "
+        "on the CPU in float32 the compiled decode kernel when it builds, "
+        "else torch (the reference)",
+        choices=("auto", "torch", "cpu_kernel", "triton", "flash_attn"),
+    )
+    enforce_eager: bool = cli_field(
+        False,
+        "never replay CUDA graphs: every step runs eagerly (graphs capture "
+        "decode-only steps at bucketed batch sizes on CUDA)",
+    )
+    cpu_kernels: bool = cli_field(
+        _ENV_CPU_KERNELS,
+        "build and use the compiled CPU kernels (csrc/: decode "
+        "attention, few-row linear, norm, activation, rotary); off: the "
+        "torch path, the reference ($SHOAL_CPU_KERNEL=0 sets the default "
+        "off)",
+    )
+    fused_ops: bool = cli_field(
+        _ENV_FUSED_OPS,
+        "run the fused Triton norm, activation and rotary kernels off CUDA "
+        "too (the tests, under TRITON_INTERPRET=1); on CUDA they always run "
+        "($SHOAL_FUSED_OPS=1 sets the default on)",
+    )
+    tensor_parallel_size: int = cli_field(
+        1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors", aliases=("-tp",)
+    )
     # Per-request limits, enforced by the engine itself (the fronts import the same check).
     max_logprobs: int = cli_field(20, "most top logprobs one request may ask for per token")
     max_stop_strings: int = cli_field(64, "most stop strings one request may carry (each at most 1,024 characters)")
@@ -112,17 +140,17 @@ class EngineArgs:
         return parser
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return dataclass_from_cli_args(cls, ns)
 
-    def resolved_device(self) -> "torch.device":
+    def resolved_device(self) -> torch.device:
         import torch
 
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, device: "torch.device") -> "torch.dtype":
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
         import torch
 
         if self.dtype == "auto":
@@ -131,7 +159,7 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return getattr(torch, self.dtype)
 
-    def resolved_weight_dtype(self, device: "torch.device") -> "torch.dtype":
+    def resolved_weight_dtype(self, device: torch.device) -> torch.dtype:
         """The weight matrices' storage dtype (the compute dtype unless narrowed)."""
         dtype = self.resolved_dtype(device)
         import torch
@@ -141,6 +169,8 @@ class EngineArgs:
         if self.weight_dtype != "bfloat16":
             raise ValueError(f"weight_dtype must be auto or bfloat16; got {self.weight_dtype!r}")
         if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError("weight_dtype bfloat16 under a float32 model is a CPU option (its compiled kernels "
-                             f"widen the weights as they read them); got device {device.type}, dtype {dtype}")  # fmt: skip
+            raise ValueError(
+                "weight_dtype bfloat16 under a float32 model is a CPU option (its compiled kernels "
+                f"widen the weights as they read them); got device {device.type}, dtype {dtype}"
+            )
         return torch.bfloat16

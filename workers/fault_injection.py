@@ -27,7 +27,7 @@ class FaultPlan:
     fatal_token: int | None = None
 
     @classmethod
-    def from_env(cls) -> "FaultPlan | None":
+    def from_env(cls) -> FaultPlan | None:
         spec = os.environ.get(ENV, "").strip()
         if not spec:
             return None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from shoal.workers.engine_args import EngineArgs
-from shoal.workers.llm_engine import LLMEngine
 from shoal.workers.core.outputs import CompletionOutput
 from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.llm_engine import LLMEngine
 
 
 class LLM:
@@ -20,7 +20,7 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -34,8 +34,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:  # fmt: skip
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
         """One output per prompt, in order. A prompt is a string or a list of
         token ids; `params` is one SamplingParams for all or one per prompt.
         Every prompt is validated before any runs."""

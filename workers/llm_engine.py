@@ -14,28 +14,29 @@ import torch
 
 from shoal.workers.core.block_hash import adopt_chain
 from shoal.workers.core.block_manager import BlockManager
-from shoal.workers.engine_args import EngineArgs
-from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
-from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
-from shoal.workers.errors import EngineFaultError, InvalidRequestError
-from shoal.workers.core.request_checks import RequestLimits, check_request
-from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
-from shoal.workers.model_executor.memory_profiler import (
-    check_weights_fit,
-    estimate_weight_bytes,
-    plan_kv_cache_blocks,
-    profile_memory,
-)
-from shoal.workers.model_executor.model_runner import ModelRunner
-from shoal.workers.model_executor.runner import Runner
-from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
+from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
 from shoal.workers.core.stats import EngineStats
 from shoal.workers.distributed.shard_group import ShardGroup
 from shoal.workers.distributed.step_input import StepInputEncoder
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.errors import EngineFaultError, InvalidRequestError
+from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
+from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
+from shoal.workers.model_executor.memory_profiler import (
+    check_weights_fit,
+    estimate_weight_bytes,
+    plan_kv_cache_blocks,
+    profile_memory,
+)
+from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
+from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.runner import Runner
+from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
+from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +100,36 @@ class LLMEngine:
                 self.shards.load(max_len)  # the other ranks load while this one does
             if device.type == "cuda":
                 # Refuse a model too big for the card before allocating any of it.
-                check_weights_fit(estimate_weight_bytes(cfg, dtype, tp), torch.cuda.mem_get_info(device)[1],
-                                  args.gpu_memory_utilization)  # fmt: skip
+                check_weights_fit(
+                    estimate_weight_bytes(cfg, dtype, tp),
+                    torch.cuda.mem_get_info(device)[1],
+                    args.gpu_memory_utilization,
+                )
             self.eos_token_ids = list(cfg.eos_token_ids)
             if simulated:  # no weights are read: a stand-in model with the cost model's step time
-                self.runner = SimulatedRunner(cfg.vocab_size, self.eos_token_ids,
-                                              load_cost_model(args.simulated_cost_model))  # fmt: skip
+                self.runner = SimulatedRunner(
+                    cfg.vocab_size, self.eos_token_ids, load_cost_model(args.simulated_cost_model)
+                )
             else:
-                model = build_model(cfg, model_weights(loaded, args.load_format, device), max_len, device, dtype,
-                                    weight_dtype, args.fused_ops)  # fmt: skip
-                self.runner = ModelRunner(model, args.block_size, self.eos_token_ids, args.attention_backend,
-                                          max_len, args.max_num_seqs,
-                                          enforce_eager=args.enforce_eager or tp > 1,
-                                          cpu_kernels=args.cpu_kernels)  # fmt: skip
+                model = build_model(
+                    cfg,
+                    model_weights(loaded, args.load_format, device),
+                    max_len,
+                    device,
+                    dtype,
+                    weight_dtype,
+                    args.fused_ops,
+                )
+                self.runner = ModelRunner(
+                    model,
+                    args.block_size,
+                    self.eos_token_ids,
+                    args.attention_backend,
+                    max_len,
+                    args.max_num_seqs,
+                    enforce_eager=args.enforce_eager or tp > 1,
+                    cpu_kernels=args.cpu_kernels,
+                )
             # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
             per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
             capacities = [self._kv_capacity(args, device, per_block, max_len)]
@@ -121,8 +139,12 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"the KV budget holds no block of {per_block} bytes")
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-            self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-                                       self.block_manager, max_len, self.eos_token_ids)  # fmt: skip
+            self.scheduler = Scheduler(
+                SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+                self.block_manager,
+                max_len,
+                self.eos_token_ids,
+            )
             self.runner.initialize_kv_cache(num_blocks)
             self.cuda_graphs = None
             if device.type == "cuda" and self.runner.varlen and not args.enforce_eager and tp == 1:
@@ -145,20 +167,23 @@ class LLMEngine:
         """Blocks this rank's budget holds. On one GPU, vLLM's way: the
         utilization share of the card, less the weights and the activation
         peak of one profiling forward at the largest step."""
-        if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None or device.type != "cuda" \
-                or self.shards is not None:  # fmt: skip
+        if (
+            args.num_kv_blocks is not None
+            or args.kv_cache_memory_bytes is not None
+            or device.type != "cuda"
+            or self.shards is not None
+        ):
             # Ranks cannot profile one at a time: each forward waits on the others.
             return ModelRunner.kv_budget_bytes(args, device) // per_block
         runner = self.runner
         runner.initialize_kv_cache(runner.profile_num_blocks(args.max_num_batched_tokens))
         try:
-            profile = profile_memory(device, lambda: runner.profile_run(args.max_num_batched_tokens,
-                                                                        args.max_num_seqs))  # fmt: skip
+            profile = profile_memory(device, lambda: runner.profile_run(args.max_num_batched_tokens, args.max_num_seqs))
         finally:
             runner.release_kv_cache()
         logger.info("memory: %s", profile.describe())
         # At least one request of max_model_len must fit.
-        return plan_kv_cache_blocks(profile, args.gpu_memory_utilization, per_block, -(-max_len // args.block_size))
+        return plan_kv_cache_blocks(profile, args.gpu_memory_utilization, per_block, cdiv(max_len, args.block_size))
 
     # ---- requests -------------------------------------------------------
 
@@ -181,14 +206,25 @@ class LLMEngine:
         n = len(prompt_ids) - num_resumed_tokens
         need = self.block_manager.blocks_needed(n + params.max_tokens)
         if need > self.block_manager.num_total_blocks:
-            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
-                                      f"but the whole cache has {self.block_manager.num_total_blocks}", field="prompt")  # fmt: skip
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
+                f"but the whole cache has {self.block_manager.num_total_blocks}",
+                field="prompt",
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", field="stop")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, num_resumed_tokens: int = 0,
-                    num_resumed_chars: int = 0, block_hashes: list[bytes] | None = None) -> None:  # fmt: skip
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        num_resumed_tokens: int = 0,
+        num_resumed_chars: int = 0,
+        block_hashes: list[bytes] | None = None,
+    ) -> None:
         """Queue a request; raises InvalidRequestError (a ValueError) at once
         for bad input, leaving everything else untouched.
 
@@ -212,12 +248,20 @@ class LLMEngine:
         num_prompt = len(prompt_ids) - num_resumed_tokens
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids[:num_prompt], params.stop,
-                                           params.skip_special_tokens)  # fmt: skip
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids[:num_prompt], params.stop, params.skip_special_tokens
+            )
             if num_resumed_tokens:
                 detok.resume(prompt_ids[num_prompt:], num_resumed_chars)
-        seq = Sequence(request_id, list(prompt_ids), num_prompt, params, next(self._arrivals), priority,
-                       RequestTimings(arrival_time or time.time()))  # fmt: skip
+        seq = Sequence(
+            request_id,
+            list(prompt_ids),
+            num_prompt,
+            params,
+            next(self._arrivals),
+            priority,
+            RequestTimings(arrival_time or time.time()),
+        )
         if block_hashes:
             seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
         if not params.greedy:
@@ -328,8 +372,17 @@ class LLMEngine:
         self.num_finished_requests += 1
         message = f"request {seq.request_id} failed in the engine: {type(error).__name__}: {error}"
         # No text: the request's detokenizer may be what failed.
-        return RequestOutput(seq.request_id, [], "", "error", seq.num_prompt_tokens, seq.num_cached_tokens,
-                             seq.num_output_tokens, seq.timings, error=message)  # fmt: skip
+        return RequestOutput(
+            seq.request_id,
+            [],
+            "",
+            "error",
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_output_tokens,
+            seq.timings,
+            error=message,
+        )
 
     def _detokenize(self, seq: Sequence, token: int) -> str | None:
         """Adds the sampled token to the request's text; returns the stop
@@ -344,17 +397,35 @@ class LLMEngine:
         seq = req.seq
         finished = seq.finish_reason is not None
         text = req.detok.take(finished) if req.detok is not None else ""
-        return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens, seq.timings, lp,
-                             stop_reason=seq.stop_reason)  # fmt: skip
+        return RequestOutput(
+            seq.request_id,
+            tokens,
+            text,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_output_tokens,
+            seq.timings,
+            lp,
+            stop_reason=seq.stop_reason,
+        )
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
-                           bm.num_total_blocks, bm.prefix_cache_hit_rate,
-                           self.scheduler.num_preemptions, self.scheduler.num_waiting_tokens,
-                           bm.pool.num_query_tokens, bm.pool.num_hit_tokens, self.num_prompt_tokens,
-                           self.num_generation_tokens, self.num_finished_requests)  # fmt: skip
+        return EngineStats(
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            bm.num_free_blocks,
+            bm.num_total_blocks,
+            bm.prefix_cache_hit_rate,
+            self.scheduler.num_preemptions,
+            self.scheduler.num_waiting_tokens,
+            bm.pool.num_query_tokens,
+            bm.pool.num_hit_tokens,
+            self.num_prompt_tokens,
+            self.num_generation_tokens,
+            self.num_finished_requests,
+        )
 
     def check_health(self) -> None:
         """Raise if a tensor-parallel rank is gone."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from shoal.workers.core.stats import EngineStats
 from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.stats import EngineStats
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class GenerateDelta:
     finished: RequestFinished | None = None  # set on the last delta only
     # The worker's load after the step that made this delta: the router's
     # freshest view of it (the same object rides on every delta of a step).
-    load: "WorkerLoad | None" = None
+    load: WorkerLoad | None = None
 
 
 @dataclass(slots=True)

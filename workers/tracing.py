@@ -24,19 +24,36 @@ logger = logging.getLogger(__name__)
 
 # What `shoal serve` copies from its environment into every replica's runtime_env.
 ENV_VARS = (
-    "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_PROPAGATORS",
-    "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG",
-    "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BSP_EXPORT_TIMEOUT",
-    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-    "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
-    "OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
-    "OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
-    "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
-    "OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
-    "OTEL_EXPORTER_OTLP_CLIENT_KEY", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
-    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
-)  # fmt: skip
+    "OTEL_SDK_DISABLED",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_PROPAGATORS",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_BSP_SCHEDULE_DELAY",
+    "OTEL_BSP_MAX_QUEUE_SIZE",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+    "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_INSECURE",
+    "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+    "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+)
 
 WORKER_SPAN = "shoal.worker generate"
 WORKER_EVENTS = ("scheduled", "first_token", "preempted", "resumed")
@@ -73,8 +90,9 @@ def _exporters() -> list:
     names = [n.strip().lower() for n in value.split(",") if n.strip()]
     unknown = [n for n in names if n not in ("otlp", "console", "none")]
     if unknown:
-        raise ValueError(f"OTEL_TRACES_EXPORTER={value!r}: unknown exporter {unknown[0]!r} "
-                         "(shoal supports otlp, console, none)")  # fmt: skip
+        raise ValueError(
+            f"OTEL_TRACES_EXPORTER={value!r}: unknown exporter {unknown[0]!r} (shoal supports otlp, console, none)"
+        )
     out = []
     for name in dict.fromkeys(n for n in names if n != "none"):
         if name == "console":
@@ -98,8 +116,10 @@ def _otlp_exporter():
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            raise ValueError(f"{var}=http/protobuf needs the opentelemetry-exporter-otlp-proto-http package "
-                             "(pip install it), or use grpc") from None  # fmt: skip
+            raise ValueError(
+                f"{var}=http/protobuf needs the opentelemetry-exporter-otlp-proto-http package "
+                "(pip install it), or use grpc"
+            ) from None
         return OTLPSpanExporter()
     raise ValueError(f"{var}={os.environ[var]!r} is not a supported OTLP protocol (use grpc or http/protobuf)")
 
@@ -125,7 +145,8 @@ def configure(service_name: str) -> bool:
         # OTEL_RESOURCE_ATTRIBUTES; the environment's name must win over ours.
         attrs = {"shoal.component": service_name}
         if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get(
-                "OTEL_RESOURCE_ATTRIBUTES", ""):  # fmt: skip
+            "OTEL_RESOURCE_ATTRIBUTES", ""
+        ):
             attrs["service.name"] = service_name
         provider = TracerProvider(resource=Resource.create(attrs))  # the sampler: OTEL_TRACES_SAMPLER[_ARG]
         for exporter in exporters:
@@ -135,8 +156,11 @@ def configure(service_name: str) -> bool:
         trace.set_tracer_provider(provider)
         _provider, tracer = provider, provider.get_tracer("shoal")
         enabled = True
-        logger.info("tracing on: service %s, exporters %s", provider.resource.attributes.get("service.name"),
-                    ", ".join(type(e).__module__ for e in exporters))  # fmt: skip
+        logger.info(
+            "tracing on: service %s, exporters %s",
+            provider.resource.attributes.get("service.name"),
+            ", ".join(type(e).__module__ for e in exporters),
+        )
         return True
 
 
@@ -192,8 +216,9 @@ def fail_span(span, error: BaseException | str, error_type: str | None = None, e
         message = str(error) or type(error).__name__
     else:
         message = error
-    span.set_attribute("error.type", error_type or (type(error).__name__ if isinstance(error, BaseException)
-                                                    else "error"))  # fmt: skip
+    span.set_attribute(
+        "error.type", error_type or (type(error).__name__ if isinstance(error, BaseException) else "error")
+    )
     span.set_status(Status(StatusCode.ERROR, message))
     if end:
         span.end()
@@ -208,8 +233,9 @@ def end_span(span, at_s: float | None = None) -> None:
 # ---- the worker's span ---------------------------------------------------------
 
 
-def start_worker_span(carrier: Mapping[str, str] | None, request_id: str, attributes: Mapping | None = None,
-                      start_s: float | None = None):  # fmt: skip
+def start_worker_span(
+    carrier: Mapping[str, str] | None, request_id: str, attributes: Mapping | None = None, start_s: float | None = None
+):
     """The worker's span for one request, a child of the router's span the
     carrier names; None when off or when the router sent no carrier (the
     router traces no request the worker should make a root span for)."""
@@ -218,8 +244,9 @@ def start_worker_span(carrier: Mapping[str, str] | None, request_id: str, attrib
     attrs = {"shoal.request_id": request_id}
     if attributes:
         attrs.update((k, v) for k, v in attributes.items() if v is not None)
-    return tracer.start_span(WORKER_SPAN, context=extract(carrier), kind=SpanKind.SERVER, attributes=attrs,
-                             start_time=ns(start_s))  # fmt: skip
+    return tracer.start_span(
+        WORKER_SPAN, context=extract(carrier), kind=SpanKind.SERVER, attributes=attrs, start_time=ns(start_s)
+    )
 
 
 def worker_event(span, name: str, at_s: float | None = None, **attributes) -> None:
@@ -235,12 +262,15 @@ def end_worker_span(span, finished=None, end_s: float | None = None, **attribute
         return
     if finished is not None:
         reason = getattr(finished, "finish_reason", None)
-        set_attributes(span, {
-            "gen_ai.response.finish_reasons": [reason] if reason else None,
-            "gen_ai.usage.input_tokens": getattr(finished, "num_prompt_tokens", None),
-            "gen_ai.usage.output_tokens": getattr(finished, "num_output_tokens", None),
-            "shoal.cached_prompt_tokens": getattr(finished, "num_cached_tokens", None),
-            "shoal.queue_s": getattr(finished, "queue_s", None),
-        })  # fmt: skip
+        set_attributes(
+            span,
+            {
+                "gen_ai.response.finish_reasons": [reason] if reason else None,
+                "gen_ai.usage.input_tokens": getattr(finished, "num_prompt_tokens", None),
+                "gen_ai.usage.output_tokens": getattr(finished, "num_output_tokens", None),
+                "shoal.cached_prompt_tokens": getattr(finished, "num_cached_tokens", None),
+                "shoal.queue_s": getattr(finished, "queue_s", None),
+            },
+        )
     set_attributes(span, attributes)
     span.end(end_time=ns(end_s))

@@ -17,12 +17,20 @@ from dataclasses import asdict
 
 from shoal.workers import replica_logs, tracing
 from shoal.workers.async_engine import AsyncEngine
+from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
-from shoal.workers.messages import (GenerateDelta, GenerateRequest, RequestFinished, Riding, Subscribe, WorkerError,
-                                    WorkerInfo, WorkerLoad)  # fmt: skip
-from shoal.workers.core.outputs import RequestOutput
+from shoal.workers.messages import (
+    GenerateDelta,
+    GenerateRequest,
+    RequestFinished,
+    Riding,
+    Subscribe,
+    WorkerError,
+    WorkerInfo,
+    WorkerLoad,
+)
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()
@@ -44,8 +52,12 @@ def _end_span(span, t, finished: RequestFinished) -> None:
         events += [("preempted", at) for at in t.preempted] + [("resumed", at) for at in t.resumed]
         for name, at in sorted((e for e in events if e[1] is not None), key=lambda e: e[1]):
             tracing.worker_event(span, name, at_s=at)
-    tracing.end_worker_span(span, finished, end_s=t.finished if t is not None else None,
-                            **{"shoal.prefill_s": finished.prefill_s, "shoal.decode_s": finished.decode_s})
+    tracing.end_worker_span(
+        span,
+        finished,
+        end_s=t.finished if t is not None else None,
+        **{"shoal.prefill_s": finished.prefill_s, "shoal.decode_s": finished.decode_s},
+    )
 
 
 class Worker:
@@ -67,9 +79,16 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         eng = self.engine.engine
-        return WorkerInfo(eng.model_name, eng.max_model_len, eng.model_config.vocab_size,
-                          eng.block_manager.block_size, eng.args.tensor_parallel_size, self.name,
-                          eng.limits.max_logprobs, eng.limits.max_stop_strings)  # fmt: skip
+        return WorkerInfo(
+            eng.model_name,
+            eng.max_model_len,
+            eng.model_config.vocab_size,
+            eng.block_manager.block_size,
+            eng.args.tensor_parallel_size,
+            self.name,
+            eng.limits.max_logprobs,
+            eng.limits.max_stop_strings,
+        )
 
     def stats(self) -> WorkerLoad:
         load = WorkerLoad(**asdict(self.engine.stats()), worker=self.name, time=time.time())
@@ -99,24 +118,39 @@ class Worker:
             yield WorkerError("full", f"worker {self.name} has {self.max_waiting} requests waiting; try again later")
             return
         logged, num_output_tokens = False, 0
-        span = tracing.start_worker_span(request.trace_context, request.request_id,
-                                         {"shoal.worker": self.name, "shoal.resumed_tokens": request.num_resumed_tokens})  # fmt: skip
+        span = tracing.start_worker_span(
+            request.trace_context,
+            request.request_id,
+            {"shoal.worker": self.name, "shoal.resumed_tokens": request.num_resumed_tokens},
+        )
         box = self._outboxes.get(request.mux) if request.mux is not None else None
         if box is not None:  # the whole request rides there: its deltas keep their order
             box.join()
         try:
             if box is not None:
                 yield Riding(self.name)
-            stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                          request.priority, request.num_resumed_tokens,
-                                          request.num_resumed_chars, request.block_hashes)  # fmt: skip
+            stream = self.engine.generate(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                request.priority,
+                request.num_resumed_tokens,
+                request.num_resumed_chars,
+                request.block_hashes,
+            )
             async with aclosing(stream):
                 async for out in stream:
                     delta = self._delta(out)
                     num_output_tokens = out.num_output_tokens
                     if (f := delta.finished) is not None:
-                        logger.info("%s finished: %s, %d prompt + %d output tokens, queue %.2f s", name,
-                                    f.finish_reason, f.num_prompt_tokens, f.num_output_tokens, f.queue_s)  # fmt: skip
+                        logger.info(
+                            "%s finished: %s, %d prompt + %d output tokens, queue %.2f s",
+                            name,
+                            f.finish_reason,
+                            f.num_prompt_tokens,
+                            f.num_output_tokens,
+                            f.queue_s,
+                        )
                         logged = True
                         if span is not None:
                             _end_span(span, out.timings, f)
@@ -179,9 +213,15 @@ class Worker:
         finished = None
         if out.finished:
             t = out.timings
-            finished = RequestFinished(out.finish_reason, out.stop_reason, self.name, out.num_prompt_tokens,
-                                       out.num_cached_tokens, out.num_output_tokens,
-                                       (t.first_scheduled - t.arrival) if t and t.first_scheduled else 0.0)  # fmt: skip
+            finished = RequestFinished(
+                out.finish_reason,
+                out.stop_reason,
+                self.name,
+                out.num_prompt_tokens,
+                out.num_cached_tokens,
+                out.num_output_tokens,
+                (t.first_scheduled - t.arrival) if t and t.first_scheduled else 0.0,
+            )
             if t and t.first_token:
                 finished.prefill_s = t.first_token - (t.first_scheduled or t.first_token)
                 finished.decode_s = (t.finished or time.time()) - t.first_token
@@ -221,8 +261,13 @@ class Worker:
         cached chain hashes. Figures unchanged since the last poll return the
         same dict, so an idle worker sets off no broadcast."""
         load = self.stats()
-        key = (self.engine.engine.num_steps, load.num_free_blocks, load.num_running, load.num_waiting,
-               load.num_waiting_tokens)
+        key = (
+            self.engine.engine.num_steps,
+            load.num_free_blocks,
+            load.num_running,
+            load.num_waiting,
+            load.num_waiting_tokens,
+        )
         if key != self._routing_key:
             cached = self.engine.engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
             self._routing_key = key
@@ -238,8 +283,12 @@ class Worker:
         share of KV blocks in use, and how many sequences can run at once."""
         load = self.stats()
         used = 1.0 - load.num_free_blocks / load.num_total_blocks if load.num_total_blocks else 0.0
-        return {"waiting": float(load.num_waiting), "running": float(load.num_running), "kv_usage": used,
-                "max_running": float(self.engine.engine.scheduler.config.max_num_seqs)}  # fmt: skip
+        return {
+            "waiting": float(load.num_waiting),
+            "running": float(load.num_running),
+            "kv_usage": used,
+            "max_running": float(self.engine.engine.scheduler.config.max_num_seqs),
+        }
 
     def release_waiting(self, keep: dict[str, int]) -> int:
         """A router's call (to every worker) when a new worker is ready:

@@ -57,8 +57,13 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"
     return _sha256((root_key(len(token_ids)) if parent is None else parent) + _pack(token_ids) + extra).digest()
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, start: list[bytes] | None = None, extra: bytes = b"",
-                 num_blocks: int | None = None) -> list[bytes]:  # fmt: skip
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    start: list[bytes] | None = None,
+    extra: bytes = b"",
+    num_blocks: int | None = None,
+) -> list[bytes]:
     """The keys of the full blocks of token_ids (the first `num_blocks` of
     them if given); `start` (keys already computed for its first blocks) is
     extended in place and returned. Only the blocks past `start` are packed

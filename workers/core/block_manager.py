@@ -7,6 +7,7 @@ from __future__ import annotations
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sequence import Sequence
+from shoal.workers.utils import cdiv
 
 
 class BlockManager:
@@ -31,7 +32,7 @@ class BlockManager:
         return self.pool.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _block_hashes(self, seq: Sequence, n: int) -> list[bytes]:
         """seq's keys, at least its first n (if it has n full blocks)."""

@@ -48,7 +48,7 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def merge(self, later: "RequestOutput") -> None:
+    def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same request into this one, so a consumer
         that fell behind gets one message instead of several."""
         self.new_token_ids = self.new_token_ids + later.new_token_ids

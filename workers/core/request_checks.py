@@ -26,8 +26,9 @@ class RequestLimits:
     max_stop_strings: int = 64  # --max-stop-strings (stop strings, and stop token ids)
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, limits: RequestLimits,
-                  num_resumed_tokens: int = 0) -> None:  # fmt: skip
+def check_request(
+    prompt_ids: list[int], params: SamplingParams, limits: RequestLimits, num_resumed_tokens: int = 0
+) -> None:
     """Raise InvalidRequestError naming the first bad field. The ids' last
     num_resumed_tokens are output made already (a failover); the rest is
     the prompt. Only checks: nothing is changed."""
@@ -44,34 +45,43 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: Request
     if packed.min() < 0 or packed.max() >= vocab:
         raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})", field="prompt")
     if type(num_resumed_tokens) is not int or not 0 <= num_resumed_tokens < len(prompt_ids):
-        raise InvalidRequestError(f"num_resumed_tokens must be in [0, {len(prompt_ids)}), got "
-                                  f"{num_resumed_tokens!r}", field="num_resumed_tokens")  # fmt: skip
+        raise InvalidRequestError(
+            f"num_resumed_tokens must be in [0, {len(prompt_ids)}), got {num_resumed_tokens!r}",
+            field="num_resumed_tokens",
+        )
     if num_resumed_tokens >= params.max_tokens:
-        raise InvalidRequestError(f"{num_resumed_tokens} tokens were made already; max_tokens is "
-                                  f"{params.max_tokens}", field="max_tokens")  # fmt: skip
+        raise InvalidRequestError(
+            f"{num_resumed_tokens} tokens were made already; max_tokens is {params.max_tokens}", field="max_tokens"
+        )
     n, limit = len(prompt_ids) - num_resumed_tokens, limits.max_model_len
     if n >= limit:
         raise InvalidRequestError(f"prompt has {n} tokens; max_model_len is {limit}", field="prompt")
     if n + params.max_tokens > limit:
-        raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                  f"max_model_len ({limit})", field="max_tokens")  # fmt: skip
+        raise InvalidRequestError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})",
+            field="max_tokens",
+        )
     _check_limits(params, limits)
 
 
 def _check_limits(params: SamplingParams, limits: RequestLimits) -> None:
     vocab = limits.vocab_size
     if any(t >= vocab for t in params.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids holds ids outside the vocabulary [0, {vocab})",
-                                  field="stop_token_ids")  # fmt: skip
+        raise InvalidRequestError(
+            f"stop_token_ids holds ids outside the vocabulary [0, {vocab})", field="stop_token_ids"
+        )
     if params.logit_bias and any(t >= vocab for t in params.logit_bias):
         raise InvalidRequestError(f"logit_bias has keys outside the vocabulary [0, {vocab})", field="logit_bias")
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        raise InvalidRequestError(f"logprobs must be at most {limits.max_logprobs} (--max-logprobs), got "
-                                  f"{params.logprobs}", field="logprobs")  # fmt: skip
+        raise InvalidRequestError(
+            f"logprobs must be at most {limits.max_logprobs} (--max-logprobs), got {params.logprobs}", field="logprobs"
+        )
     for name in ("stop", "stop_token_ids"):
         if len(getattr(params, name)) > limits.max_stop_strings:
-            raise InvalidRequestError(f"{name} has {len(getattr(params, name))} entries; at most "
-                                      f"{limits.max_stop_strings} are allowed (--max-stop-strings)", field=name)  # fmt: skip
+            raise InvalidRequestError(
+                f"{name} has {len(getattr(params, name))} entries; at most "
+                f"{limits.max_stop_strings} are allowed (--max-stop-strings)",
+                field=name,
+            )
     if any(len(s) > MAX_STOP_STRING_CHARS for s in params.stop):
-        raise InvalidRequestError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters",
-                                  field="stop")  # fmt: skip
+        raise InvalidRequestError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters", field="stop")

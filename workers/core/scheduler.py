@@ -55,8 +55,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: list[int]):  # fmt: skip
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int, eos_token_ids: list[int]
+    ):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -170,8 +171,12 @@ class Scheduler:
             budget -= n
         return out
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
-                           stop_strings: list[str | None] | None = None) -> list[Sequence]:  # fmt: skip
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        stop_strings: list[str | None] | None = None,
+    ) -> list[Sequence]:
         """Advance the sequences by the step that ran: the scheduled tokens
         are computed, each sampled token is appended, and a sequence that
         reached a stop finishes. stop_strings[i]: the stop string that the

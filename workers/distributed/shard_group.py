@@ -45,22 +45,26 @@ class ShardGroup:
         self._own_pg = None
         if pg is None:
             bundles = tp_bundles(tp_size, device.type == "cuda")
-            pg = placement_group(bundles, strategy="STRICT_PACK",
-                                 _soft_target_node_id=ray.get_runtime_context().get_node_id())  # fmt: skip
+            pg = placement_group(
+                bundles, strategy="STRICT_PACK", _soft_target_node_id=ray.get_runtime_context().get_node_id()
+            )
             self._own_pg = pg
             if not pg.wait(PLACEMENT_TIMEOUT_S):
                 self.shutdown()
-                raise RuntimeError(f"tensor_parallel_size {tp_size} needs {bundles} on one node; "
-                                   f"the cluster has {ray.cluster_resources()}")  # fmt: skip
+                raise RuntimeError(
+                    f"tensor_parallel_size {tp_size} needs {bundles} on one node; "
+                    f"the cluster has {ray.cluster_resources()}"
+                )
         elif pg.bundle_count < tp_size:
-            raise RuntimeError(f"this replica's placement group has {pg.bundle_count} bundles; "
-                               f"tensor_parallel_size {tp_size} needs one per rank")  # fmt: skip
+            raise RuntimeError(
+                f"this replica's placement group has {pg.bundle_count} bundles; "
+                f"tensor_parallel_size {tp_size} needs one per rank"
+            )
         self._remove_pg = remove_placement_group
 
         # Rendezvous on a port the OS picks (several workers share a machine).
         host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, tp_size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=120))  # fmt: skip
+        store = dist.TCPStore(host, 0, tp_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
         backend = "nccl" if device.type == "cuda" else "gloo"
         shard_args = asdict(args)
         if device.type == "cuda":
@@ -70,10 +74,14 @@ class ShardGroup:
         try:
             for rank in range(1, tp_size):
                 bundle = pg.bundle_specs[rank]
-                self.actors.append(cls.options(
-                    name=f"shoal-tp-{tag}-rank{rank}", num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                ).remote(shard_args, rank, tp_size, host, store.port, backend))  # fmt: skip
+                self.actors.append(
+                    cls.options(
+                        name=f"shoal-tp-{tag}-rank{rank}",
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                    ).remote(shard_args, rank, tp_size, host, store.port, backend)
+                )
             joins = [a.join.remote() for a in self.actors]
             self.group = init_tp_group(0, tp_size, store, backend)
             ray.get(joins)

@@ -11,11 +11,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shoal.workers.distributed.step_input import StepInputDecoder
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
 from shoal.workers.model_executor.model_runner import ModelRunner
-from shoal.workers.distributed.step_input import StepInputDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,15 @@ class ShardWorker:
         self.dtype = args.resolved_dtype(self.device)
         loaded = load_model_files(args.model)
         weights = model_weights(loaded, args.load_format, self.device)
-        self.model = build_model(loaded.config, weights, max_model_len, self.device, self.dtype,
-                                 args.resolved_weight_dtype(self.device), args.fused_ops)  # fmt: skip
+        self.model = build_model(
+            loaded.config,
+            weights,
+            max_model_len,
+            self.device,
+            self.dtype,
+            args.resolved_weight_dtype(self.device),
+            args.fused_ops,
+        )
         self.model_max_len = max_model_len
         per_block = ModelRunner.kv_bytes_per_block(loaded.config, args.block_size, self.dtype, self.size)
         return ModelRunner.kv_budget_bytes(args, self.device) // per_block
@@ -53,9 +60,16 @@ class ShardWorker:
         """Allocate this rank's KV cache (and load its attention kernel)."""
         args = self.args
         # No CUDA graphs under tensor parallelism: rank 0 runs every step eagerly too.
-        self.runner = ModelRunner(self.model, args.block_size, eos_token_ids, args.attention_backend,
-                                  self.model_max_len, args.max_num_seqs, enforce_eager=True,
-                                  cpu_kernels=args.cpu_kernels)  # fmt: skip
+        self.runner = ModelRunner(
+            self.model,
+            args.block_size,
+            eos_token_ids,
+            args.attention_backend,
+            self.model_max_len,
+            args.max_num_seqs,
+            enforce_eager=True,
+            cpu_kernels=args.cpu_kernels,
+        )
         self.runner.initialize_kv_cache(num_blocks)
 
     def run(self) -> None:

@@ -57,8 +57,9 @@ class StepInputEncoder:
         for seq, _ in sched.scheduled:
             sid, s = seq.arrival_order, self.sent.get(seq.arrival_order)
             if s is None:
-                step.new_seqs.append(NewSeqData(sid, list(seq.token_ids), list(seq.block_table),
-                                                seq.num_computed_tokens))  # fmt: skip
+                step.new_seqs.append(
+                    NewSeqData(sid, list(seq.token_ids), list(seq.block_table), seq.num_computed_tokens)
+                )
                 self.sent[sid] = _Sent(seq, seq.num_tokens, len(seq.block_table))
                 continue
             if seq.num_tokens > s.num_tokens:

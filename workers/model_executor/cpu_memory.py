@@ -44,8 +44,10 @@ def keep_freed_memory_mapped() -> bool:
         return _done
     try:
         libc = _libc()
-        ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-              and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        )
     except (OSError, AttributeError):
         ok = False  # not glibc (musl, macOS): nothing to tune
     _done = ok

@@ -79,8 +79,9 @@ class DecodeGraphs:
         self.static: torch.Tensor | None = None
         self.num_replays = 0  # decode steps served from the static buffer
 
-    def capture(self, make_inputs: Callable[[int], StagedBatch],
-                forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> CaptureStats:  # fmt: skip
+    def capture(
+        self, make_inputs: Callable[[int], StagedBatch], forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    ) -> CaptureStats:
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -109,8 +110,9 @@ class DecodeGraphs:
     def padded_size(self, num_seqs: int) -> int | None:
         return padded_batch_size(num_seqs, self.sizes) if self.entries else None
 
-    def replay(self, size: int, batch: StagedBatch, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]
-               ) -> torch.Tensor:  # fmt: skip
+    def replay(
+        self, size: int, batch: StagedBatch, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    ) -> torch.Tensor:
         """Logits of every row of an uploaded batch padded to `size`."""
         e = self.entries[size]
         self.num_replays += 1

@@ -49,8 +49,9 @@ class IncrementalDetokenizer:
         for token_id in output_ids:
             self.add(token_id, check_stop=False)
         if not 0 <= num_sent_chars <= len(self.text):
-            raise InvalidRequestError(f"{num_sent_chars} characters were sent of a reply that has {len(self.text)}",
-                                      field="num_resumed_chars")  # fmt: skip
+            raise InvalidRequestError(
+                f"{num_sent_chars} characters were sent of a reply that has {len(self.text)}", field="num_resumed_chars"
+            )
         self.sent = num_sent_chars
 
     def take(self, finished: bool) -> str:

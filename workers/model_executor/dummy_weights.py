@@ -36,8 +36,11 @@ def dummy_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]
         yield p + "self_attn.o_proj.weight", (hidden, q)
         if cfg.o_bias:
             yield p + "self_attn.o_proj.bias", (hidden,)
-        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                            ("down_proj", (hidden, inter))):  # fmt: skip
+        for name, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
             yield f"{p}mlp.{name}.weight", shape
             if cfg.mlp_bias:
                 yield f"{p}mlp.{name}.bias", shape[:1]

@@ -12,9 +12,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shoal.workers.utils import cdiv
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+_NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -49,7 +62,7 @@ class GGUFFile:
             dims = [self._read("<Q") for _ in range(self._read("<I"))]
             infos.append((name, tuple(reversed(dims)), self._read("<I"), self._read("<Q")))
         align = self.metadata.get("general.alignment", 32)
-        data_start = -(-self._pos // align) * align
+        data_start = cdiv(self._pos, align) * align
         self.tensors = {n: GGUFTensor(n, s, t, data_start + o) for n, s, t, o in infos}
 
     def _read(self, fmt: str):
@@ -77,7 +90,7 @@ class GGUFFile:
 
     def load(self, name: str) -> np.ndarray:
         """The tensor as float32 (or its float type), dequantized."""
-        from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import dequantize
 
         t = self.tensors[name]

@@ -30,13 +30,16 @@ import torch
 
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
 from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.utils import cdiv
 
 GiB = 1 << 30
 
-_KNOBS = ("To fit: raise --gpu-memory-utilization (at most 1.0), lower --max-model-len (fewer KV blocks per "
-          "sequence), lower --max-num-batched-tokens (a smaller activation peak), raise --tensor-parallel-size "
-          "(weights and KV heads split across GPUs), or choose a smaller --dtype (bfloat16 or float16 "
-          "instead of float32).")  # fmt: skip
+_KNOBS = (
+    "To fit: raise --gpu-memory-utilization (at most 1.0), lower --max-model-len (fewer KV blocks per "
+    "sequence), lower --max-num-batched-tokens (a smaller activation peak), raise --tensor-parallel-size "
+    "(weights and KV heads split across GPUs), or choose a smaller --dtype (bfloat16 or float16 "
+    "instead of float32)."
+)
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -91,7 +94,7 @@ class MemorySnapshot(NamedTuple):
     reserved: int  # torch.cuda.memory_reserved: held by the caching allocator
 
     @classmethod
-    def take(cls, device: torch.device) -> "MemorySnapshot":
+    def take(cls, device: torch.device) -> MemorySnapshot:
         free, total = torch.cuda.mem_get_info(device)
         return cls(free, total, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
@@ -183,7 +186,7 @@ def estimate_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int 
     Buffers (the rotary cos/sin tables) are not parameters and not counted."""
     c = config
     hidden, hd = c.hidden_size, c.head_dim
-    rows = -(-c.vocab_size // tp_size) * (1 if c.tie_word_embeddings else 2)
+    rows = cdiv(c.vocab_size, tp_size) * (1 if c.tie_word_embeddings else 2)
     q = c.num_attention_heads // tp_size * hd
     kv = num_local_kv_heads(c.num_key_value_heads, tp_size) * hd
     inter = c.intermediate_size // tp_size
@@ -191,10 +194,11 @@ def estimate_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int 
     layer = (
         2 * hidden  # input and post-attention norms
         + (q + 2 * kv) * (hidden + c.qkv_bias)
-        + hidden * o_in + hidden * c.o_bias
+        + hidden * o_in
+        + hidden * c.o_bias
         + 2 * inter * (hidden + c.mlp_bias)  # gate and up
-        + hidden * inter + hidden * c.mlp_bias  # down
-    )  # fmt: skip
+        + hidden * inter
+        + hidden * c.mlp_bias  # down
+    )
     params = rows * hidden + c.num_hidden_layers * layer + hidden  # + the final norm
     return params * torch.empty(0, dtype=dtype).element_size()
-

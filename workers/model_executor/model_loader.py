@@ -15,7 +15,6 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -175,8 +174,15 @@ def _load_gguf(path: str) -> LoadedModel:
     return LoadedModel(name, cfg, tokenizer, weights())
 
 
-def build_model(cfg: ModelConfig, weights, max_positions: int, device: torch.device, dtype: torch.dtype,
-                weight_dtype: torch.dtype | None = None, fused_ops: bool = False):  # fmt: skip
+def build_model(
+    cfg: ModelConfig,
+    weights,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
+    fused_ops: bool = False,
+):
     """The model (this rank's slice of it inside a tensor-parallel group)
     with the checkpoint's weights, ready for inference; weight_dtype, when
     narrower than dtype, is how its weight matrices are stored; fused_ops

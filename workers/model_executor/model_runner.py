@@ -14,6 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shoal.workers.core.outputs import ModelRunnerOutput
+from shoal.workers.core.sampling_params import SamplingParams
+from shoal.workers.core.scheduler import SchedulerOutput
+from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.fault_injection import FaultPlan
+from shoal.workers.model_executor.cpu_memory import release_free_heap
+from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -23,17 +30,11 @@ from shoal.workers.model_executor.layers.attention import (
     set_forward_context,
 )
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
-from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
-from shoal.workers.model_executor.cpu_memory import release_free_heap
-from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.sampling_metadata_builder import stage_sampling_metadata
 from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
-from shoal.workers.core.outputs import ModelRunnerOutput
-from shoal.workers.core.scheduler import SchedulerOutput
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +56,23 @@ class _Row:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, eos_token_ids: list[int], attention_backend: str,
-                 max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False,
-                 cpu_kernels: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        block_size: int,
+        eos_token_ids: list[int],
+        attention_backend: str,
+        max_model_len: int,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
+        cpu_kernels: bool = True,
+    ):
         """Call initialize_kv_cache before the first step; cpu_kernels as EngineArgs.cpu_kernels."""
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # banned before min_tokens
         self.device, self.dtype = next(model.parameters()).device, model.dtype
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.max_num_seqs = max_num_seqs
         self.enforce_eager = enforce_eager
         self.kv_cache: torch.Tensor | None = None
@@ -76,7 +85,9 @@ class ModelRunner:
 
     def _choose_attention_backend(self, backend: str, use_cpu_kernels: bool = True) -> None:
         if backend not in ("auto", "torch", "cpu_kernel", "triton", "flash_attn"):
-            raise ValueError(f"attention_backend must be auto, torch, cpu_kernel, triton or flash_attn; got {backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch, cpu_kernel, triton or flash_attn; got {backend!r}"
+            )
         # The varlen kernels (triton, flash_attn) read the whole step from one
         # set of flat tensors; on CUDA, "auto" is Triton: torch's masked SDPA
         # there builds a new cuDNN plan for every new shape.
@@ -168,7 +179,7 @@ class ModelRunner:
 
     def profile_num_blocks(self, num_tokens: int) -> int:
         """The KV blocks profile_run writes."""
-        return sum(-(-n // self.block_size) for n in self._profile_lengths(num_tokens))
+        return sum(cdiv(n, self.block_size) for n in self._profile_lengths(num_tokens))
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """The largest activations a step can need: a prefill of num_tokens
@@ -179,7 +190,7 @@ class ModelRunner:
         scheduled, next_block = [], 0
         for i, n in enumerate(self._profile_lengths(num_tokens)):
             seq = Sequence(f"profile-{i}", [0] * n, n, params, i, 0, RequestTimings(0.0))
-            num_blocks = -(-n // self.block_size)
+            num_blocks = cdiv(n, self.block_size)
             seq.block_table = list(range(next_block, next_block + num_blocks))
             next_block += num_blocks
             scheduled.append((seq, n))
@@ -198,8 +209,9 @@ class ModelRunner:
         assert self.varlen and self.kv_cache is not None, "graphs need a varlen backend and the KV cache"
         self.graphs = DecodeGraphs(capture_sizes(self.max_num_seqs), self.device)
         with torch.inference_mode():
-            stats = self.graphs.capture(lambda size: self._stage_varlen([], size, self.staging.begin()),
-                                        self._forward_decode)  # fmt: skip
+            stats = self.graphs.capture(
+                lambda size: self._stage_varlen([], size, self.staging.begin()), self._forward_decode
+            )
         logger.info("%s", stats.describe())
         return stats
 
@@ -259,8 +271,7 @@ class ModelRunner:
             return due, logits, metadata
         if self.varlen:
             max_query_len = max(r.num_new for r in rows)
-            meta = AttentionMetadata(slot_mapping=t["slot_mapping"],
-                                     triton=self._varlen_metadata(t, max_query_len))  # fmt: skip
+            meta = AttentionMetadata(slot_mapping=t["slot_mapping"], triton=self._varlen_metadata(t, max_query_len))
         else:
             meta = self._torch_metadata(rows, t["slot_mapping"])
         with set_forward_context(meta):
@@ -296,7 +307,7 @@ class ModelRunner:
         seq_lens = [r.seq_len for r in rows]
         query_lens = [r.num_new for r in rows]
         if pad_to is None:
-            width = -(-max(seq_lens) // self.block_size)
+            width = cdiv(max(seq_lens), self.block_size)
             num_rows = len(rows)
         else:
             width, num_rows = self.max_blocks_per_seq, pad_to
@@ -326,8 +337,12 @@ class ModelRunner:
 
     @staticmethod
     def _varlen_metadata(t: dict[str, torch.Tensor], max_query_len: int) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(block_tables=t["block_tables"], seq_lens=t["seq_lens"],
-                                       query_start_loc=t["query_start_loc"], max_query_len=max_query_len)  # fmt: skip
+        return TritonAttentionMetadata(
+            block_tables=t["block_tables"],
+            seq_lens=t["seq_lens"],
+            query_start_loc=t["query_start_loc"],
+            max_query_len=max_query_len,
+        )
 
     def _torch_metadata(self, rows: list[_Row], slot_mapping: torch.Tensor) -> AttentionMetadata:
         """Per-chunk tables and per-group masks for the torch backend and
@@ -339,7 +354,7 @@ class ModelRunner:
             if n > 1:
                 table = None
                 if start > 0:
-                    table = torch.tensor(r.seq.block_table[: -(-r.seq_len // self.block_size)], device=self.device)
+                    table = torch.tensor(r.seq.block_table[: cdiv(r.seq_len, self.block_size)], device=self.device)
                 chunks.append(PrefillChunk(q_start, q_start + n, r.seq_len, table))
             q_start += n
         decodes = [r.seq for r in rows if r.num_new == 1]
@@ -366,12 +381,14 @@ class ModelRunner:
                 total += n
                 end += 1
             group = seqs[start:end]
-            max_blocks = -(-max(s.num_computed_tokens + 1 for s in group) // bs)
+            max_blocks = cdiv(max(s.num_computed_tokens + 1 for s in group), bs)
             tables = self._padded_block_tables(group, max_blocks)
             lens = torch.tensor([s.num_computed_tokens + 1 for s in group], dtype=torch.long, device=self.device)
             mask = None
             if self.decode_kernel is None:
-                mask = (torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None]
+                mask = (torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1))[
+                    :, None, None
+                ]
             groups.append(DecodeGroup(start, end, tables, lens, mask))
             start = end
         return groups

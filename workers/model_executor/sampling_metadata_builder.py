@@ -102,12 +102,19 @@ class _RowKinds:
     @property
     def plain_greedy(self) -> bool:
         """Argmax alone: nothing to stage."""
-        return not (self.random_rows or self.repetition_rows or self.frequency_rows or self.banned or self.bias
-                    or self.num_logprobs)  # fmt: skip
+        return not (
+            self.random_rows
+            or self.repetition_rows
+            or self.frequency_rows
+            or self.banned
+            or self.bias
+            or self.num_logprobs
+        )
 
 
-def stage_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
-                            batch: StagedBatch) -> PendingSamplingMetadata:  # fmt: skip
+def stage_sampling_metadata(
+    seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, batch: StagedBatch
+) -> PendingSamplingMetadata:
     """Adds the rows' sampling inputs to `batch` (names prefixed "sampling.");
     resolve the result with batch.upload()'s tensors. Only what some row
     uses is staged: a plain greedy batch stages nothing."""
@@ -168,8 +175,9 @@ def _seed_of(seq: Sequence) -> int:
     return seq.sampling_seed if seq.sampling_seed is not None else random.getrandbits(63)
 
 
-def build_sampling_metadata(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int,
-                            device: torch.device) -> SamplingMetadata:  # fmt: skip
+def build_sampling_metadata(
+    seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
     """Stage, upload and resolve in one go, in a batch of its own (none
     for a plain greedy batch: nothing to copy)."""
     kinds = _RowKinds(seqs, eos_token_ids)

@@ -49,7 +49,7 @@ class StepShape:
     decode_context_tokens: int = 0  # the decode rows' sequence lengths, summed
 
     @classmethod
-    def of(cls, scheduled: Iterable[tuple[Sequence, int]]) -> "StepShape":
+    def of(cls, scheduled: Iterable[tuple[Sequence, int]]) -> StepShape:
         prefill = decodes = context = 0
         for seq, n in scheduled:
             if n > 1:
@@ -89,15 +89,17 @@ class StepCostModel:
         return sum(c * x for c, x in zip(self.coefficients(), shape.features()))
 
     def describe(self) -> str:
-        return (f"{1e3 * self.overhead_s:.2f} ms/step + {1e3 * self.prefill_s_per_token:.3f} ms/prefill token + "
-                f"{1e3 * self.decode_s_per_seq:.3f} ms/decode seq + "
-                f"{1e6 * self.decode_s_per_context_token:.3f} us/decode context token")  # fmt: skip
+        return (
+            f"{1e3 * self.overhead_s:.2f} ms/step + {1e3 * self.prefill_s_per_token:.3f} ms/prefill token + "
+            f"{1e3 * self.decode_s_per_seq:.3f} ms/decode seq + "
+            f"{1e6 * self.decode_s_per_context_token:.3f} us/decode context token"
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepCostModel":
+    def from_dict(cls, d: dict) -> StepCostModel:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -170,8 +172,13 @@ class SimulatedRunner:
     varlen = False  # never replays CUDA graphs
     graphs = None
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], cost: StepCostModel,
-                 sleep: Callable[[float], None] = time.sleep):  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        cost: StepCostModel,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.cost = cost

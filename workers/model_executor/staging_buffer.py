@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from shoal.workers.utils import cdiv
+
 _ALIGN = 16  # bytes: every view starts aligned for any dtype used here
 
 
@@ -34,7 +36,7 @@ class StagingBuffer:
     def _new_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
-    def begin(self) -> "StagedBatch":
+    def begin(self) -> StagedBatch:
         return StagedBatch(self)
 
     def _reserve(self, nbytes: int) -> None:
@@ -53,8 +55,9 @@ class StagedBatch:
         self._arrays: dict[str, tuple[np.ndarray, torch.dtype, tuple[int, ...]]] = {}
         self.device_bytes: torch.Tensor | None = None  # set by upload()
 
-    def add(self, name: str, values: Sequence | np.ndarray, dtype: torch.dtype, shape: tuple[int, ...] | None = None
-            ) -> None:  # fmt: skip
+    def add(
+        self, name: str, values: Sequence | np.ndarray, dtype: torch.dtype, shape: tuple[int, ...] | None = None
+    ) -> None:
         """values: a flat list (or array) of numbers; shape, when given,
         reshapes the device view (a block table's [rows, width])."""
         assert name not in self._arrays, f"{name!r} staged twice"
@@ -70,7 +73,7 @@ class StagedBatch:
         offsets, end = [], 0
         for arr, _, _ in self._arrays.values():
             offsets.append(end)
-            end += -(-arr.nbytes // _ALIGN) * _ALIGN
+            end += cdiv(arr.nbytes, _ALIGN) * _ALIGN
         return offsets, end
 
     def views(self, device_bytes: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 import os
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 
 class Tokenizer:
     """A thin wrapper over a `tokenizers.Tokenizer` with the special tokens
     and chat template that came with the model."""
 
-    def __init__(self, backend: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 add_bos_token: bool, chat_template: str | None):  # fmt: skip
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos_token: bool,
+        chat_template: str | None,
+    ):
         self.backend = backend
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
@@ -46,11 +54,16 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)  # fmt: skip
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     @classmethod
-    def from_hf_folder(cls, path: str) -> "Tokenizer | None":
+    def from_hf_folder(cls, path: str) -> Tokenizer | None:
         """None when the folder has no tokenizer.json (token-id prompts only)."""
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_file):
@@ -70,12 +83,16 @@ class Tokenizer:
 
         # Most tokenizer.json files add BOS in their post-processor already;
         # add_bos_token is honoured for those that do not (encode() checks).
-        return cls(HFTokenizer.from_file(tok_file), bos_token=token(cfg.get("bos_token")),
-                   eos_token=token(cfg.get("eos_token")), add_bos_token=bool(cfg.get("add_bos_token", False)),
-                   chat_template=template)  # fmt: skip
+        return cls(
+            HFTokenizer.from_file(tok_file),
+            bos_token=token(cfg.get("bos_token")),
+            eos_token=token(cfg.get("eos_token")),
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+        )
 
     @classmethod
-    def from_gguf_metadata(cls, md: dict) -> "Tokenizer":
+    def from_gguf_metadata(cls, md: dict) -> Tokenizer:
         """Byte-level BPE ('gpt2' in GGUF: SmolLM, Llama 3, Qwen2)."""
         kind = md.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -88,14 +105,19 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         # Control (3) and user-defined (4) tokens are matched whole, never split.
         types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                    for i, t in enumerate(types) if t == 3])  # fmt: skip
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+        )
         backend.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == 4])
 
         def tok(key):
             i = md.get(key)
             return tokens[i] if i is not None and i < len(tokens) else None
 
-        return cls(backend, bos_token=tok("tokenizer.ggml.bos_token_id"), eos_token=tok("tokenizer.ggml.eos_token_id"),
-                   add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=md.get("tokenizer.chat_template"))  # fmt: skip
+        return cls(
+            backend,
+            bos_token=tok("tokenizer.ggml.bos_token_id"),
+            eos_token=tok("tokenizer.ggml.eos_token_id"),
+            add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=md.get("tokenizer.chat_template"),
+        )

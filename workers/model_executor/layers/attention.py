@@ -96,8 +96,9 @@ class GatherWorkspace:
         return buf[:numel]
 
 
-def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:  # fmt: skip
+def write_to_paged_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """key/value [T, kv_heads, dim] go to flat slots `slot_mapping` of the
     caches [num_blocks, block_size, kv_heads, dim]; every backend reads them there."""
     k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
@@ -127,8 +128,16 @@ class PagedAttention(nn.Module):
         write_to_paged_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if self.triton_kernel is not None:
             t = ctx.triton
-            out = self.triton_kernel(q, self.k_cache, self.v_cache, t.block_tables, t.seq_lens, t.query_start_loc,
-                                     t.max_query_len, self.scale)  # fmt: skip
+            out = self.triton_kernel(
+                q,
+                self.k_cache,
+                self.v_cache,
+                t.block_tables,
+                t.seq_lens,
+                t.query_start_loc,
+                t.max_query_len,
+                self.scale,
+            )
             return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
         for g in ctx.decodes:

@@ -30,8 +30,12 @@ def load():
 
         t0 = time.perf_counter()
         csrc = os.path.join(os.path.dirname(__file__), "csrc")
-        _kernel = load_extension("shoal_cpu_kernels", [os.path.join(csrc, s) for s in _SOURCES],
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
+        _kernel = load_extension(
+            "shoal_cpu_kernels",
+            [os.path.join(csrc, s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler or ninja, an unusual platform
         logger.warning("CPU kernels unavailable (%s); using the torch path", e)

@@ -21,8 +21,14 @@ MAX_KERNEL_ROWS = 256
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> torch.Tensor:
     """x @ weight.T + bias, in x's dtype; `kernel` is the compiled CPU module or None."""
-    if (kernel is not None and x.dim() == 2 and x.shape[0] <= MAX_KERNEL_ROWS and x.dtype == torch.float32
-            and x.device.type == "cpu" and weight.shape[1] % 16 == 0):  # fmt: skip
+    if (
+        kernel is not None
+        and x.dim() == 2
+        and x.shape[0] <= MAX_KERNEL_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.shape[1] % 16 == 0
+    ):
         return kernel.small_m_linear(x, weight, bias)
     if weight.dtype != x.dtype:  # bfloat16-stored weights in a float32 model: widen for the BLAS
         weight = weight.to(x.dtype)

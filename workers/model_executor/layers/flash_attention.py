@@ -34,17 +34,26 @@ def load(device: torch.device, block_size: int) -> Callable[..., torch.Tensor]:
     if device.type != "cuda":
         raise RuntimeError(f"the flash_attn attention backend needs CUDA; the engine is on {device}")
     if block_size % PAGE_BLOCK_MULTIPLE:
-        raise ValueError(f"flash-attn's paged KV cache needs block_size a multiple of {PAGE_BLOCK_MULTIPLE}; "
-                         f"got {block_size}")  # fmt: skip
+        raise ValueError(
+            f"flash-attn's paged KV cache needs block_size a multiple of {PAGE_BLOCK_MULTIPLE}; got {block_size}"
+        )
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as e:  # not installed, or built against another torch or CUDA
-        raise RuntimeError(f"the flash_attn attention backend needs the flash_attn package "
-                           f"(pip install 'shoal[flash]'): {e}") from e  # fmt: skip
+        raise RuntimeError(
+            f"the flash_attn attention backend needs the flash_attn package (pip install 'shoal[flash]'): {e}"
+        ) from e
 
-    def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                        scale: float) -> torch.Tensor:  # fmt: skip
+    def paged_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        scale: float,
+    ) -> torch.Tensor:
         """q [T, heads, dim]; caches [num_blocks, block_size, kv_heads, dim];
         sequence i owns queries query_start_loc[i]:query_start_loc[i + 1], the
         last of its seq_lens[i] positions. Returns [T, heads, dim]."""
@@ -53,7 +62,17 @@ def load(device: torch.device, block_size: int) -> Callable[..., torch.Tensor]:
         # table's capacity bounds every sequence's keys without reading one.
         cu_seqlens_k = F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         max_seqlen_k = block_tables.shape[1] * k_cache.shape[1]
-        return flash_attn_varlen_func(q, k_cache, v_cache, query_start_loc, cu_seqlens_k, max_query_len, max_seqlen_k,
-                                      softmax_scale=scale, causal=True, block_table=block_tables)  # fmt: skip
+        return flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            query_start_loc,
+            cu_seqlens_k,
+            max_query_len,
+            max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=block_tables,
+        )
 
     return paged_attention

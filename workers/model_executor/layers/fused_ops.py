@@ -18,8 +18,19 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
-def _rms_norm_kernel(out_ptr, x_ptr, residual_ptr, weight_ptr, eps, stride_o, stride_x, stride_r, hidden,
-                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(
+    out_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    eps,
+    stride_o,
+    stride_x,
+    stride_r,
+    hidden,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -50,8 +61,19 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, stride_o, stride_x, n, BLOCK: tl.conste
 
 
 @triton.jit
-def _rotate_heads(dst_ptr, src_ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
-                  HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
+def _rotate_heads(
+    dst_ptr,
+    src_ptr,
+    token,
+    stride_t,
+    stride_h,
+    num_heads,
+    cos,
+    sin,
+    half,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     """Hugging Face's rotate_half layout: dims [0, half) pair with [half, 2 * half)."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -65,9 +87,26 @@ def _rotate_heads(dst_ptr, src_ptr, token, stride_t, stride_h, num_heads, cos, s
 
 
 @triton.jit
-def _rotary_kernel(q_out_ptr, k_out_ptr, q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads, num_k_heads, half,
-                   Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
+def _rotary_kernel(
+    q_out_ptr,
+    k_out_ptr,
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    num_q_heads,
+    num_k_heads,
+    half,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -80,8 +119,10 @@ def _rotary_kernel(q_out_ptr, k_out_ptr, q_ptr, k_ptr, positions_ptr, cos_ptr, s
 
 def _check_runs_on(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and not isinstance(_rms_norm_kernel, InterpretedFunction):
-        raise RuntimeError("the fused Triton ops need CUDA (on the CPU, only under TRITON_INTERPRET=1 "
-                           "set before the first import of fused_ops)")  # fmt: skip
+        raise RuntimeError(
+            "the fused Triton ops need CUDA (on the CPU, only under TRITON_INTERPRET=1 "
+            "set before the first import of fused_ops)"
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -96,9 +137,19 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     res = rows if residual is None else residual.view(-1, x.shape[-1])  # view: the update must land in place
     out = torch.empty_like(rows)
     hidden = rows.shape[-1]
-    _rms_norm_kernel[(rows.shape[0],)](out, rows, res, weight, eps, out.stride(0), rows.stride(0), res.stride(0),
-                                       hidden, ADD_RESIDUAL=residual is not None,
-                                       BLOCK=triton.next_power_of_2(hidden))  # fmt: skip
+    _rms_norm_kernel[(rows.shape[0],)](
+        out,
+        rows,
+        res,
+        weight,
+        eps,
+        out.stride(0),
+        rows.stride(0),
+        res.stride(0),
+        hidden,
+        ADD_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(hidden),
+    )
     return out.view(x.shape)
 
 
@@ -121,13 +172,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = rows.shape[-1] // 2
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](out, rows, out.stride(0), rows.stride(0), n,
-                                                                 BLOCK=block)  # fmt: skip
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
+        out, rows, out.stride(0), rows.stride(0), n, BLOCK=block
+    )
     return out.view(*x.shape[:-1], n)
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] (views into the
     fused qkv output are fine); cos/sin: [max_positions, head_dim].
     Returns new contiguous q and k, as the torch path does."""
@@ -137,9 +190,24 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     half = q.shape[-1] // 2
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    _rotary_kernel[(q.shape[0],)](q_out, k_out, q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
-                                  k.stride(1), cos.stride(0), q.shape[1], k.shape[1], half,
-                                  Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
-                                  K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
-                                  HALF_PAD=triton.next_power_of_2(half))  # fmt: skip
+    _rotary_kernel[(q.shape[0],)](
+        q_out,
+        k_out,
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        q.shape[1],
+        k.shape[1],
+        half,
+        Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
+        K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+        HALF_PAD=triton.next_power_of_2(half),
+    )
     return q_out, k_out

@@ -41,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
         self.cpu_kernels = None  # the compiled CPU kernels, when the model runner uses them
 
     @classmethod
-    def even(cls, input_size: int, output_sizes: list[int], bias: bool) -> "ColumnParallelLinear":
+    def even(cls, input_size: int, output_sizes: list[int], bias: bool) -> ColumnParallelLinear:
         """Each fused part split evenly: rank r takes the r-th slice of each."""
         tp = get_tp_group()
         return cls(input_size, [(n, n // tp.size, tp.rank * (n // tp.size)) for n in output_sizes], bias)

@@ -55,8 +55,9 @@ class Sampler:
         if metadata.frequency_rows is not None:
             counts = metadata.output_token_counts.to(logits.dtype)
             present = (counts > 0).to(logits.dtype)
-            logits[metadata.frequency_rows] -= (counts * metadata.frequency_penalties.unsqueeze(1)
-                                                + present * metadata.presence_penalties.unsqueeze(1))  # fmt: skip
+            logits[metadata.frequency_rows] -= counts * metadata.frequency_penalties.unsqueeze(
+                1
+            ) + present * metadata.presence_penalties.unsqueeze(1)
 
     @staticmethod
     def _probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -40,4 +40,3 @@ def uniforms(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def as_int64_seed(seed: int) -> int:
     """Any Python int seed as the signed int64 with the same low 64 bits."""
     return (seed + 2**63) % 2**64 - 2**63
-

@@ -49,14 +49,38 @@ SPLIT_KV_MAX_PROGRAMS = 4 * 132
 # unspecialized so it does not cost a recompile.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """NUM_SEGMENTS == 1: the grid's third axis tiles each chunk's queries and
     the program writes its rows of `out`. Otherwise (split KV, one query token
     a sequence) it picks a segment of the sequence's key blocks, and the
@@ -141,10 +165,21 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_segments_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, query_start_loc_ptr, stride_ot, stride_oh,
-    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    stride_ot,
+    stride_oh,
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
     """One program per (sequence, KV head) of a split-KV decode step, the
     group's query heads as rows: the partial softmaxes of the segments that
     hold keys, each rescaled by exp(m - the largest m), summed and
@@ -170,15 +205,15 @@ def _merge_segments_kernel(
     m_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     for segment in range(0, num_written):
         m_max = tl.maximum(m_max, tl.load(part_m_ptr + part + segment, mask=row_ok, other=0.0))
-    l = tl.full([GROUP_PAD], 0.0, tl.float32)
+    l_sum = tl.full([GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
     for segment in range(0, num_written):
         weight = tl.exp(tl.load(part_m_ptr + part + segment, mask=row_ok, other=0.0) - m_max)
-        l += tl.load(part_l_ptr + part + segment, mask=row_ok, other=1.0) * weight  # padding rows: no 0 / 0
+        l_sum += tl.load(part_l_ptr + part + segment, mask=row_ok, other=1.0) * weight  # padding rows: no 0 / 0
         acc_off = (part + segment)[:, None] * HEAD_DIM_PAD + dims[None, :]
         acc += tl.load(part_acc_ptr + acc_off, mask=row_ok[:, None], other=0.0) * weight[:, None]
     out_off = token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    out = (acc / l[:, None]).to(out_ptr.dtype.element_ty)
+    out = (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + out_off, out, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
 
 
@@ -191,8 +226,10 @@ def load(device: torch.device, block_size: int) -> Callable[..., torch.Tensor]:
 
 def _check_runs_on(device: torch.device) -> None:
     if device.type != "cuda" and not isinstance(_paged_attention_kernel, InterpretedFunction):
-        raise RuntimeError("the Triton attention kernel needs CUDA (on the CPU, only under TRITON_INTERPRET=1 "
-                           "set before triton_attention is first imported, as the tests do)")  # fmt: skip
+        raise RuntimeError(
+            "the Triton attention kernel needs CUDA (on the CPU, only under TRITON_INTERPRET=1 "
+            "set before triton_attention is first imported, as the tests do)"
+        )
 
 
 def _check_block_size(block_size: int) -> None:
@@ -207,9 +244,18 @@ def use_split_kv(num_seqs: int, num_kv_heads: int, max_query_len: int) -> bool:
     return max_query_len == 1 and num_seqs * num_kv_heads < SPLIT_KV_MAX_PROGRAMS
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float, *,
-                    split_kv: bool | None = None) -> torch.Tensor:  # fmt: skip
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    *,
+    split_kv: bool | None = None,
+) -> torch.Tensor:
     """q [T, heads, dim]; caches [num_blocks, block_size, kv_heads, dim];
     sequence i owns queries query_start_loc[i]:query_start_loc[i + 1], the
     last of its seq_lens[i] positions. Returns [T, heads, dim].
@@ -248,20 +294,55 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
         part_m = part_l = part_acc = out  # not read or written
     _paged_attention_kernel[grid](
-        out, part_m, part_l, part_acc, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        QUERIES_PER_KV=queries_per_kv, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        NUM_SEGMENTS=num_segments,
         # float32 exactly (not TF32) where the inputs are float32; Triton's
         # default for 16-bit inputs, where the precision setting does not apply.
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-    )  # fmt: skip
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+    )
     if split_kv:
         _merge_segments_kernel[(num_seqs, num_kv_heads)](
-            out, part_m, part_l, part_acc, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-            QUERIES_PER_KV=queries_per_kv, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
-        )  # fmt: skip
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            seq_lens,
+            query_start_loc,
+            out.stride(0),
+            out.stride(1),
+            QUERIES_PER_KV=queries_per_kv,
+            GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=block_size,
+            NUM_SEGMENTS=num_segments,
+        )
     return out

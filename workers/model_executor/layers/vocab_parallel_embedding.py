@@ -11,6 +11,7 @@ from torch import nn
 from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group
 from shoal.workers.model_executor.layers.weight_utils import check_shape
+from shoal.workers.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = get_tp_group()
         self.vocab_size = vocab_size
-        self.rows = -(-vocab_size // self.tp.size)  # per rank, padded
+        self.rows = cdiv(vocab_size, self.tp.size)  # per rank, padded
         self.start = self.tp.rank * self.rows
         self.end = min(self.start + self.rows, vocab_size)  # real rows end here
         self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)

@@ -40,13 +40,14 @@ class ModelConfig:
         if heads % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} attention heads")
         if kv % tp_size and tp_size % kv:
-            raise ValueError(f"tensor_parallel_size {tp_size} neither divides the model's {kv} KV heads "
-                             "nor is a multiple of them")  # fmt: skip
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} neither divides the model's {kv} KV heads nor is a multiple of them"
+            )
         if self.intermediate_size % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the MLP width {self.intermediate_size}")
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"model_type {model_type!r} is not supported; shoal runs {SUPPORTED_ARCHITECTURES}")
@@ -86,7 +87,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, md: dict, tensor_names: set[str]) -> "ModelConfig":
+    def from_gguf_metadata(cls, md: dict, tensor_names: set[str]) -> ModelConfig:
         arch = md["general.architecture"]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported; shoal runs {SUPPORTED_ARCHITECTURES}")

@@ -29,8 +29,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, cfg.qkv_bias)  # fmt: skip
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -67,8 +68,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's threading: returns the MLP output and the running sum
         before it, and each norm adds the pending output into the sum
         (fused on CUDA); the adds are the same, in the same order."""
@@ -123,15 +125,17 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_indices: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor | None:
         """Logits (float32) only at `logits_indices` of the flat batch; on
         ranks other than 0 of a tensor-parallel group, None."""
         h, residual = self.embed_tokens(input_ids).to(self.dtype), None
         if self._decodes_only(h):
             group = get_forward_context().decodes[0]
-            h, residual = self._bound_decode_layers()(h, positions, get_forward_context().slot_mapping,
-                                                      group.block_tables, group.context_lens)  # fmt: skip
+            h, residual = self._bound_decode_layers()(
+                h, positions, get_forward_context().slot_mapping, group.block_tables, group.context_lens
+            )
         else:
             for layer in self.layers:
                 h, residual = layer(positions, h, residual)
@@ -148,8 +152,12 @@ class LlamaForCausalLM(nn.Module):
         if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
             return False
         ctx = get_forward_context()
-        return not ctx.prefills and ctx.triton is None and len(ctx.decodes) == 1 and \
-            ctx.decodes[0].end - ctx.decodes[0].start == h.shape[0]  # fmt: skip
+        return (
+            not ctx.prefills
+            and ctx.triton is None
+            and len(ctx.decodes) == 1
+            and ctx.decodes[0].end - ctx.decodes[0].start == h.shape[0]
+        )
 
     def unbind_kv_cache(self) -> None:
         """Drops the C++ layers' hold on the KV cache (the runner frees or replaces it)."""
@@ -165,15 +173,32 @@ class LlamaForCausalLM(nn.Module):
             weights, k_caches, v_caches = [], [], []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
-                for w in (layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                          a.o_proj.bias, layer.post_attention_layernorm.weight, m.gate_up_proj.weight,
-                          m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias):  # fmt: skip
+                for w in (
+                    layer.input_layernorm.weight,
+                    a.qkv_proj.weight,
+                    a.qkv_proj.bias,
+                    a.o_proj.weight,
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    m.gate_up_proj.weight,
+                    m.gate_up_proj.bias,
+                    m.down_proj.weight,
+                    m.down_proj.bias,
+                ):
                     weights.append(none if w is None else w)
                 k_caches.append(a.attn.k_cache)
                 v_caches.append(a.attn.v_cache)
-            layers = self.cpu_kernels.DecodeLayers(weights, k_caches, v_caches, a0.rotary.cos_cached,
-                                                   a0.rotary.sin_cached, a0.num_heads, a0.num_kv_heads,
-                                                   self.config.rms_norm_eps, a0.attn.scale)  # fmt: skip
+            layers = self.cpu_kernels.DecodeLayers(
+                weights,
+                k_caches,
+                v_caches,
+                a0.rotary.cos_cached,
+                a0.rotary.sin_cached,
+                a0.num_heads,
+                a0.num_kv_heads,
+                self.config.rms_norm_eps,
+                a0.attn.scale,
+            )
             self._decode_layers = (key, layers)
         return self._decode_layers[1]
 

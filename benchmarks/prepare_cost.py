@@ -21,8 +21,8 @@ PACKAGES = ("workers", "router", "cluster", "proto", "benchmarks")
 # Runs inside either tree: old fronts had _prepare(Prompt, sampling), new ones _check(ids, sampling).
 _SNIPPET = r"""
 import json, sys, time
-from shoal.router.frontend import Frontend, ModelInfo
-from shoal.router.prompt import Prompt, tokenize
+from shoal.router.fronts.frontend import Frontend, ModelInfo
+from shoal.router.fronts.prompt import Prompt, tokenize
 from shoal.workers.core.block_hash import chain_hashes
 num_tokens, block_size, calls = map(int, sys.argv[1:4])
 fe = Frontend(None, None, ModelInfo("m", 8192, 49152, block_size, 1, 1))

@@ -45,7 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from shoal.benchmarks.serve import _free_port
+from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.svg_plot import cdf_plot
 from shoal.workers.engine_args import EngineArgs
 
@@ -337,11 +337,11 @@ class Bench:
         from shoal.cluster.app import build_app
         from shoal.cluster.options import ServeOptions
 
-        self.http_port = _free_port()
+        self.http_port = free_port()
         sim = self.ns.workers_kind == "simulated"
         opts = ServeOptions(
             http_port=self.http_port,
-            grpc_port=_free_port(),
+            grpc_port=free_port(),
             num_workers=self.ns.num_workers,
             max_waiting=self.ns.max_waiting,
             drain_timeout_s=5.0,

@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.svg_plot import cdf_plot
 from shoal.workers.engine_args import EngineArgs
 
@@ -31,6 +32,11 @@ _WORDS = (
     "president team minute idea kid body information back parent face others level office door health person "
     "art war history party result change morning reason research girl guy moment air teacher force education"
 ).split()
+
+
+def random_words(rng: random.Random, n: int) -> str:
+    """A prompt of n common English words (about n tokens), drawn from rng."""
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
 def add_parser(sub) -> None:
@@ -112,7 +118,7 @@ def make_workload(n: int, input_len: int, output_len: int, rate: float, seed: in
     rng = random.Random(seed)
     t, work = 0.0, []
     for _ in range(n):
-        work.append((t, " ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len))
+        work.append((t, random_words(rng, input_len), output_len))
         if rate != float("inf"):
             t += rng.expovariate(rate)
     return work
@@ -332,14 +338,6 @@ def _salted(work, salt: str):
     return [(t, salt + " " + p.split(" ", 1)[1], n) for t, p, n in work]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     """The cluster is started first and left idle while the in-process engine
     runs, then the targets alternate for --rounds rounds (each round with its
@@ -349,8 +347,8 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
     from shoal.workers import AsyncEngine
 
     opts = ServeOptions(
-        http_port=_free_port(),
-        grpc_port=_free_port(),
+        http_port=free_port(),
+        grpc_port=free_port(),
         num_workers=ns.num_workers,
         api_key=ns.api_key,
         engine=EngineArgs.from_cli_args(ns),
@@ -416,7 +414,7 @@ def _launch_traced(opts):
     from shoal.cluster.app import build_app
 
     sink = OtlpSink().__enter__()
-    traced = dataclasses.replace(opts, http_port=_free_port(), grpc_port=_free_port())
+    traced = dataclasses.replace(opts, http_port=free_port(), grpc_port=free_port())
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_SERVICE_NAME": "shoal-bench"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

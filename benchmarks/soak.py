@@ -26,7 +26,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from shoal.benchmarks.serve import _WORDS, _free_port
+from shoal.benchmarks.ports import free_port
+from shoal.benchmarks.serve import random_words
 
 MB = 1 << 20
 
@@ -224,7 +225,7 @@ def make_body(seed: int, input_len: int, output_len: int):
 
     def body(k: int) -> dict:
         rng = random.Random(seed * 1_000_003 + k)
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(input_len))
+        prompt = random_words(rng, input_len)
         return {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0 if k % 2 else 0.8, "seed": k}
 
     return body
@@ -426,7 +427,7 @@ def soak(ns, base_url: str, status_base: str, root_pid: int) -> dict:
 
 
 def run(ns) -> int:
-    http, grpc = _free_port(), _free_port()
+    http, grpc = free_port(), free_port()
     cmd = serve_command(ns, http, grpc)
     print("starting: " + shlex.join(cmd[1:]), flush=True)
     server = ServeProcess(cmd)

@@ -17,13 +17,13 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def cpu_us_per_request(n: int = 1000) -> float:
-    from shoal.router import tracing as rt
-    from shoal.router.replica_stats import ReplicaFigures
+    from shoal.router.observability import tracing as rt
+    from shoal.router.routing.replica_stats import ReplicaFigures
     from shoal.workers import SamplingParams
     from shoal.workers import tracing as wt
     from shoal.workers.core.sequence import RequestTimings
     from shoal.workers.messages import RequestFinished
-    from shoal.workers.worker import _end_span
+    from shoal.workers.tracing import finish_worker_span
 
     with OtlpSink() as sink:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
@@ -43,7 +43,7 @@ def cpu_us_per_request(n: int = 1000) -> float:
             worker = wt.start_worker_span(carrier, f"r{i}", {"shoal.worker": "w1"})
             now = time.time()
             f = RequestFinished("length", None, "w1", 128, 0, 64, 0.1, 0.1, 0.8, 0.2, 1.0)
-            _end_span(worker, RequestTimings(now - 1.0, now - 0.9, now - 0.8, now), f)
+            finish_worker_span(worker, RequestTimings(now - 1.0, now - 0.9, now - 0.8, now), f)
             rt.finish_request_span(span, f, response_model="m")
 
         for i in range(100):  # warm up (imports, the exporter's channel)

@@ -15,9 +15,9 @@ from ray.serve import Application
 
 from shoal.cluster.autoscaling import replica_options
 from shoal.cluster.options import ServeOptions
-from shoal.router.ingress import Router
+from shoal.router.fronts.ingress import Router
 from shoal.router.options import API_KEY_ENV
-from shoal.router.request_router import request_router_config
+from shoal.router.routing.request_router import request_router_config
 from shoal.workers.distributed.placement import tp_bundles
 from shoal.workers.tracing import otel_env
 
@@ -50,7 +50,7 @@ def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
         # --num-workers, or autoscaling between --min-workers and --max-workers
         **replica_options(opts),
         "ray_actor_options": actor,
-        # (+ one each router's delta stream holds open, router/delta_mux.py)
+        # (+ one each router's delta stream holds open, router/routing/delta_mux.py)
         "max_ongoing_requests": opts.engine.max_num_seqs + opts.max_waiting + HEADROOM + opts.routers,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 60.0,

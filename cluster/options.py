@@ -12,7 +12,7 @@ from shoal.router.options import RouterOptions
 from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
-# --routing: the Worker deployment's request router (router/request_router.py).
+# --routing: the Worker deployment's request router (router/routing/request_router.py).
 ROUTING_POLICIES = ("kv", "least-requests", "pow2", "round-robin")
 # The Helm chart sets it on every pod; read once here, the option is what the code reads.
 _ENV_KUBERAY = os.environ.get("SHOAL_KUBERAY") == "1"

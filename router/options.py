@@ -22,7 +22,7 @@ class RouterOptions:
     num_workers: int
     max_request_bytes: int
     drain_timeout_s: float
-    max_retries: int = 3  # re-sends of one request after its worker is lost (router/failover.py)
+    max_retries: int = 3  # re-sends of one request after its worker is lost (routing/failover.py)
     routing: str = "kv"  # the workers' routing policy, shown on the status page
     max_prompts: int = 64  # prompts in one completions request
     max_concurrent_requests: int = 1024  # HTTP connections and gRPC calls served at once

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 from contextlib import asynccontextmanager, contextmanager
 
 import httpx
 
+from shoal.benchmarks.ports import free_port  # re-exported: the tests import it from here
 from shoal.cluster.options import ServeOptions
-from shoal.router.frontend import Frontend, ModelInfo
-from shoal.router.grpc_server import GrpcServer
-from shoal.router.openai_app import OpenAIApp
-from shoal.router.worker_pool import LocalWorkerPool
+from shoal.router.fronts.frontend import Frontend, ModelInfo
+from shoal.router.fronts.grpc_server import GrpcServer
+from shoal.router.fronts.openai_app import OpenAIApp
+from shoal.router.routing.worker_pool import LocalWorkerPool
 from shoal.workers import EngineArgs
 from shoal.workers.worker import Worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_frontend(

@@ -15,8 +15,8 @@ from serving import make_frontend
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
-from shoal.router.grpc_server import GrpcServer
-from shoal.router.openai_app import OpenAIApp
+from shoal.router.fronts.grpc_server import GrpcServer
+from shoal.router.fronts.openai_app import OpenAIApp
 
 LIMIT = 2
 BODY = {"prompt": "The quick brown fox", "max_tokens": 3, "ignore_eos": True}

@@ -12,12 +12,13 @@ from contextlib import aclosing
 from types import SimpleNamespace
 
 import pytest
+from prompts import SHORT_PROMPTS
 
 from shoal.cluster.autoscaling import KV_HIGH, WorkerFigures, desired_workers, worker_policy
 from shoal.cluster.options import ServeOptions
-from shoal.router import rebalance
-from shoal.router.failover import FailoverPool
-from shoal.router.replica_stats import ReplicaStats
+from shoal.router.routing import rebalance
+from shoal.router.routing.failover import FailoverPool
+from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.workers import EngineArgs, SamplingParams
 from shoal.workers.messages import GenerateRequest, WorkerError
 from shoal.workers.worker import Worker
@@ -194,14 +195,7 @@ async def collect(stream) -> tuple[list[int], str, list]:
 
 
 def test_waiting_requests_handed_back_go_on_elsewhere_at_no_retry_cost(tiny_model):
-    prompts = [
-        "The quick brown fox",
-        "Paged attention keeps",
-        "def add(a, b):",
-        "Hello, world! How are",
-        "Numbers: 0 1 2",
-        "Continuous batching rebuilds",
-    ]
+    prompts = SHORT_PROMPTS[:6]
 
     async def main():
         a, b = (

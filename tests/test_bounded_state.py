@@ -22,14 +22,14 @@ from contextlib import aclosing
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.router import metrics as metrics_mod
-from shoal.router import rebalance, replica_stats
-from shoal.router.failover import FailoverPool, WorkerLost
-from shoal.router.frontend import Frontend, ModelInfo, ServingError
-from shoal.router.metrics import RouterMetrics
-from shoal.router.prompt import Prompt
-from shoal.router.replica_stats import ReplicaStats
-from shoal.router.worker_pool import ServeWorkerPool
+from shoal.router.fronts.frontend import Frontend, ModelInfo, ServingError
+from shoal.router.fronts.prompt import Prompt
+from shoal.router.observability import metrics as metrics_mod
+from shoal.router.observability.metrics import RouterMetrics
+from shoal.router.routing import rebalance, replica_stats
+from shoal.router.routing.failover import FailoverPool, WorkerLost
+from shoal.router.routing.replica_stats import ReplicaStats
+from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import EngineArgs, SamplingParams, delta_outbox
 from shoal.workers.messages import RequestFinished, Riding
 from shoal.workers.model_executor.simulated_runner import StepCostModel
@@ -119,7 +119,7 @@ def test_the_request_router_removes_the_series_of_replicas_that_left(monkeypatch
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
     from ray.serve.request_router import RequestRouter
 
-    from shoal.router.request_router import ROUTERS
+    from shoal.router.routing.request_router import ROUTERS
 
     for base in (RequestRouter, PowerOfTwoChoicesRequestRouter):  # Serve's own bookkeeping is not under test
         monkeypatch.setattr(base, "update_replicas", lambda self, replicas: None)

@@ -1,4 +1,4 @@
-"""The router's one delta stream per worker (router/delta_mux.py,
+"""The router's one delta stream per worker (router/routing/delta_mux.py,
 workers/delta_outbox.py), in-process: real Workers on the tiny model behind
 a stand-in for Serve's handle that calls their methods as Serve would (a
 generate or subscribe call is an async stream with cancel()). The requests'
@@ -13,9 +13,9 @@ from contextlib import aclosing
 import pytest
 from engine_hold import EngineHold, until
 
-from shoal.router import rebalance, replica_stats
-from shoal.router.failover import FailoverPool, WorkerLost
-from shoal.router.worker_pool import ServeWorkerPool
+from shoal.router.routing import rebalance, replica_stats
+from shoal.router.routing.failover import FailoverPool, WorkerLost
+from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import delta_outbox
 from shoal.workers.messages import Riding, Subscribe
 from tests.test_failover import PROMPTS, Result, all_free, request, run, same, workers

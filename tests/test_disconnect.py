@@ -16,8 +16,8 @@ from serving import free_port, grpc_server, make_frontend
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
-from shoal.router.ingress import start_http
-from shoal.router.openai_app import OpenAIApp
+from shoal.router.fronts.ingress import start_http
+from shoal.router.fronts.openai_app import OpenAIApp
 
 # A prompt several prefill chunks long: one step computes 16 of its tokens and yields none.
 LONG_PROMPT = list(range(5, 69))

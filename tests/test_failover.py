@@ -12,26 +12,18 @@ from dataclasses import dataclass, field
 
 import pytest
 from engine_hold import EngineHold, until
+from prompts import SHORT_PROMPTS
 from step_gate import StepGate
 
-from shoal.router.failover import FailoverPool, WorkerLost
-from shoal.router.frontend import Frontend, ModelInfo, ServingError
+from shoal.router.fronts.frontend import Frontend, ModelInfo, ServingError
+from shoal.router.routing.failover import FailoverPool, WorkerLost
 from shoal.workers import EngineArgs, SamplingParams
 from shoal.workers.errors import EngineDeadError
 from shoal.workers.messages import GenerateRequest, RequestFinished
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.worker import Worker
 
-PROMPTS = [
-    "The quick brown fox",
-    "Paged attention keeps",
-    "def add(a, b):",
-    "Hello, world! How are",
-    "Numbers: 0 1 2",
-    "Continuous batching rebuilds",
-    "I am fine, thank",
-    "keys and values in",
-]
+PROMPTS = SHORT_PROMPTS
 
 
 class DyingWorkers:

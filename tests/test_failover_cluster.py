@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+from prompts import SHORT_PROMPTS
 from serving import local_cluster_app
 
 from shoal.proto.v1 import shoal_pb2 as pb
@@ -20,16 +21,7 @@ from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 APP = "shoal-failover"
-PROMPTS = [
-    "The quick brown fox",
-    "Paged attention keeps",
-    "def add(a, b):",
-    "Hello, world! How are",
-    "Numbers: 0 1 2",
-    "Continuous batching rebuilds",
-    "I am fine, thank",
-    "keys and values in",
-]
+PROMPTS = SHORT_PROMPTS
 GREEDY = dict(temperature=0.0, max_tokens=160, ignore_eos=True)
 ACT_S = 5.0  # a disturbed run's streams last at least about this long after their 10th chunk
 MAX_TOKENS = 480  # 16 streams of this many fit one worker's 512 blocks of 16 (after a failover)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from test_failover import DyingWorkers, request, run, workers
 
-from shoal.router.failover import FailoverPool
+from shoal.router.routing.failover import FailoverPool
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.errors import EngineFaultError
 from shoal.workers.fault_injection import ENV
@@ -136,7 +136,7 @@ def test_a_request_that_kills_every_worker_it_lands_on_is_sent_to_two_at_most(ti
             )
             return got, after, pool, failover, [w.engine.failed is not None for w in ws]
 
-    with caplog.at_level("WARNING", logger="shoal.router.failover"):
+    with caplog.at_level("WARNING", logger="shoal.router.routing.failover"):
         got, after, pool, failover, dead = asyncio.run(main())
     sent_to = [i for i, r in pool.sent if r.request_id.startswith("poison")]
     assert len(sent_to) == 2 and len(set(sent_to)) == 2  # two workers, never a third
@@ -147,7 +147,7 @@ def test_a_request_that_kills_every_worker_it_lands_on_is_sent_to_two_at_most(ti
 
 
 def test_the_client_of_a_poisoned_request_gets_a_500_poisoned_request(tiny_model, monkeypatch):
-    from shoal.router.frontend import Frontend, ModelInfo, ServingError
+    from shoal.router.fronts.frontend import Frontend, ModelInfo, ServingError
 
     monkeypatch.setenv(ENV, f"fatal={POISON}")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from shoal.router.metrics import METRIC_NAMES as EXPOSED
+from shoal.router.observability.metrics import METRIC_NAMES as EXPOSED
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "shoal.json"
 
-# The names each router exposes at /metrics, by kind (checked against shoal.router.metrics below).
+# The names each router exposes at /metrics, by kind (checked against shoal.router.observability.metrics below).
 GAUGES = {
     "shoal:num_requests_running",
     "shoal:num_requests_waiting",

@@ -30,6 +30,7 @@ from shoal.workers.engine_args import EngineArgs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(ROOT, "helm", "shoal")
 DEPLOY = os.path.join(ROOT, "deploy")
+EXAMPLES_DIR = os.path.join(CHART, "examples")  # the example values files
 CRD = os.path.join(ROOT, "tests", "k8s", "ray.io_rayservices.yaml")
 # The Kubernetes version docs/deployment.md names for the chart.
 KUBE_VERSION = "1.33"
@@ -76,7 +77,7 @@ CRD_KINDS = {"RayService", "ServiceMonitor"}
 def load_values(name: str | None) -> dict | None:
     if name is None:
         return None
-    with open(os.path.join(DEPLOY, name)) as f:
+    with open(os.path.join(EXAMPLES_DIR, name)) as f:
         return yaml.safe_load(f)
 
 
@@ -98,10 +99,10 @@ def rayservice(docs: list[dict]) -> dict:
 
 def render_serve_config(values_file: str | None = None) -> dict:
     """The serveConfigV2 of the RayService the chart renders with a values
-    file (a name in deploy/, or a path; None: the chart's defaults), as a dict."""
+    file (a name in helm/shoal/examples/, or a path; None: the chart's defaults), as a dict."""
     values = None
     if values_file is not None:
-        path = values_file if os.path.sep in values_file else os.path.join(DEPLOY, values_file)
+        path = values_file if os.path.sep in values_file else os.path.join(EXAMPLES_DIR, values_file)
         with open(path) as f:
             values = yaml.safe_load(f)
     return yaml.safe_load(rayservice(render(values))["spec"]["serveConfigV2"])
@@ -245,7 +246,7 @@ def test_serve_config_is_what_shoal_serve_builds_from_the_same_options(name):
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_files_show_that_command(name):
     """Each example's header names its `shoal serve` twin: the one tested above."""
-    with open(os.path.join(DEPLOY, name)) as f:
+    with open(os.path.join(EXAMPLES_DIR, name)) as f:
         lines = f.read().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("#   shoal serve "))
     command = ""

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from serving import http_client, make_frontend
 
-from shoal.router.http_guards import LOOPBACK, host_allowlist
-from shoal.router.openai_app import OpenAIApp
+from shoal.router.fronts.http_guards import LOOPBACK, host_allowlist
+from shoal.router.fronts.openai_app import OpenAIApp
 
 JSON = {"Content-Type": "application/json"}
 GOOD = {"prompt": "The quick brown fox", "max_tokens": 2}

@@ -10,7 +10,7 @@ import json
 from prometheus_client.parser import text_string_to_metric_families
 from serving import http_client, make_frontend
 
-from shoal.router.metrics import METRIC_NAMES, token_buckets
+from shoal.router.observability.metrics import METRIC_NAMES, token_buckets
 
 
 def _scrape(text: str) -> dict[tuple[str, tuple], float]:

@@ -4,6 +4,7 @@ back-pressure, auth and draining (the served cluster is the slow tier's)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -11,6 +12,7 @@ import pytest
 from serving import http_client, make_frontend
 
 from shoal.workers import LLM, SamplingParams
+from shoal.workers.messages import GenerateDelta
 from shoal.workers.worker import logger as worker_logger
 
 PROMPT = "The quick brown fox"
@@ -258,14 +260,16 @@ def test_flood_past_max_waiting_gets_429_and_admitted_requests_finish_right(tiny
 
 def test_a_worker_failing_midstream_ends_the_request_with_503_not_a_hang(tiny_model):
     class Broken:
-        """A worker whose stream breaks after one delta, as a dead replica's does."""
+        """A worker whose stream breaks after one delta, as a dead replica's does. The
+        delta goes out without its finish: a slow reader can get all 8 tokens merged
+        into the first delta, and the break must still come before the end."""
 
         def __init__(self, inner):
             self.inner = inner
 
         async def generate(self, request):
             async for msg in self.inner.generate(request):
-                yield msg
+                yield dataclasses.replace(msg, finished=None) if isinstance(msg, GenerateDelta) else msg
                 raise ConnectionError("replica died")
 
     async def main():

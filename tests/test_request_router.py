@@ -1,5 +1,5 @@
-"""The request router's scoring (router/routing.py) over hand-made replica
-figures, its registry (router/replica_stats.py), the worker's exports it
+"""The request router's scoring (router/routing/policies.py) over hand-made replica
+figures, its registry (router/routing/replica_stats.py), the worker's exports it
 feeds on, and (slow tier) prefix affinity in a served cluster."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from shoal.router import replica_stats, routing
-from shoal.router.replica_stats import GRACE_S, ReplicaFigures, ReplicaStats
+from shoal.router.routing import policies as routing
+from shoal.router.routing import replica_stats
+from shoal.router.routing.replica_stats import GRACE_S, ReplicaFigures, ReplicaStats
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sampling_params import SamplingParams
@@ -227,7 +228,7 @@ def _pending(req):
 
 
 def test_choose_replicas_ranks_one_per_rank_sets_backoff_and_reserves(monkeypatch):
-    from shoal.router.request_router import KVRequestRouter
+    from shoal.router.routing.request_router import KVRequestRouter
 
     stats = _stats_with({"a": fig(running=3), "b": fig()})
     monkeypatch.setattr(replica_stats, "REGISTRY", stats)
@@ -248,7 +249,7 @@ def test_choose_replicas_ranks_one_per_rank_sets_backoff_and_reserves(monkeypatc
 def test_choose_cost_at_32_replicas(monkeypatch):
     """The micro-benchmark: 32 replicas holding ~1000 hashes each, a
     2,000-token prompt; `pytest -s -k choose_cost` prints the figure."""
-    from shoal.router.request_router import KVRequestRouter
+    from shoal.router.routing.request_router import KVRequestRouter
 
     rng = random.Random(3)
     ids = prompt(2000)
@@ -350,7 +351,7 @@ def test_block_pool_keeps_its_in_use_cached_index_under_random_use():
 def test_local_pool_routes_a_shared_prefix_to_its_holder_and_exports_it(tiny_model):
     """The fast tier's end to end: Workers in-process behind LocalWorkerPool
     (the `kv` scoring), their delta loads and routing stats."""
-    from shoal.router.worker_pool import LocalWorkerPool
+    from shoal.router.routing.worker_pool import LocalWorkerPool
     from shoal.workers import EngineArgs
     from shoal.workers.worker import Worker
 
@@ -396,7 +397,7 @@ def test_routing_option_in_cli_and_serve_config():
 
     from shoal.cluster.app import worker_deployment_options
     from shoal.cluster.options import ROUTING_POLICIES, ServeOptions
-    from shoal.router.request_router import ROUTERS, KVRequestRouter, Pow2Router
+    from shoal.router.routing.request_router import ROUTERS, KVRequestRouter, Pow2Router
 
     assert set(ROUTERS) == set(ROUTING_POLICIES)
     opts = ServeOptions.from_dict({})

@@ -35,6 +35,9 @@ def _run(code: str) -> str:
 
 def test_no_router_or_cluster_module_imports_torch():
     names = sorted(n for n in module_files() if n.startswith(("shoal.router", "shoal.cluster")))
+    # every room of the router is walked (fronts, routing, observability)
+    assert {"shoal.router.fronts.ingress", "shoal.router.routing.request_router"} <= set(names)
+    assert "shoal.router.observability.status_page" in names
     names += LIGHT
     out = _run(
         "import importlib, sys\n"
@@ -49,9 +52,9 @@ def test_no_router_or_cluster_module_imports_torch():
 def test_a_router_front_prepares_a_request_without_torch(tiny_model):
     out = _run(f"""
 import asyncio, sys
-from shoal.router.frontend import Frontend, ModelInfo
-from shoal.router.openai_app import OpenAIApp
-from shoal.router.prompt import Prompt
+from shoal.router.fronts.frontend import Frontend, ModelInfo
+from shoal.router.fronts.openai_app import OpenAIApp
+from shoal.router.fronts.prompt import Prompt
 from shoal.workers.model_executor.model_loader import load_model_files
 
 tok = load_model_files({tiny_model!r}).tokenizer

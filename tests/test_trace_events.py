@@ -9,7 +9,7 @@ import random
 
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.messages import RequestFinished
-from shoal.workers.worker import _end_span
+from shoal.workers.tracing import finish_worker_span
 
 
 class RecordingSpan:
@@ -58,7 +58,7 @@ def test_preempted_and_resumed_times_become_the_worker_spans_events(tiny_model):
         for p, r in zip(t.preempted, t.resumed):
             assert t.first_scheduled <= p <= r <= t.finished
         span = RecordingSpan()
-        _end_span(
+        finish_worker_span(
             span,
             t,
             RequestFinished(

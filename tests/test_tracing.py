@@ -1,4 +1,4 @@
-"""Tracing (workers/tracing.py, router/tracing.py) against a real OTLP/gRPC
+"""Tracing (workers/tracing.py, router/observability/tracing.py) against a real OTLP/gRPC
 collector, no Ray. The SDK's global TracerProvider can be set once per
 process, so each side runs in its own subprocess: the router's span joins a
 client's traceparent, and a worker process's span, started from the carrier
@@ -16,15 +16,15 @@ import sys
 import textwrap
 
 import pytest
-from otlp_collector import OtlpCollector
 
+from shoal.benchmarks.otlp_sink import OtlpCollector
 from shoal.workers import tracing
 
 ROUTER = textwrap.dedent("""
     import json, sys
     from starlette.datastructures import Headers
-    from shoal.router import tracing as rt
-    from shoal.router.frontend import ServingError
+    from shoal.router.observability import tracing as rt
+    from shoal.router.fronts.frontend import ServingError
     from shoal.workers.core.sampling_params import SamplingParams
     from shoal.workers.messages import RequestFinished
 
@@ -79,7 +79,7 @@ OFF = textwrap.dedent("""
     made = []
     init = NonRecordingSpan.__init__
     NonRecordingSpan.__init__ = lambda self, *a, **k: (made.append(1), init(self, *a, **k))[1]
-    from shoal.router import tracing as rt
+    from shoal.router.observability import tracing as rt
     from shoal.workers import tracing
 
     tp = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"

@@ -12,10 +12,10 @@ import secrets
 import grpc
 import httpx
 import pytest
-from otlp_collector import OtlpCollector
 from serving import local_cluster_app
 from test_failover_cluster import wait_for_workers
 
+from shoal.benchmarks.otlp_sink import OtlpCollector
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 

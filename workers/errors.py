@@ -14,12 +14,12 @@ class EngineDeadError(RuntimeError):
     """The engine cannot go on: its loop failed, made no progress for the
     stall timeout while it had work, or lost a tensor-parallel rank. Its
     requests end with it; the worker reports them unavailable, and the
-    router sends them to another worker (router/failover.py)."""
+    router sends them to another worker (router/routing/failover.py)."""
 
 
 class RequestMoved(Exception):
     """A waiting request the worker handed back before it ran (a newer
-    worker has room; router/rebalance.py). The worker reports it 'moved' and
+    worker has room; router/routing/rebalance.py). The worker reports it 'moved' and
     the router sends it again, to another worker, at no cost to its retries."""
 
 

@@ -27,7 +27,7 @@ class GenerateRequest:
     # The prompt's prefix-cache chain (block_hash.chain_hashes), computed once
     # by the router, which scores replicas by it.
     block_hashes: list[bytes] | None = None
-    # Failover (router/failover.py): the last num_resumed_tokens of
+    # Failover (router/routing/failover.py): the last num_resumed_tokens of
     # prompt_token_ids are output a lost worker already streamed, of whose
     # text the client has num_resumed_chars characters. The engine counts them
     # as output (budget, min_tokens, seed index, stops) and streams the rest.

@@ -5,7 +5,7 @@ off, every helper returns at its first line (the module flag `enabled`), so
 no span object is ever made and the SDK is never imported. A request's trace
 crosses the Ray hop as a W3C traceparent/tracestate dict (inject/extract) on
 GenerateRequest.trace_context. Only opentelemetry-api is imported up front;
-the workers never import the router (router/tracing.py builds on this).
+the workers never import the router (router/observability/tracing.py builds on this).
 """
 
 from __future__ import annotations
@@ -274,3 +274,21 @@ def end_worker_span(span, finished=None, end_s: float | None = None, **attribute
         )
     set_attributes(span, attributes)
     span.end(end_time=ns(end_s))
+
+
+def finish_worker_span(span, timings, finished) -> None:
+    """End the worker's span with the engine's milestones as events, at the
+    times they happened (nothing was traced while the request ran): timings
+    is the request's RequestTimings (or None), finished its RequestFinished."""
+    if timings is not None:
+        t = timings
+        events = [("scheduled", t.first_scheduled), ("first_token", t.first_token)]
+        events += [("preempted", at) for at in t.preempted] + [("resumed", at) for at in t.resumed]
+        for name, at in sorted((e for e in events if e[1] is not None), key=lambda e: e[1]):
+            worker_event(span, name, at_s=at)
+    end_worker_span(
+        span,
+        finished,
+        end_s=timings.finished if timings is not None else None,
+        **{"shoal.prefill_s": finished.prefill_s, "shoal.decode_s": finished.decode_s},
+    )

@@ -44,22 +44,6 @@ def _worker_name() -> str:
         return f"local-{next(_local_ids)}"
 
 
-def _end_span(span, t, finished: RequestFinished) -> None:
-    """The worker's span ends with the engine's milestones as events, at the
-    times they happened (nothing was traced while the request ran)."""
-    if t is not None:
-        events = [("scheduled", t.first_scheduled), ("first_token", t.first_token)]
-        events += [("preempted", at) for at in t.preempted] + [("resumed", at) for at in t.resumed]
-        for name, at in sorted((e for e in events if e[1] is not None), key=lambda e: e[1]):
-            tracing.worker_event(span, name, at_s=at)
-    tracing.end_worker_span(
-        span,
-        finished,
-        end_s=t.finished if t is not None else None,
-        **{"shoal.prefill_s": finished.prefill_s, "shoal.decode_s": finished.decode_s},
-    )
-
-
 class Worker:
     """generate() streams deltas of one request; stats() and info() describe
     the worker. A request past `max_waiting` waiting ones is refused at once
@@ -153,7 +137,7 @@ class Worker:
                         )
                         logged = True
                         if span is not None:
-                            _end_span(span, out.timings, f)
+                            tracing.finish_worker_span(span, out.timings, f)
                     if box is None:
                         yield delta
                     elif not box.closed:
@@ -231,7 +215,7 @@ class Worker:
         load = self._step_load(force=first or out.finished)
         return GenerateDelta(out.new_token_ids, out.new_text, out.logprobs, finished, load)
 
-    # ---- figures for the request router (router/replica_stats.py) -----------
+    # ---- figures for the request router (router/routing/replica_stats.py) -----------
 
     # Up to this many cached chain hashes go into each routing-stats report.
     ROUTING_HASHES = 1024
@@ -274,7 +258,7 @@ class Worker:
             self._routing_stats = asdict(load) | {"cached": cached}
         return self._routing_stats
 
-    # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/rebalance.py)
+    # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/routing/rebalance.py)
 
     def record_autoscaling_stats(self) -> dict:
         """Serve's autoscaling metrics, sampled on the replica and pushed to

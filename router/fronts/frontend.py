@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from shoal.router import tracing
-from shoal.router.metrics import RouterMetrics
-from shoal.router.pool import WorkerPool
-from shoal.router.prompt import Prompt, tokenize
+from shoal.router.fronts.prompt import Prompt, tokenize
+from shoal.router.observability import tracing
+from shoal.router.observability.metrics import RouterMetrics
+from shoal.router.routing.pool import WorkerPool
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
@@ -131,7 +131,7 @@ class Frontend:
     def start_span(
         self, parent, operation: str, request_id: str, client_request_id: str | None, stream: bool
     ) -> object | None:
-        """The request's trace span (router/tracing.py), a child of the
+        """The request's trace span (observability/tracing.py), a child of the
         client's context `parent`; None when tracing is off."""
         return tracing.start_request_span(
             parent,

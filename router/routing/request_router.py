@@ -1,6 +1,6 @@
 """Ray Serve request routers for the Worker deployment (`--routing`), set
 through its RequestRouterConfig, so every handle to the workers routes the
-same way. Each ranks the replicas with routing.py over this process's
+same way. Each ranks the replicas with policies.py over this process's
 replica_stats.REGISTRY and reserves the request at the first (optimistic
 accounting) before Serve sends it.
 
@@ -19,7 +19,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from shoal.router import replica_stats, routing
+from shoal.router.routing import policies, replica_stats
 from shoal.workers.messages import GenerateRequest, Subscribe
 
 # Serve's poll of Worker.record_routing_stats: the figures when deltas do
@@ -78,7 +78,7 @@ class KVRequestRouter(RequestRouter):
             return []
         stats = replica_stats.REGISTRY
         names, figs = self._figures(candidate_replicas, stats)
-        order = routing.route(stats, self.policy, _request(pending_request), names, figs, self._turn)
+        order = policies.route(stats, self.policy, _request(pending_request), names, figs, self._turn)
         self._turn += 1
         return [[candidate_replicas[i]] for i in order]
 
@@ -92,7 +92,7 @@ class KVRequestRouter(RequestRouter):
         if stats.where(request.request_id) != replica:
             blocks, tokens = 0, 0
             if self.policy == "kv" and stats.block_size:
-                blocks, tokens = routing.blocks_at(request, stats.get(replica), stats.block_size)
+                blocks, tokens = policies.blocks_at(request, stats.get(replica), stats.block_size)
             stats.reserve(request.request_id, replica, blocks, request.block_hashes or (), tokens=tokens)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -28,7 +28,7 @@ routing to it until its failing health checks get it replaced), or because
 it is full when the client already has part of the reply, costs no re-send:
 the request waits with the same backoff, for at most `refused_timeout_s`.
 A request a worker hands back unrun ('moved': a newer worker has room,
-router/rebalance.py) goes on at once and costs nothing.
+rebalance.py) goes on at once and costs nothing.
 When the budget or that time is spent, or no worker is left, the stream
 raises WorkerLost and the client gets the front's 'unavailable' answer.
 """
@@ -45,8 +45,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from shoal.router import tracing
-from shoal.router.pool import WorkerPool
+from shoal.router.observability import tracing
+from shoal.router.routing.pool import WorkerPool
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)

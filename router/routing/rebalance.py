@@ -25,7 +25,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from shoal.router import replica_stats
+from shoal.router.routing import replica_stats
 
 logger = logging.getLogger(__name__)
 # Workers remembered as seen; past it the oldest no longer in the figures go.

@@ -13,11 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shoal.router import strict_json, tracing
-from shoal.router.frontend import Frontend, ServingError
-from shoal.router.http_guards import AdmissionLimit, HostCheck, until_disconnect
-from shoal.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
-from shoal.router.status_page import StatusPage
+from shoal.router.fronts import strict_json
+from shoal.router.fronts.frontend import Frontend, ServingError
+from shoal.router.fronts.http_guards import AdmissionLimit, HostCheck, until_disconnect
+from shoal.router.fronts.openai_protocol import ParsedRequest, parse_chat, parse_completion
+from shoal.router.observability import tracing
+from shoal.router.observability.status_page import StatusPage
 from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, RequestFinished

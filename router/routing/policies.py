@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.router import tracing
-from shoal.router.replica_stats import ReplicaFigures, ReplicaStats
+from shoal.router.observability import tracing
+from shoal.router.routing.replica_stats import ReplicaFigures, ReplicaStats
 from shoal.workers.utils import cdiv
 
 # The output a request is expected to need room for: max_tokens is only a

@@ -8,10 +8,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from shoal.router import rebalance, replica_stats, routing
-from shoal.router.delta_mux import DeltaMux, MuxEnded
-from shoal.router.failover import WorkerLost
-from shoal.router.replica_stats import ReplicaStats
+from shoal.router.routing import policies, rebalance, replica_stats
+from shoal.router.routing.delta_mux import DeltaMux, MuxEnded
+from shoal.router.routing.failover import WorkerLost
+from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.workers.messages import GenerateDelta, GenerateRequest, Riding, WorkerError, WorkerInfo, WorkerLoad
 
 
@@ -40,7 +40,7 @@ async def _pump(gen, inbox: asyncio.Queue) -> None:
 
 class ServeWorkerPool:
     """The worker deployment behind a Serve DeploymentHandle. The deployment's
-    request router (router/request_router.py, --routing) picks the replica;
+    request router (request_router.py, --routing) picks the replica;
     the load riding on each delta feeds its figures (replica_stats.REGISTRY),
     the freshest it has under load. Deltas come back on this router's one
     stream per worker (delta_mux.py) once it is open there."""
@@ -111,7 +111,7 @@ class ServeWorkerPool:
 
 class LocalWorkerPool:
     """Workers in this process, chosen as the cluster's request router would
-    (routing.py's policies, `kv` by default) over figures of their own: the
+    (policies.py, `kv` by default) over figures of their own: the
     loads on their deltas, and their routing stats read every POLL_S."""
 
     POLL_S = 0.2
@@ -140,7 +140,7 @@ class LocalWorkerPool:
         self._poll(names)
         if not stats.block_size and hasattr(self.workers[0], "info"):
             stats.block_size = self.workers[0].info().block_size
-        order = routing.route(stats, self.policy, request, names, [stats.get(n) for n in names], self._turn)
+        order = policies.route(stats, self.policy, request, names, [stats.get(n) for n in names], self._turn)
         self._turn += 1
         worker = self.workers[order[0]]
         first = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.router.prompt import Prompt
+from shoal.router.fronts.prompt import Prompt
 from shoal.workers.errors import InvalidRequestError
 
 _NUMBER = (int, float)

@@ -8,7 +8,7 @@ import json
 import math
 import re
 
-from shoal.router.frontend import ServingError
+from shoal.router.fronts.frontend import ServingError
 
 MAX_DEPTH = 64
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: a pair is fine, a lone one is not

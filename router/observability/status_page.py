@@ -1,6 +1,6 @@
 """What an operator reads on the router's HTTP port besides the API:
 Prometheus text at /metrics (never behind the key, like /health), and the
-status page at / (static files from router/static/, no build step, no CDN)
+status page at / (the files in static/ here: no build step, no CDN)
 with the small JSON it polls at /api/status (behind the key, when one is
 set: the page asks for it)."""
 
@@ -14,8 +14,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from shoal.router.frontend import Frontend
-from shoal.router.metrics import CONTENT_TYPE
+from shoal.router.observability.metrics import CONTENT_TYPE
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The page loads only its own files and may not be framed (clickjacking); its favicon is an empty data: URL.
@@ -27,7 +26,10 @@ SECURITY_HEADERS = {
 
 
 class StatusPage:
-    def __init__(self, frontend: Frontend, router: str = "local", routing: str | None = None):
+    """`frontend`: the replica's Frontend (fronts/frontend.py), read for its
+    model, load and metrics; not imported, so observability/ stays below the fronts."""
+
+    def __init__(self, frontend, router: str = "local", routing: str | None = None):
         self.fe, self.router, self.routing = frontend, router, routing
 
     def routes(self, denied) -> list:

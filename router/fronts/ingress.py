@@ -4,7 +4,7 @@ the workers through a Serve handle.
 Clients connect to this process directly rather than through Ray Serve's
 proxies: Serve's gRPC proxy cannot carry server reflection (a bidirectional
 stream) or the standard health service, and skipping the proxy takes one Ray
-hop off every token. See the README's architecture section.
+hop off every token. See docs/architecture.md, Processes and placement.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import logging
 import os
 import socket
 
-from shoal.router import tracing
-from shoal.router.failover import FailoverPool
-from shoal.router.frontend import Frontend, ModelInfo
-from shoal.router.grpc_server import GrpcServer
-from shoal.router.http_guards import host_allowlist
-from shoal.router.openai_app import OpenAIApp
+from shoal.router.fronts.frontend import Frontend, ModelInfo
+from shoal.router.fronts.grpc_server import GrpcServer
+from shoal.router.fronts.http_guards import host_allowlist
+from shoal.router.fronts.openai_app import OpenAIApp
+from shoal.router.observability import tracing
+from shoal.router.observability.status_page import StatusPage
 from shoal.router.options import RouterOptions
-from shoal.router.status_page import StatusPage
-from shoal.router.worker_pool import ServeWorkerPool
+from shoal.router.routing.failover import FailoverPool
+from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import replica_logs
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ Each router owns a registry of its own (not prometheus_client's global
 one), so several fronts can live in one process, as they do in tests.
 Nothing here grows without bound: a worker's per-request series go when
 the worker leaves (forget_worker, called from the request router's
-registry, router/replica_stats.py), and the status page's TTFT window is
+registry, routing/replica_stats.py), and the status page's TTFT window is
 pruned on every insert.
 """
 
@@ -26,7 +26,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shoal.router import replica_stats
+from shoal.router.routing import replica_stats
 from shoal.workers.messages import RequestFinished, WorkerLoad
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

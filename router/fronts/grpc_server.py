@@ -9,9 +9,9 @@ from grpc_reflection.v1alpha import reflection
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
-from shoal.router import tracing
-from shoal.router.frontend import Frontend, ServingError
-from shoal.router.prompt import Prompt
+from shoal.router.fronts.frontend import Frontend, ServingError
+from shoal.router.fronts.prompt import Prompt
+from shoal.router.observability import tracing
 from shoal.workers.messages import GenerateDelta
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shoal"].full_name

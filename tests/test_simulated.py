@@ -81,14 +81,14 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def test_reads_no_weights_keeps_the_tokenizer_and_sizes_the_cache_as_asked(sim_model, fast_cost, monkeypatch):
-    import shoal.workers.llm_engine as llm_engine
+    import shoal.workers.model_executor.rank_worker as rank_worker
 
     def no_weights(*a, **k):
         raise AssertionError("a simulated engine read weights")
 
-    monkeypatch.setattr(llm_engine, "model_weights", no_weights)
-    monkeypatch.setattr(llm_engine, "build_model", no_weights)
-    per_block = ModelRunner.kv_bytes_per_block(llm_engine.load_model_files(sim_model).config, 16, torch.float32)
+    monkeypatch.setattr(rank_worker, "model_weights", no_weights)
+    monkeypatch.setattr(rank_worker, "build_model", no_weights)
+    per_block = ModelRunner.kv_bytes_per_block(rank_worker.load_model_files(sim_model).config, 16, torch.float32)
     eng = make_engine(sim_model, fast_cost, kv_cache_memory_bytes=50 * per_block + 1)
     assert isinstance(eng.runner, SimulatedRunner) and eng.runner.cost == FAST
     assert eng.block_manager.num_total_blocks == eng.runner.num_blocks == 50  # the real block size counts

@@ -69,7 +69,7 @@ def test_a_dead_rank_fails_the_engine_fast(ray_cluster, tp_models):
     llm = LLM(tp_models["4 heads, 2 KV, untied"], tensor_parallel_size=2)
     try:
         llm.engine.check_health()
-        ray.kill(llm.engine.shards.actors[0])
+        ray.kill(llm.engine.model_executor.workers[0])
         t0 = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=50, ignore_eos=True))

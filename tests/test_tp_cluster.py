@@ -57,7 +57,7 @@ def load(grpc_addr: str) -> list:
         return list(pb_grpc.ShoalStub(ch).GetLoad(pb.GetLoadRequest(), timeout=10).workers)
 
 
-def shard_actors() -> list[dict]:
+def rank_actors() -> list[dict]:
     import ray
 
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("shoal-tp-")]
@@ -99,7 +99,7 @@ def test_two_tp_replicas_both_take_http_requests_and_report_blocks(cluster):
     assert info["data"], info
     with grpc.insecure_channel(grpc_addr) as ch:
         assert pb_grpc.ShoalStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10).tensor_parallel_size == 2
-    assert len(shard_actors()) == 2  # one other rank per replica
+    assert len(rank_actors()) == 2  # one other rank per replica
 
     # Long streams in flight: both replicas run some of them, and report blocks in use.
     seen_running: dict[str, int] = {}
@@ -133,7 +133,7 @@ def test_a_killed_rank_gets_its_replica_replaced_and_its_streams_go_on(cluster):
 
     base, grpc_addr = cluster
     before = {w.worker for w in load(grpc_addr)}
-    victim = shard_actors()[0]
+    victim = rank_actors()[0]
     # Streams long enough to outlast the kill on any machine: sized from the pace of a measured run.
     max_tokens, t0 = 300, time.monotonic()
     undisturbed = asyncio.run(stream_completions(base, 8, max_tokens, temperature=0))
@@ -170,7 +170,7 @@ def test_a_killed_rank_gets_its_replica_replaced_and_its_streams_go_on(cluster):
             workers = {w.worker for w in load(grpc_addr)}
         except grpc.RpcError:
             workers = set()
-        names = {a["name"] for a in shard_actors()}
+        names = {a["name"] for a in rank_actors()}
         if len(workers) == 2 and workers != before and victim["name"] not in names and len(names) == 2:
             break
         time.sleep(1.0)

@@ -1,11 +1,13 @@
-"""The synchronous engine: requests in, one scheduled step at a time, deltas out."""
+"""The synchronous engine: requests in, one scheduled step at a time, deltas out.
+
+It keeps the scheduler, the requests and their outputs; the ranks that run
+the model sit behind its executor (model_executor/executor/), one in this
+process or, under tensor parallelism, Ray actors beside it."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -20,23 +22,13 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
 from shoal.workers.core.stats import EngineStats
-from shoal.workers.distributed.shard_group import ShardGroup
-from shoal.workers.distributed.step_input import StepInputEncoder
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import EngineFaultError, InvalidRequestError
-from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
+from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
-from shoal.workers.model_executor.memory_profiler import (
-    check_weights_fit,
-    estimate_weight_bytes,
-    plan_kv_cache_blocks,
-    profile_memory,
-)
-from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
-from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
+from shoal.workers.model_executor.model_loader import load_model_files
 from shoal.workers.model_executor.runner import Runner
-from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
-from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +55,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
         t0 = time.perf_counter()
-        simulated = args.load_format == "simulated"
-        if simulated and args.tensor_parallel_size > 1:
+        if args.load_format == "simulated" and args.tensor_parallel_size > 1:
             raise ValueError("load_format 'simulated' runs one rank: tensor_parallel_size must be 1")
-        # A simulated engine holds no tensors; its KV budget is the CPU's unless sized as asked.
-        device = torch.device("cpu") if simulated else args.resolved_device()
-        if device.type == "cpu" and args.tensor_parallel_size > 1 and not args.num_threads:
-            # The ranks share this machine's cores.
-            args = dataclasses.replace(args, num_threads=max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        dtype = args.resolved_dtype(device)
-        weight_dtype = args.resolved_weight_dtype(device)  # refuses a bad pairing before loading anything
-        if device.type == "cpu":
-            keep_freed_memory_mapped()
-        loaded = load_model_files(args.model)
+        loaded = load_model_files(args.model)  # config and tokenizer now; rank 0 reads the weights as it builds
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
         max_len = args.max_model_len or cfg.max_position_embeddings
@@ -87,57 +67,13 @@ class LLMEngine:
             max_len = cfg.sliding_window
         self.max_model_len = max_len
         self.limits = RequestLimits(cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings)
-
+        self.eos_token_ids = list(cfg.eos_token_ids)
         self.args = args
-        tp = args.tensor_parallel_size
-        cfg.check_tp_size(tp)  # before any actor starts
-        self.shards: ShardGroup | None = None
-        self.runner: Runner  # a ModelRunner, or a SimulatedRunner for load_format 'simulated'
-        if tp > 1:
-            self.shards = ShardGroup(args, tp, device)
+        cfg.check_tp_size(args.tensor_parallel_size)  # before any actor starts
+        # Every rank's device up and model loaded (a constructor that fails stops what it started).
+        self.model_executor: Executor = get_executor_class(args)(args, loaded, max_len)
         try:
-            if self.shards:
-                self.shards.load(max_len)  # the other ranks load while this one does
-            if device.type == "cuda":
-                # Refuse a model too big for the card before allocating any of it.
-                check_weights_fit(
-                    estimate_weight_bytes(cfg, dtype, tp),
-                    torch.cuda.mem_get_info(device)[1],
-                    args.gpu_memory_utilization,
-                )
-            self.eos_token_ids = list(cfg.eos_token_ids)
-            if simulated:  # no weights are read: a stand-in model with the cost model's step time
-                self.runner = SimulatedRunner(
-                    cfg.vocab_size, self.eos_token_ids, load_cost_model(args.simulated_cost_model)
-                )
-            else:
-                model = build_model(
-                    cfg,
-                    model_weights(loaded, args.load_format, device),
-                    max_len,
-                    device,
-                    dtype,
-                    weight_dtype,
-                    args.fused_ops,
-                )
-                self.runner = ModelRunner(
-                    model,
-                    args.block_size,
-                    self.eos_token_ids,
-                    args.attention_backend,
-                    max_len,
-                    args.max_num_seqs,
-                    enforce_eager=args.enforce_eager or tp > 1,
-                    cpu_kernels=args.cpu_kernels,
-                )
-            # Each rank holds only its own heads: the same bytes hold about tp times the blocks.
-            per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, dtype, tp)
-            capacities = [self._kv_capacity(args, device, per_block, max_len)]
-            if self.shards:
-                capacities += self.shards.wait_loaded()
-            num_blocks = min(capacities) if args.num_kv_blocks is None else args.num_kv_blocks
-            if num_blocks < 1:
-                raise ValueError(f"the KV budget holds no block of {per_block} bytes")
+            num_blocks = self.model_executor.determine_num_available_blocks()
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
             self.scheduler = Scheduler(
                 SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
@@ -145,17 +81,11 @@ class LLMEngine:
                 max_len,
                 self.eos_token_ids,
             )
-            self.runner.initialize_kv_cache(num_blocks)
-            self.cuda_graphs = None
-            if device.type == "cuda" and self.runner.varlen and not args.enforce_eager and tp == 1:
-                self.cuda_graphs = self.runner.capture_cudagraphs()
-            if self.shards:
-                self.shards.start(num_blocks, self.eos_token_ids)
+            self.model_executor.initialize_cache(num_blocks)
         except BaseException:
             self.shutdown()
             raise
-        self.encoder = StepInputEncoder()
-        self.device = device
+        self.device = self.model_executor.driver_worker.device
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
@@ -163,27 +93,15 @@ class LLMEngine:
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         self.load_time_s = time.perf_counter() - t0
 
-    def _kv_capacity(self, args: EngineArgs, device: torch.device, per_block: int, max_len: int) -> int:
-        """Blocks this rank's budget holds. On one GPU, vLLM's way: the
-        utilization share of the card, less the weights and the activation
-        peak of one profiling forward at the largest step."""
-        if (
-            args.num_kv_blocks is not None
-            or args.kv_cache_memory_bytes is not None
-            or device.type != "cuda"
-            or self.shards is not None
-        ):
-            # Ranks cannot profile one at a time: each forward waits on the others.
-            return ModelRunner.kv_budget_bytes(args, device) // per_block
-        runner = self.runner
-        runner.initialize_kv_cache(runner.profile_num_blocks(args.max_num_batched_tokens))
-        try:
-            profile = profile_memory(device, lambda: runner.profile_run(args.max_num_batched_tokens, args.max_num_seqs))
-        finally:
-            runner.release_kv_cache()
-        logger.info("memory: %s", profile.describe())
-        # At least one request of max_model_len must fit.
-        return plan_kv_cache_blocks(profile, args.gpu_memory_utilization, per_block, cdiv(max_len, args.block_size))
+    @property
+    def runner(self) -> Runner:
+        """Rank 0's runner (tests and benchmarks): a ModelRunner, or a SimulatedRunner for load_format 'simulated'."""
+        return self.model_executor.driver_worker.runner
+
+    @property
+    def cuda_graphs(self) -> CaptureStats | None:
+        """What rank 0 captured at start (benchmarks); None when it runs eagerly."""
+        return self.model_executor.driver_worker.cuda_graphs
 
     # ---- requests -------------------------------------------------------
 
@@ -294,10 +212,8 @@ class LLMEngine:
         if sched.is_empty:
             return []
         t0 = time.perf_counter()
-        if self.shards is not None:
-            self.shards.send(self.encoder.encode(sched))
         try:
-            out = self.runner.execute(sched)
+            out = self.model_executor.execute_model(sched)
         except Exception as e:
             # Nothing advanced: the sequences are as scheduled, and the next
             # step computes the same tokens again (their KV slots rewritten
@@ -335,13 +251,13 @@ class LLMEngine:
         Raises `error` when it is not one request's: a fault of the engine
         or device, a tensor-parallel step (its ranks run every batch in
         lockstep), or a batch that fails only as a whole."""
-        if self.shards is not None or is_engine_fault(error, self.device):
+        if self.args.tensor_parallel_size > 1 or is_engine_fault(error, self.device):
             raise error
         culprits: list[tuple[Sequence, Exception]] = []
 
         def probe(group: list) -> Exception | None:
             try:
-                self.runner.execute(SchedulerOutput(group))
+                self.model_executor.execute_model(SchedulerOutput(group))
             except Exception as e:
                 if is_engine_fault(e, self.device):
                     raise
@@ -429,11 +345,9 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raise if a tensor-parallel rank is gone."""
-        if self.shards is not None:
-            self.shards.check_health()
+        self.model_executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
-        if getattr(self, "shards", None) is not None:
-            self.shards.shutdown()
-            self.shards = None
+        if getattr(self, "model_executor", None) is not None:
+            self.model_executor.shutdown()

@@ -1,2 +1,3 @@
-"""Tensor parallelism across processes: the other ranks as Ray actors and
-the compact per-step inputs rank 0 broadcasts to them."""
+"""Tensor parallelism across processes: where the ranks go (placement.py)
+and the compact per-step inputs rank 0 broadcasts to the others
+(step_input.py); the ranks themselves are model_executor's RankWorker."""

@@ -1,0 +1,198 @@
+"""One rank of a worker replica (vLLM's gpu_worker.Worker, for any device):
+its device, its model (its slice of it under tensor parallelism), its
+runner and KV cache, and its part of each step. Rank 0 lives in the
+engine's process and samples; ranks 1..K-1 are Ray actors
+(executor/ray_executor.py) that run the forward pass of every step rank 0
+broadcasts. The executor calls the steps in order: init_device,
+load_model, determine_num_blocks, init_cache, warm_up, then execute_model
+(rank 0) or start_worker_execution_loop (the others).
+
+Named RankWorker, not Worker: workers/worker.py's Worker is the Serve replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shoal.workers.core.outputs import ModelRunnerOutput
+from shoal.workers.core.scheduler import SchedulerOutput
+from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEncoder
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
+from shoal.workers.model_executor.cuda_graph import CaptureStats
+from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
+from shoal.workers.model_executor.memory_profiler import (
+    check_weights_fit,
+    estimate_weight_bytes,
+    plan_kv_cache_blocks,
+    profile_memory,
+)
+from shoal.workers.model_executor.model_loader import LoadedModel, build_model, load_model_files, model_weights
+from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.model_executor.runner import Runner
+from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
+from shoal.workers.utils import cdiv
+
+logger = logging.getLogger(__name__)
+RENDEZVOUS_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass(slots=True)
+class DistributedInit:
+    """Where a rank joins its tensor-parallel group: the rendezvous store
+    at host:port (rank 0 hosts it and passes it as `store`; the other ranks
+    connect) and the collective backend."""
+
+    host: str
+    port: int
+    backend: str  # nccl on GPUs, gloo on CPU
+    store: dist.TCPStore | None = None
+
+
+class RankWorker:
+    def __init__(self, args: EngineArgs, rank: int = 0, size: int = 1, distributed: DistributedInit | None = None):
+        """Holds nothing yet (it may be built as a Ray actor): init_device starts it."""
+        self.args, self.rank, self.size = args, rank, size
+        self.distributed = distributed  # needed when size > 1
+        self.runner: Runner | None = None  # a ModelRunner, or a SimulatedRunner for load_format 'simulated'
+        self.cuda_graphs: CaptureStats | None = None
+        # Rank 0 of a group sends each step's inputs; the other ranks mirror them.
+        self.encoder = StepInputEncoder() if size > 1 and rank == 0 else None
+
+    def init_device(self) -> None:
+        """This rank's device, dtypes and threads; joins the group (returns
+        once every rank has joined) when size > 1."""
+        args = self.args
+        # A simulated engine holds no tensors; its KV budget is the CPU's unless sized as asked.
+        self.device = torch.device("cpu") if args.load_format == "simulated" else args.resolved_device()
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.dtype = args.resolved_dtype(self.device)
+        self.weight_dtype = args.resolved_weight_dtype(self.device)  # refuses a bad pairing before loading anything
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
+        if self.size > 1:
+            d = self.distributed
+            store = d.store or dist.TCPStore(d.host, d.port, self.size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+            init_tp_group(self.rank, self.size, store, d.backend)
+            self.store = store  # the group talks through it while it lives
+
+    def load_model(self, max_model_len: int, loaded: LoadedModel | None = None) -> None:
+        """This rank's model and its runner. loaded: the model's files as
+        the engine opened them (it read their config); else opened here."""
+        args = self.args
+        if loaded is None:
+            loaded = load_model_files(args.model)
+        cfg = loaded.config
+        self.model_config: ModelConfig = cfg
+        self.max_model_len = max_model_len
+        eos_token_ids = list(cfg.eos_token_ids)
+        if args.load_format == "simulated":  # no weights are read: a stand-in model with the cost model's step time
+            self.runner = SimulatedRunner(cfg.vocab_size, eos_token_ids, load_cost_model(args.simulated_cost_model))
+            return
+        if self.device.type == "cuda":
+            # Refuse a model too big for the card before allocating any of it.
+            check_weights_fit(
+                estimate_weight_bytes(cfg, self.dtype, self.size),
+                torch.cuda.mem_get_info(self.device)[1],
+                args.gpu_memory_utilization,
+            )
+        model = build_model(
+            cfg,
+            model_weights(loaded, args.load_format, self.device),
+            max_model_len,
+            self.device,
+            self.dtype,
+            self.weight_dtype,
+            args.fused_ops,
+        )
+        self.runner = ModelRunner(
+            model,
+            args.block_size,
+            eos_token_ids,
+            args.attention_backend,
+            max_model_len,
+            args.max_num_seqs,
+            # No CUDA graphs under tensor parallelism: every rank runs every step eagerly.
+            enforce_eager=args.enforce_eager or self.size > 1,
+            cpu_kernels=args.cpu_kernels,
+        )
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks this rank's budget holds: as asked; on one GPU, vLLM's
+        way (the utilization share of the card, less the weights and the
+        activation peak of one profiling forward at the largest step); else
+        ModelRunner.kv_budget_bytes. Each rank holds only its own heads: the
+        same bytes hold about `size` times the blocks."""
+        args, device = self.args, self.device
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, args.block_size, self.dtype, self.size)
+        if args.num_kv_blocks is not None:
+            num_blocks = args.num_kv_blocks
+        elif args.kv_cache_memory_bytes is not None or device.type != "cuda" or self.size > 1:
+            # Ranks cannot profile one at a time: each forward waits on the others.
+            num_blocks = ModelRunner.kv_budget_bytes(args, device) // per_block
+        else:
+            num_blocks = self._profile_num_blocks(per_block)
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget holds no block of {per_block} bytes")
+        return num_blocks
+
+    def _profile_num_blocks(self, per_block: int) -> int:
+        args, runner = self.args, self.runner
+        runner.initialize_kv_cache(runner.profile_num_blocks(args.max_num_batched_tokens))
+        try:
+            profile = profile_memory(
+                self.device, lambda: runner.profile_run(args.max_num_batched_tokens, args.max_num_seqs)
+            )
+        finally:
+            runner.release_kv_cache()
+        logger.info("memory: %s", profile.describe())
+        # At least one request of max_model_len must fit.
+        return plan_kv_cache_blocks(
+            profile, args.gpu_memory_utilization, per_block, cdiv(self.max_model_len, args.block_size)
+        )
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate this rank's KV cache (and bind its attention kernel)."""
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def warm_up(self) -> None:
+        """Capture CUDA graphs of decode steps: on CUDA, with a varlen
+        backend, on one rank, unless enforce_eager."""
+        if self.device.type == "cuda" and self.runner.varlen and not self.args.enforce_eager and self.size == 1:
+            self.cuda_graphs = self.runner.capture_cudagraphs()
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Rank 0's step: the other ranks get its inputs and run its forward
+        alongside; only this rank samples."""
+        if self.encoder is not None:
+            get_tp_group().broadcast_object(self.encoder.encode(sched))
+        return self.runner.execute(sched)
+
+    def stop_worker_execution_loop(self) -> None:
+        """Rank 0: end the other ranks' loops."""
+        get_tp_group().broadcast_object(None)
+
+    def start_worker_execution_loop(self) -> None:
+        """Ranks 1..K-1: run every step rank 0 broadcasts until it sends
+        None. A failure ends this process: rank 0's next collective then
+        fails at once instead of waiting on a rank that will never answer."""
+        try:
+            runner = self.runner
+            decoder = StepInputDecoder()
+            tp = get_tp_group()
+            while (step := tp.broadcast_object()) is not None:
+                scheduled = decoder.decode(step)
+                runner.execute_model(scheduled)
+                decoder.advance(scheduled)
+        except BaseException as e:  # rank 0 gone (the usual end of a replica), or this rank failed
+            first_line = (str(e).splitlines() or [""])[0]
+            logger.warning("tensor-parallel rank %d stops: %s: %s", self.rank, type(e).__name__, first_line)
+            os._exit(1)

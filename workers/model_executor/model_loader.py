@@ -25,6 +25,8 @@ from shoal.workers.model_executor.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import torch
 
+    from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
+
 # torch is imported where weights are made, not here: the router reads a model's
 # config and tokenizer through load_model_files, in a process that never loads torch.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -182,19 +184,25 @@ def build_model(
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
     fused_ops: bool = False,
+    quant_config: QuantizationConfig | None = None,
 ):
     """The model (this rank's slice of it inside a tensor-parallel group)
     with the checkpoint's weights, ready for inference; weight_dtype, when
     narrower than dtype, is how its weight matrices are stored; fused_ops
-    as EngineArgs.fused_ops."""
+    as EngineArgs.fused_ops; quant_config gives each layer its weight
+    method (None: unquantized)."""
     import torch
 
     from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions, fused_ops)
+        model = LlamaForCausalLM(cfg, max_positions, fused_ops, quant_config)
     model.to(dtype)
     model.load_weights(weights)
+    for module in model.modules():  # once the checkpoint is in: a method may repack what it loaded
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     if weight_dtype is not None and weight_dtype != dtype:
         model.store_matrices_in(weight_dtype)
     return model.eval().requires_grad_(False)

@@ -1,4 +1,5 @@
-"""The matmul of every linear layer (and the LM head).
+"""The matmul of the unquantized linear method (quantization/unquantized.py):
+every linear layer and the LM head, until a quantization config gives them another.
 
 A decode step multiplies a few rows by each weight matrix: a read of the
 weights, where torch's BLAS (MKL) reaches half the read bandwidth at one

@@ -1,29 +1,42 @@
 """The embedding and the LM head split by vocabulary across the
 tensor-parallel group. Each rank holds ceil(vocab / tp_size) rows (the last
-rank's tail is zero padding); the LM head's logits are gathered to rank 0."""
+rank's tail is zero padding); the LM head's logits are gathered to rank 0.
+Like the linear layers, each owns a method object (quantization/) that holds
+the rows: unquantized unless a quantization config gives another."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group
+from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
+from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedEmbeddingMethod
 from shoal.workers.model_executor.layers.weight_utils import check_shape
 from shoal.workers.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ):
         super().__init__()
         self.tp = get_tp_group()
         self.vocab_size = vocab_size
         self.rows = cdiv(vocab_size, self.tp.size)  # per rank, padded
         self.start = self.tp.rank * self.rows
         self.end = min(self.start + self.rows, vocab_size)  # real rows end here
-        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
+        self.quant_method = UnquantizedEmbeddingMethod() if method is None else method
+        self.quant_method.create_weights(
+            self,
+            hidden_size,
+            [self.rows],
+            hidden_size,
+            vocab_size,
+            torch.get_default_dtype(),
+            weight_loader=self.weight_loader,
+        )
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
         check_shape("vocabulary weight", tensor.shape, (self.vocab_size, param.shape[1]))
@@ -32,11 +45,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embedding(self, input_ids)
         # Ids outside this rank's rows contribute zeros; the sum over ranks
         # gives every token its one real row.
         outside = (input_ids < self.start) | (input_ids >= self.end)
-        h = F.embedding((input_ids - self.start).masked_fill(outside, 0), self.weight)
+        h = self.quant_method.embedding(self, (input_ids - self.start).masked_fill(outside, 0))
         return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
@@ -47,7 +60,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [tokens, vocab] on rank 0; None on other ranks."""
-        parts = self.tp.gather(linear(h, self.weight, None, self.cpu_kernels).float())
+        parts = self.tp.gather(self.quant_method.apply(self, h).float())
         if parts is None:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)[:, : self.vocab_size]

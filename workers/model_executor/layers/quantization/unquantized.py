@@ -1,0 +1,45 @@
+"""Weights as the checkpoint has them: the method every layer gets when no
+quantization config asks for another."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.workers.model_executor.layers.cpu_linear import linear
+from shoal.workers.model_executor.layers.quantization.base_config import LinearMethodBase, set_weight_attrs
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """One weight [local rows, local inputs] in the model's dtype (or the
+    narrower one store_matrices_in casts it to), multiplied by
+    cpu_linear.linear: the compiled few-row kernel where the model runner has
+    bound the layer's `cpu_kernels`, torch's F.linear otherwise."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        shape = (sum(output_partition_sizes), input_size_per_partition)
+        weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, layer.weight, bias, layer.cpu_kernels)
+
+
+class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
+    """The vocabulary rows of the embedding and the LM head (the layer's
+    loader zeroes the last rank's padding rows), looked up by `embedding`,
+    multiplied by `apply` (the LM head)."""
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, layer.weight)

@@ -181,17 +181,19 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     timed(engine.scheduler, "update_from_output", "scheduler")
     timed(engine, "_detokenize", "detokenizer")
     timed(engine, "_delta", "detokenizer")
-    fused = model.cpu_kernels is not None
-    if fused:  # the one C++ call per decode step
-        orig_bound = model._bound_decode_layers
-        restore.append((model, "_bound_decode_layers", None))
+    decode_step = runner.cpu_decode_step
+    fused = decode_step is not None
+    if fused:  # the one C++ call per decode step, in place of the model's forward
+        timed(decode_step, "forward", "forward")
+        orig_bound = decode_step.bound_layers
+        restore.append((decode_step, "bound_layers", None))
 
         def bound():
             layers = orig_bound()
             layers.timing = True  # its ops time themselves (read back below)
             return _Timed(layers, parts, "decoder layers")
 
-        model._bound_decode_layers = bound
+        decode_step.bound_layers = bound
     else:
         for layer in model.layers:
             timed(layer, "forward", "decoder layers")

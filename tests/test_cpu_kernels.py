@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.workers.model_executor.layers.attention import set_forward_context
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 
@@ -242,30 +243,32 @@ def _llm(tiny_model, backend: str, weight_dtype: str = "auto") -> LLM:
     llm = LLM(
         tiny_model, num_kv_blocks=256, attention_backend=backend, enable_prefix_caching=False, weight_dtype=weight_dtype
     )
-    model = llm.engine.runner.model
+    runner = llm.engine.runner
     if backend == "torch":
-        assert model.cpu_kernels is None and all(getattr(m, "cpu_kernels", None) is None for m in model.modules())
+        assert runner.cpu_decode_step is None
+        assert all(getattr(m, "cpu_kernels", None) is None for m in runner.model.modules())
     else:
-        assert model.cpu_kernels is not None, "the CPU kernels did not build"
+        assert runner.cpu_decode_step is not None, "the CPU kernels did not build"
     return llm
 
 
 def test_no_cpu_kernels_leaves_every_layer_on_the_torch_path(tiny_model):
     """EngineArgs.cpu_kernels off (--no-cpu-kernels, or SHOAL_CPU_KERNEL=0's default): nothing is bound."""
     runner = LLM(tiny_model, num_kv_blocks=64, cpu_kernels=False).engine.runner
-    assert runner.decode_kernel is None
+    assert runner.attn_backend.name == "torch" and runner.cpu_decode_step is None
     assert all(getattr(m, "cpu_kernels", None) is None for m in runner.model.modules())
     with pytest.raises(RuntimeError, match="cpu_kernels on"):
         LLM(tiny_model, num_kv_blocks=64, attention_backend="cpu_kernel", cpu_kernels=False)
 
 
 class _PathSpy:
-    """Counts the model's forwards through the C++ layers (one call per step)
-    and through the per-layer modules (layer 0's forward, one per step)."""
+    """Counts the runner's forwards through the C++ layers (one call per step)
+    and through the model's per-layer modules (layer 0's forward, one per step)."""
 
-    def __init__(self, model, monkeypatch):
+    def __init__(self, runner, monkeypatch):
         self.fused = self.per_layer = 0
-        bound, layer0 = model._bound_decode_layers, model.layers[0].forward
+        step, model = runner.cpu_decode_step, runner.model
+        bound, layer0 = step.bound_layers, model.layers[0].forward
 
         def spy_bound():
             self.fused += 1
@@ -275,7 +278,7 @@ class _PathSpy:
             self.per_layer += 1
             return layer0(*args, **kwargs)
 
-        monkeypatch.setattr(model, "_bound_decode_layers", spy_bound)
+        monkeypatch.setattr(step, "bound_layers", spy_bound)
         monkeypatch.setattr(model.layers[0], "forward", spy_layer0)
 
     def counts(self) -> tuple[int, int]:
@@ -303,9 +306,9 @@ def test_batched_generation_matches_torch_backend(kernel, tiny_model, monkeypatc
     prompts = _prompts(11, (1, 7, 40, 130))
     ref = _llm(tiny_model, "torch").generate(prompts, GREEDY)
     llm = _llm(tiny_model, "auto")
-    model = llm.engine.runner.model
-    assert model._decode_layers is None
-    spy = _PathSpy(model, monkeypatch)
+    step = llm.engine.runner.cpu_decode_step
+    assert step._bound is None
+    spy = _PathSpy(llm.engine.runner, monkeypatch)
     outs = llm.generate(prompts, GREEDY)
     for p, o, r in zip(prompts, outs, ref):
         assert o.token_ids == r.token_ids, f"prompt of {len(p)} tokens"
@@ -313,7 +316,7 @@ def test_batched_generation_matches_torch_backend(kernel, tiny_model, monkeypatc
     # Step 1 prefills (and starts the one-token prompt) through the layers;
     # the other 11 steps are 4-row decodes, each one call of the C++ layers.
     assert spy.counts() == (GREEDY.max_tokens - 1, 1)
-    assert model._decode_layers is not None
+    assert step._bound is not None
 
 
 @pytest.mark.parametrize("n", [1, 6, 50])
@@ -321,7 +324,7 @@ def test_single_prompt_generation_matches_torch_backend(kernel, tiny_model, monk
     prompts = _prompts(100 + n, (n,))
     ref = _llm(tiny_model, "torch").generate(prompts, GREEDY)
     llm = _llm(tiny_model, "auto")
-    spy = _PathSpy(llm.engine.runner.model, monkeypatch)
+    spy = _PathSpy(llm.engine.runner, monkeypatch)
     out = llm.generate(prompts, GREEDY)
     assert out[0].token_ids == ref[0].token_ids
     _assert_same_logprobs(out[0], ref[0])
@@ -359,7 +362,7 @@ def _stepwise(llm: LLM, spy: _PathSpy | None) -> tuple[dict[str, list[int]], lis
 def test_mixed_prefill_and_decode_step_takes_the_per_layer_path(kernel, tiny_model, monkeypatch):
     ref, _ = _stepwise(_llm(tiny_model, "torch"), None)
     llm = _llm(tiny_model, "auto")
-    spy = _PathSpy(llm.engine.runner.model, monkeypatch)
+    spy = _PathSpy(llm.engine.runner, monkeypatch)
     got, paths = _stepwise(llm, spy)
     assert got == ref
     assert len(got["a"]) == len(got["b"]) == 6
@@ -370,37 +373,40 @@ def test_mixed_prefill_and_decode_step_takes_the_per_layer_path(kernel, tiny_mod
 
 
 class _BothPaths:
-    """Runs every forward of the model twice on the same inputs (and the same
-    KV cache): first with the compiled kernels taken from every module (the
-    torch path), then with them; records both logits and returns the kernels'."""
+    """Runs every forward of the runner twice on the same inputs (and the same
+    KV cache): first through the model's layers with the compiled kernels
+    unbound (the torch path), then as the runner would (the one-call decode
+    step or the layers with the kernels); records both logits and returns the
+    kernels'."""
 
-    def __init__(self, model, monkeypatch):
+    def __init__(self, runner, monkeypatch):
         self.records: list[tuple[bool, torch.Tensor, torch.Tensor]] = []  # (decode-only, torch, kernels)
-        kernels = model.cpu_kernels
-        modules = [m for m in model.modules() if hasattr(m, "cpu_kernels")]
-        forward = model.forward
-        calls = [0]
-        bound = model._bound_decode_layers
+        model, step = runner.model, runner.cpu_decode_step
+        kernels = step.kernels
+        forward, step_forward = model.forward, step.forward
 
-        def count_bound():
-            calls[0] += 1
-            return bound()
+        def torch_path(input_ids, positions, logits_indices):
+            cpu_kernels.bind(model, None)
+            try:
+                return forward(input_ids, positions, logits_indices)
+            finally:
+                assert cpu_kernels.bind(model, kernels) is kernels
 
         def both(input_ids, positions, logits_indices):
-            for m in modules:
-                m.cpu_kernels = None
-            try:
-                ref = forward(input_ids, positions, logits_indices)
-            finally:
-                for m in modules:
-                    m.cpu_kernels = kernels
-            before = calls[0]
+            ref = torch_path(input_ids, positions, logits_indices)
             out = forward(input_ids, positions, logits_indices)
-            self.records.append((calls[0] > before, ref.clone(), out.clone()))
+            self.records.append((False, ref.clone(), out.clone()))
             return out
 
-        monkeypatch.setattr(model, "_bound_decode_layers", count_bound)
+        def both_decode_only(input_ids, positions, logits_indices, meta):
+            with set_forward_context(meta):  # the layers' attention reads it
+                ref = torch_path(input_ids, positions, logits_indices)
+            out = step_forward(input_ids, positions, logits_indices, meta)
+            self.records.append((True, ref.clone(), out.clone()))
+            return out
+
         monkeypatch.setattr(model, "forward", both)
+        monkeypatch.setattr(step, "forward", both_decode_only)
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16"])
@@ -408,7 +414,7 @@ def test_logits_of_kernel_and_torch_paths_agree(kernel, tiny_model, monkeypatch,
     """bfloat16 weights: the torch path widens the same stored weights, so
     the two paths differ only in summation order there too."""
     llm = _llm(tiny_model, "auto", weight_dtype)
-    both = _BothPaths(llm.engine.runner.model, monkeypatch)
+    both = _BothPaths(llm.engine.runner, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate(_prompts(31, (3, 20, 70, 1)), params)
     llm.generate(_prompts(32, (45,)), params)
@@ -429,14 +435,14 @@ def test_logits_of_kernel_and_torch_paths_agree(kernel, tiny_model, monkeypatch,
 def test_release_kv_cache_drops_the_binding(kernel, tiny_model):
     llm = _llm(tiny_model, "auto")
     runner = llm.engine.runner
-    model = runner.model
+    step = runner.cpu_decode_step
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(_prompts(41, (5, 9)), params)
-    assert model._decode_layers is not None
+    assert step._bound is not None
 
     cache = weakref.ref(runner.kv_cache)
     runner.release_kv_cache()
-    assert model._decode_layers is None
+    assert step._bound is None
     gc.collect()
     assert cache() is None, "something still holds the released KV cache"
 
@@ -444,6 +450,6 @@ def test_release_kv_cache_drops_the_binding(kernel, tiny_model):
     runner.initialize_kv_cache(llm.engine.args.num_kv_blocks)
     prompts = _prompts(42, (5, 9))
     out = llm.generate(prompts, params)
-    assert model._decode_layers is not None
+    assert step._bound is not None
     ref = _llm(tiny_model, "torch").generate(prompts, params)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]

@@ -5,12 +5,14 @@ everywhere."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.workers.model_executor.layers import flash_attention
+from shoal.workers.model_executor.layers.attention.backends.flash_attn import FlashAttentionBackend
+from shoal.workers.model_executor.layers.attention.backends.varlen import VarlenMetadata
 from shoal.workers.utils import cdiv
 
 
@@ -74,21 +76,28 @@ def test_flash_attn_equals_reference(step, heads, kv_heads, dim, dtype, tol):
     q_lens = [n for _, n in step]
     query_start_loc = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), heads, dim, device=device).to(dtype)
-    paged_attention = flash_attention.load(device, BLOCK_SIZE)
+    backend = FlashAttentionBackend()
+    backend.validate(device, dtype, BLOCK_SIZE)
+    layer = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, scale=dim**-0.5)
+    slots = torch.zeros(0, dtype=torch.long, device=device)  # the layer writes the cache; the impl only reads it
+    meta = VarlenMetadata(slots, block_tables, seq_lens, query_start_loc, max(q_lens))
 
-    out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max(q_lens), dim**-0.5)
+    out = backend.impl_cls().forward(layer, q, None, None, meta)
 
     assert out.dtype == dtype and out.shape == q.shape
     ref = reference(q, k_cache, v_cache, tables, step, dim**-0.5)
     assert (out.float() - ref).abs().max().item() <= tol
 
 
-def test_load_refuses_what_flash_attn_cannot_run(monkeypatch):
+def test_validate_refuses_what_flash_attn_cannot_run(monkeypatch):
+    backend, half = FlashAttentionBackend(), torch.float16
+    with pytest.raises(ValueError, match="needs float16 or bfloat16"):
+        backend.validate(torch.device("cuda"), torch.float32, BLOCK_SIZE)
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        flash_attention.load(torch.device("cpu"), BLOCK_SIZE)
+        backend.validate(torch.device("cpu"), half, BLOCK_SIZE)
     # Neither needs a GPU to be there: both are refused before any CUDA call.
     with pytest.raises(ValueError, match="multiple of 256"):
-        flash_attention.load(torch.device("cuda"), 16)
+        backend.validate(torch.device("cuda"), half, 16)
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
     with pytest.raises(RuntimeError, match="needs the flash_attn package"):
-        flash_attention.load(torch.device("cuda"), BLOCK_SIZE)
+        backend.validate(torch.device("cuda"), half, BLOCK_SIZE)

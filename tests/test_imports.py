@@ -25,8 +25,8 @@ PACKAGES = {
 }
 RANK = {"shoal.workers": 0, "shoal.proto": 0, "shoal.router": 1, "shoal.cluster": 2, "shoal.benchmarks": 3}
 ENTRY_POINT = "shoal.cluster.cli"
-# Inside workers/: what each lower room may import from the package (workers/utils.py is a
-# leaf of plain arithmetic that every room may use).
+# What each lower room may import from the package. Inside workers/ (workers/utils.py is a
+# leaf of plain arithmetic that every room may use):
 ROOMS = {
     "shoal.workers.model_executor.layers": ("shoal.workers.model_executor.layers", "shoal.workers.utils"),
     "shoal.workers.model_executor.models": (
@@ -35,6 +35,14 @@ ROOMS = {
         "shoal.workers.utils",
     ),
     "shoal.workers.core": ("shoal.workers.core", "shoal.workers.errors", "shoal.workers.utils"),
+    # Inside router/: the fronts use routing and observability; routing never the fronts; observability
+    # reads only routing's replica registry (a departed worker's series go).
+    "shoal.router.routing": ("shoal.router.routing", "shoal.router.observability", "shoal.workers"),
+    "shoal.router.observability": (
+        "shoal.router.observability",
+        "shoal.router.routing.replica_stats",
+        "shoal.workers",
+    ),
 }
 
 
@@ -140,6 +148,25 @@ def test_dependencies_point_downwards():
     assert layering_violations(import_graph()) == []
 
 
+def _imports_outside(prefix: str, allowed: tuple[str, ...]) -> list[str]:
+    """Edges from the modules under `prefix` to the package's modules outside `allowed`."""
+    graph = {src: dsts for src, dsts in import_graph().items() if src.startswith(prefix)}
+    assert graph, f"no module under {prefix}"
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts if not dst.startswith(allowed))
+
+
+def test_attention_backends_know_nothing_above_layers():
+    """A backend takes tensors and its layer; the model runner asks it for metadata, never the reverse."""
+    backends = "shoal.workers.model_executor.layers.attention.backends"
+    assert _imports_outside(backends, ("shoal.workers.model_executor.layers", "shoal.workers.utils")) == []
+
+
+def test_models_import_only_layers():
+    """Models are architecture: layers (and their own config), nothing of the engine or its kernels' plumbing."""
+    models = "shoal.workers.model_executor.models"
+    assert _imports_outside(models, (models, "shoal.workers.model_executor.layers")) == []
+
+
 @pytest.mark.parametrize(
     "graph, cycle",
     [
@@ -154,13 +181,26 @@ def test_the_cycle_finder_finds_cycles(graph, cycle):
 
 def test_the_layering_check_flags_upward_imports():
     graph = {
-        "shoal.workers.worker": {"shoal.router.frontend"},
+        "shoal.workers.worker": {"shoal.router.fronts.frontend"},
         "shoal.workers.model_executor.layers.sampler": {"shoal.workers.core.sequence"},
         "shoal.cluster.cli": {"shoal.benchmarks.offline"},
         "shoal.cluster.app": {"shoal.benchmarks.serve"},
+        "shoal.router.routing.failover": {"shoal.router.fronts.frontend", "shoal.router.observability.tracing"},
     }
     assert layering_violations(graph) == [
         "shoal.cluster.app -> shoal.benchmarks.serve (upwards)",
+        "shoal.router.routing.failover -> shoal.router.fronts.frontend (out of routing/)",
         "shoal.workers.model_executor.layers.sampler -> shoal.workers.core.sequence (out of layers/)",
-        "shoal.workers.worker -> shoal.router.frontend (upwards)",
+        "shoal.workers.worker -> shoal.router.fronts.frontend (upwards)",
     ]
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists packages by hand (the folders map onto one namespace): a
+    subpackage missing there imports in a checkout but not from a built wheel."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    on_disk = {name for name, path in module_files().items() if path.endswith("__init__.py")}
+    assert listed == on_disk

@@ -1,5 +1,6 @@
 """The written-down interfaces: every worker pool meets WorkerPool, every
-runner meets Runner, and AsyncEngine's command queue carries dataclasses
+runner meets Runner, every executor meets Executor, every attention backend
+meets AttentionBackend, and AsyncEngine's command queue carries dataclasses
 that apply as LLMEngine's own calls would."""
 
 from __future__ import annotations
@@ -9,14 +10,29 @@ import inspect
 
 import pytest
 
-from shoal.router.failover import FailoverPool
-from shoal.router.pool import WorkerPool
-from shoal.router.worker_pool import LocalWorkerPool, ServeWorkerPool
+from shoal.router.routing.failover import FailoverPool
+from shoal.router.routing.pool import WorkerPool
+from shoal.router.routing.worker_pool import LocalWorkerPool, ServeWorkerPool
 from shoal.workers import EngineArgs, SamplingParams
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.engine_commands import AbortRequest, AddRequest
 from shoal.workers.llm_engine import LLMEngine
+from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
+from shoal.workers.model_executor.executor.ray_executor import RayExecutor
+from shoal.workers.model_executor.executor.uniproc_executor import UniProcExecutor
+from shoal.workers.model_executor.layers.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+)
+from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelBackend
+from shoal.workers.model_executor.layers.attention.backends.flash_attn import FlashAttentionBackend
+from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPABackend
+from shoal.workers.model_executor.layers.attention.backends.triton_attn import TritonAttentionBackend
+from shoal.workers.model_executor.layers.attention.selector import BACKENDS
+from shoal.workers.model_executor.layers.quantization.base_config import LinearMethodBase
+from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.model_executor.runner import DeviceRunner, Runner
 from shoal.workers.model_executor.simulated_runner import SimulatedRunner
@@ -60,10 +76,40 @@ def test_every_runner_meets_the_protocol(cls, protocol):
     _meets(cls, protocol)
 
 
+def test_the_unquantized_linear_method_meets_linear_method_base():
+    assert issubclass(UnquantizedLinearMethod, LinearMethodBase)
+    _meets(UnquantizedLinearMethod, LinearMethodBase)
+    UnquantizedLinearMethod()  # an ABC: builds only with every abstract method given
+
+
 @pytest.mark.parametrize("load_format,protocol", [("auto", DeviceRunner), ("simulated", Runner)])
 def test_the_engines_runner_is_a_runner(tiny_model, load_format, protocol):
     engine = LLMEngine(EngineArgs(model=tiny_model, load_format=load_format, num_kv_blocks=16))
     assert isinstance(engine.runner, protocol)
+
+
+@pytest.mark.parametrize("cls", [UniProcExecutor, RayExecutor])
+def test_every_executor_meets_the_protocol(cls):
+    _meets(cls, Executor)
+
+
+def test_the_engine_gets_the_executor_its_size_needs(tiny_model):
+    assert get_executor_class(EngineArgs(tensor_parallel_size=2)) is RayExecutor
+    engine = LLMEngine(EngineArgs(model=tiny_model, num_kv_blocks=16))
+    assert isinstance(engine.model_executor, UniProcExecutor) and isinstance(engine.model_executor, Executor)
+    assert engine.runner is engine.model_executor.driver_worker.runner
+
+
+@pytest.mark.parametrize("cls", [TorchSDPABackend, CPUKernelBackend, TritonAttentionBackend, FlashAttentionBackend])
+def test_every_attention_backend_meets_the_protocol(cls):
+    """Built without a device: validate, not the constructor, checks where a backend runs."""
+    backend = cls()
+    _meets(cls, AttentionBackend)
+    assert isinstance(backend, AttentionBackend)
+    assert BACKENDS[backend.name] is cls  # the selector knows it by its own name
+    _meets(backend.builder_cls, AttentionMetadataBuilder)
+    _meets(backend.impl_cls, AttentionImpl)
+    assert not isinstance(object(), AttentionBackend)
 
 
 def test_add_request_carries_llm_engine_add_requests_arguments():

@@ -62,7 +62,7 @@ def test_tiny_model_stores_matrices_in_bfloat16_and_computes_in_float32(tiny_mod
     assert model.lm_head.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.float32
     assert llm.engine.runner.kv_cache.dtype == torch.float32 and model.dtype == torch.float32
     got = llm.generate(prompts, params)
-    assert model._decode_layers is not None, "the decode steps did not take the compiled layers"
+    assert llm.engine.runner.cpu_decode_step._bound is not None, "the decode steps did not take the compiled layers"
     llm.shutdown()
     worst, _ = compare(want, got)
     assert worst <= 0.25, f"top-5 logprobs moved by {worst:.3f} nats"

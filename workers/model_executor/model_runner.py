@@ -4,6 +4,12 @@ applies what a step did to the sequences.
 
 Under tensor parallelism every rank runs one of these over its own slice
 of the model and cache; only rank 0 gets logits and samples.
+
+The attention backend is picked once, at construction (layers/attention/
+selector.py); each step the runner stages the batch, asks the backend's
+builder for the step's metadata and runs the model, or for a decode-only
+step replays a CUDA graph (cuda_graph.py) or takes the one-call CPU decode
+step (cpu_decode_step.py).
 """
 
 from __future__ import annotations
@@ -19,16 +25,13 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
+from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
 from shoal.workers.model_executor.cpu_memory import release_free_heap
 from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
-from shoal.workers.model_executor.layers.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    GatherWorkspace,
-    PrefillChunk,
-    TritonAttentionMetadata,
-    set_forward_context,
-)
+from shoal.workers.model_executor.layers.attention import set_forward_context
+from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
+from shoal.workers.model_executor.layers.attention.selector import get_attn_backend
+from shoal.workers.model_executor.layers.cpu_kernels import bind as bind_cpu_kernels
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
 from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
@@ -81,74 +84,44 @@ class ModelRunner:
         self.staging = StagingBuffer(self.device)
         self.sampler = Sampler()
         self.fault_plan = FaultPlan.from_env()  # None unless a test asks for faults
-        self._choose_attention_backend(attention_backend, cpu_kernels)
-
-    def _choose_attention_backend(self, backend: str, use_cpu_kernels: bool = True) -> None:
-        if backend not in ("auto", "torch", "cpu_kernel", "triton", "flash_attn"):
-            raise ValueError(
-                f"attention_backend must be auto, torch, cpu_kernel, triton or flash_attn; got {backend!r}"
-            )
-        # The varlen kernels (triton, flash_attn) read the whole step from one
-        # set of flat tensors; on CUDA, "auto" is Triton: torch's masked SDPA
-        # there builds a new cuDNN plan for every new shape.
-        self.triton_kernel = None
-        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
-            from shoal.workers.model_executor.layers import triton_attention
-
-            self.triton_kernel = triton_attention.load(self.device, self.block_size)
-        elif backend == "flash_attn":
-            if self.dtype not in (torch.float16, torch.bfloat16):
-                raise ValueError(f"attention_backend='flash_attn' needs float16 or bfloat16; got {self.dtype}")
-            from shoal.workers.model_executor.layers import flash_attention
-
-            self.triton_kernel = flash_attention.load(self.device, self.block_size)
-        # On the CPU in float32, decodes read the paged cache and multiply
-        # their few rows by the weights through the compiled kernels when
-        # they build; the torch path is the fallback and the reference.
-        self.decode_kernel = None
-        cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
-        if backend in ("auto", "cpu_kernel") and cpu_float32 and use_cpu_kernels:
-            from shoal.workers.model_executor.layers import cpu_kernels
-
-            self.decode_kernel = cpu_kernels.load()
-        if backend == "cpu_kernel" and self.decode_kernel is None:
-            raise RuntimeError("attention_backend='cpu_kernel' needs a CPU, float32, a C++ compiler and cpu_kernels on")
-        # The matmul, small ops and one-call decode step are AVX2 code.
-        kernels = self.decode_kernel if getattr(self.decode_kernel, "has_avx2", False) else None
-        for module in self.model.modules():
-            if hasattr(module, "cpu_kernels"):
-                module.cpu_kernels = kernels
+        self.attn_backend = get_attn_backend(attention_backend, self.device, self.dtype, block_size, cpu_kernels)
+        self.attn_metadata_builder = self.attn_backend.builder_cls(block_size, self.device)
+        # The compiled kernels reach the other layers here, once (layers/cpu_kernels.py), and with
+        # them the one-call decode step where it applies.
+        bound = bind_cpu_kernels(model, self.attn_backend.cpu_kernels)
+        self.cpu_decode_step = CPUDecodeStep.create(model, bound)
 
     @property
     def varlen(self) -> bool:
         """Whether the step's attention is one varlen kernel call per layer."""
-        return self.triton_kernel is not None
+        return self.attn_backend.varlen
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the cache (freeing any earlier one) and binds each
-        layer to its slice. A varlen backend gets one spare block past
-        num_blocks for CUDA-graph padding rows."""
+        layer to its slice and to a fresh impl of the attention backend (the
+        torch path's gather buffers go with the old cache). A varlen backend
+        gets one spare block past num_blocks for CUDA-graph padding rows."""
         self.kv_cache = None
-        self.model.unbind_kv_cache()
+        if self.cpu_decode_step is not None:
+            self.cpu_decode_step.unbind()
         cfg = self.model.config
         kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.pad_block = num_blocks if self.varlen else None
         total = num_blocks + (1 if self.varlen else 0)
         shape = (2, cfg.num_hidden_layers, total, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        workspace = GatherWorkspace()
+        impl = self.attn_backend.impl_cls()  # one for all layers
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            attn.workspace = workspace
-            attn.decode_kernel = self.decode_kernel
-            attn.triton_kernel = self.triton_kernel
+            attn.impl = impl
         if self.device.type == "cpu":
             # The heap now holds weights and cache; what loading left free goes back (cpu_memory.py).
             release_free_heap()
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
-        self.model.unbind_kv_cache()
+        if self.cpu_decode_step is not None:
+            self.cpu_decode_step.unbind()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
 
@@ -210,13 +183,14 @@ class ModelRunner:
         self.graphs = DecodeGraphs(capture_sizes(self.max_num_seqs), self.device)
         with torch.inference_mode():
             stats = self.graphs.capture(
-                lambda size: self._stage_varlen([], size, self.staging.begin()), self._forward_decode
+                lambda size: self._stage_varlen([], [], [], size, self.staging.begin()), self._forward_decode
             )
         logger.info("%s", stats.describe())
         return stats
 
     def _forward_decode(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=t["slot_mapping"], triton=self._varlen_metadata(t, max_query_len=1))
+        """A decode step of the graphs' layout: its rows are known by the staged tensors alone."""
+        meta = self.attn_metadata_builder.build(self._common_metadata(t, 1))
         with set_forward_context(meta):
             return self.model(t["input_ids"], t["positions"], t["logits_indices"])
 
@@ -255,9 +229,11 @@ class ModelRunner:
         if self.graphs is not None and len(decodes) == len(rows):
             graph_size = self.graphs.padded_size(len(rows))
 
+        query_lens = [r.num_new for r in rows]
+        seq_lens = [r.seq_len for r in rows]
         batch = self.staging.begin()
         if self.varlen:
-            self._stage_varlen(rows, graph_size, batch)
+            self._stage_varlen(rows, seq_lens, query_lens, graph_size, batch)
         else:
             self._stage_flat(rows, batch)
         pending = None
@@ -269,14 +245,34 @@ class ModelRunner:
         if graph_size is not None:
             logits = self.graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
             return due, logits, metadata
-        if self.varlen:
-            max_query_len = max(r.num_new for r in rows)
-            meta = AttentionMetadata(slot_mapping=t["slot_mapping"], triton=self._varlen_metadata(t, max_query_len))
+        common = self._common_metadata(
+            t,
+            max(query_lens, default=0),
+            num_decodes=len(decodes),
+            query_lens=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=[r.seq.block_table for r in rows],
+        )
+        meta = self.attn_metadata_builder.build(common)
+        if self.cpu_decode_step is not None and meta.decode_only:
+            logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
         else:
-            meta = self._torch_metadata(rows, t["slot_mapping"])
-        with set_forward_context(meta):
-            logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
+            with set_forward_context(meta):
+                logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
         return due, logits, metadata
+
+    @staticmethod
+    def _common_metadata(t: dict[str, torch.Tensor], max_query_len: int, **rows) -> CommonAttentionMetadata:
+        """The step for the backend's builder: the staged tensors (the varlen
+        ones, where staged) and `rows`, the host lists (none for a graph's capture)."""
+        return CommonAttentionMetadata(
+            slot_mapping=t["slot_mapping"],
+            max_query_len=max_query_len,
+            block_table_tensor=t.get("block_tables"),
+            seq_lens=t.get("seq_lens"),
+            query_start_loc=t.get("query_start_loc"),
+            **rows,
+        )
 
     def _token_lists(self, rows: list[_Row]) -> tuple[list[int], list[int], list[int], list[int]]:
         """input_ids, positions, slot_mapping and logits_indices of the flat batch."""
@@ -298,14 +294,15 @@ class ModelRunner:
     def _stage_flat(self, rows: list[_Row], batch: StagedBatch) -> None:
         self._stage_flat_lists(batch, *self._token_lists(rows))
 
-    def _stage_varlen(self, rows: list[_Row], pad_to: int | None, batch: StagedBatch) -> StagedBatch:
+    def _stage_varlen(
+        self, rows: list[_Row], seq_lens: list[int], query_lens: list[int], pad_to: int | None, batch: StagedBatch
+    ) -> StagedBatch:
         """The flat inputs plus block tables, sequence lengths and query
-        offsets. pad_to: a CUDA graph's batch size; rows past the real ones
-        are one-token sequences in the spare block, and every block table
-        is as wide as max_model_len needs, so the layout is the graph's."""
+        offsets (seq_lens, query_lens: the rows'). pad_to: a CUDA graph's
+        batch size; rows past the real ones are one-token sequences in the
+        spare block, and every block table is as wide as max_model_len
+        needs, so the layout is the graph's."""
         input_ids, positions, slots, logits_indices = self._token_lists(rows)
-        seq_lens = [r.seq_len for r in rows]
-        query_lens = [r.num_new for r in rows]
         if pad_to is None:
             width = cdiv(max(seq_lens), self.block_size)
             num_rows = len(rows)
@@ -316,8 +313,8 @@ class ModelRunner:
             positions += [_PAD_INPUT] * pad
             slots += [self.pad_block * self.block_size] * pad
             logits_indices += range(len(logits_indices), pad_to)
-            seq_lens += [1] * pad
-            query_lens += [1] * pad
+            seq_lens = seq_lens + [1] * pad  # new lists: the caller's stay the rows'
+            query_lens = query_lens + [1] * pad
         tables = np.full((num_rows, width), self.pad_block if self.pad_block is not None else 0, dtype=np.int32)
         for i, r in enumerate(rows):
             table = r.seq.block_table[:width]
@@ -334,67 +331,3 @@ class ModelRunner:
         batch.add("positions", positions, torch.long)
         batch.add("slot_mapping", slots, torch.long)
         batch.add("logits_indices", logits_indices, torch.long)
-
-    @staticmethod
-    def _varlen_metadata(t: dict[str, torch.Tensor], max_query_len: int) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(
-            block_tables=t["block_tables"],
-            seq_lens=t["seq_lens"],
-            query_start_loc=t["query_start_loc"],
-            max_query_len=max_query_len,
-        )
-
-    def _torch_metadata(self, rows: list[_Row], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """Per-chunk tables and per-group masks for the torch backend and
-        the CPU kernel (the reference path; on the CPU these are no copies)."""
-        chunks = []
-        q_start = 0
-        for r in rows:
-            start, n = r.seq.num_computed_tokens, r.num_new
-            if n > 1:
-                table = None
-                if start > 0:
-                    table = torch.tensor(r.seq.block_table[: cdiv(r.seq_len, self.block_size)], device=self.device)
-                chunks.append(PrefillChunk(q_start, q_start + n, r.seq_len, table))
-            q_start += n
-        decodes = [r.seq for r in rows if r.num_new == 1]
-        meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=chunks)
-        if decodes:
-            # The kernel reads each context at its own length: no padding, one group.
-            meta.decodes = self._decode_groups(decodes, 1.0 if self.decode_kernel else 0.25)
-        return meta
-
-    def _decode_groups(self, seqs: list[Sequence], max_waste: float) -> list[DecodeGroup]:
-        """Split decodes (sorted longest first) into groups, starting a new
-        one when padding to the group's longest would waste over max_waste
-        of the keys read. Each group has padded block tables and the mask
-        that hides the padding."""
-        bs = self.block_size
-        groups, start = [], 0
-        while start < len(seqs):
-            longest = seqs[start].num_computed_tokens + 1
-            end, total = start, 0
-            while end < len(seqs):
-                n = seqs[end].num_computed_tokens + 1
-                if total + n < (1 - max_waste) * longest * (end - start + 1):
-                    break
-                total += n
-                end += 1
-            group = seqs[start:end]
-            max_blocks = cdiv(max(s.num_computed_tokens + 1 for s in group), bs)
-            tables = self._padded_block_tables(group, max_blocks)
-            lens = torch.tensor([s.num_computed_tokens + 1 for s in group], dtype=torch.long, device=self.device)
-            mask = None
-            if self.decode_kernel is None:
-                mask = (torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1))[
-                    :, None, None
-                ]
-            groups.append(DecodeGroup(start, end, tables, lens, mask))
-            start = end
-        return groups
-
-    def _padded_block_tables(self, seqs: list[Sequence], max_blocks: int) -> torch.Tensor:
-        """[len(seqs), max_blocks]: each sequence's first blocks, padded with 0."""
-        rows = [s.block_table[:max_blocks] for s in seqs]
-        padded = [r + [0] * (max_blocks - len(r)) for r in rows]
-        return torch.tensor(padded, dtype=torch.long, device=self.device)

@@ -4,8 +4,10 @@ paged KV cache, and the few-row linear layer of a decode step.
 Built once with torch's extension loader and cached under
 ~/.cache/torch_extensions (`make install` builds it ahead). load() returns
 None where it cannot be built (no compiler): the pure-torch path then runs,
-and it stays the reference either way. The model runner calls it only under
-EngineArgs.cpu_kernels (off: --no-cpu-kernels, or $SHOAL_CPU_KERNEL=0).
+and it stays the reference either way. The engine loads it only under
+EngineArgs.cpu_kernels (off: --no-cpu-kernels, or $SHOAL_CPU_KERNEL=0), when
+the cpu_kernel attention backend is chosen; bind() is then the one place
+the kernels reach the other layers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ import logging
 import os
 import time
 
+from torch import nn
+
+from shoal.workers.model_executor.layers.custom_op import CustomOp
+from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
 logger = logging.getLogger(__name__)
+# The layers that run on the kernels: each reads its `cpu_kernels` when called
+# (None: the torch path). The linear layers and the LM head multiply through
+# csrc/cpu_gemm.cpp; the CustomOps (RMSNorm, SiLU-and-multiply, rotary) call
+# csrc/cpu_ops.cpp.
+KERNEL_USERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, CustomOp)
 _kernel = None
 _tried = False
 _SOURCES = ("bindings.cpp", "paged_decode_cpu.cpp", "cpu_gemm.cpp", "cpu_ops.cpp", "cpu_decode_layers.cpp")
@@ -41,3 +54,17 @@ def load():
         logger.warning("CPU kernels unavailable (%s); using the torch path", e)
         _kernel = None
     return _kernel
+
+
+def bind(model: nn.Module, kernels) -> object | None:
+    """Gives every layer of `model` that runs on the kernels (KERNEL_USERS)
+    `kernels`, or None for the torch path; None too where the build lacks
+    AVX2, which the matmul, the small ops and the one-call decode step are
+    written in (only the decode attention kernel has a portable path).
+    Called once by the model runner when it picks the attention backend.
+    Returns what was bound."""
+    bound = kernels if getattr(kernels, "has_avx2", False) else None
+    for module in model.modules():
+        if isinstance(module, KERNEL_USERS):
+            module.cpu_kernels = bound
+    return bound

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from shoal.workers.model_executor.layers.activation import SiluAndMul
-from shoal.workers.model_executor.layers.attention import PagedAttention, get_forward_context
+from shoal.workers.model_executor.layers.attention import PagedAttention
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.workers.model_executor.layers.norm import RMSNorm
+from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.workers.model_executor.layers.weight_utils import default_weight_loader
@@ -26,16 +27,30 @@ from shoal.workers.model_executor.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.qkv_bias
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.qkv_bias,
+            quant_config,
+            f"{prefix}.qkv_proj",
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, quant_config, f"{prefix}.o_proj"
+        )
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
@@ -49,11 +64,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused_ops: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        fused_ops: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         n = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size, [n, n], cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear.even(
+            cfg.hidden_size, [n, n], cfg.mlp_bias, quant_config, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, quant_config, f"{prefix}.down_proj")
         self.act_fn = SiluAndMul(fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +84,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, fused_ops: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        fused_ops: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary)
-        self.mlp = LlamaMLP(cfg, fused_ops)
+        self.self_attn = LlamaAttention(cfg, rotary, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, fused_ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
 
@@ -95,19 +125,27 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, fused_ops: bool = False):
-        """fused_ops: the small ops' fused Triton kernels off CUDA too (EngineArgs.fused_ops)."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        fused_ops: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ):
+        """fused_ops: the small ops' fused Triton kernels off CUDA too (EngineArgs.fused_ops);
+        quant_config: each layer's weight method by checkpoint name (None: unquantized)."""
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, fused_ops)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, fused_ops) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, "model.embed_tokens")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, fused_ops, quant_config, f"model.layers.{i}")
+            for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one parameter, listed once
-        self.cpu_kernels = None  # the compiled CPU kernels, when the model runner uses them
-        self._decode_layers = None  # (what it was built over, cpu_kernels.DecodeLayers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -125,82 +163,26 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids).to(self.dtype)
+
+    def compute_logits(
+        self, h: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The final norm (adding the last layer's pending output into the
+        sum) and the LM head, at `logits_indices` only."""
+        out, _ = self.norm(h[logits_indices], residual[logits_indices])
+        return self.lm_head(out)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
     ) -> torch.Tensor | None:
         """Logits (float32) only at `logits_indices` of the flat batch; on
         ranks other than 0 of a tensor-parallel group, None."""
-        h, residual = self.embed_tokens(input_ids).to(self.dtype), None
-        if self._decodes_only(h):
-            group = get_forward_context().decodes[0]
-            h, residual = self._bound_decode_layers()(
-                h, positions, get_forward_context().slot_mapping, group.block_tables, group.context_lens
-            )
-        else:
-            for layer in self.layers:
-                h, residual = layer(positions, h, residual)
-        out, _ = self.norm(h[logits_indices], residual[logits_indices])
-        return self.lm_head(out)
-
-    def _decodes_only(self, h: torch.Tensor) -> bool:
-        """Whether the compiled CPU kernels can run every layer in one call:
-        a step of one-token rows (one decode group) in float32, unsharded,
-        with every matmul's inner size a multiple of the kernel's 16."""
-        if self.cpu_kernels is None or h.dtype != torch.float32 or self.layers[0].mlp.down_proj.tp.size != 1:
-            return False
-        a, m = self.layers[0].self_attn, self.layers[0].mlp
-        if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
-            return False
-        ctx = get_forward_context()
-        return (
-            not ctx.prefills
-            and ctx.triton is None
-            and len(ctx.decodes) == 1
-            and ctx.decodes[0].end - ctx.decodes[0].start == h.shape[0]
-        )
-
-    def unbind_kv_cache(self) -> None:
-        """Drops the C++ layers' hold on the KV cache (the runner frees or replaces it)."""
-        self._decode_layers = None
-
-    def _bound_decode_layers(self):
-        """The C++ layers bound to this model's weights and KV cache; built
-        again when either is replaced (a new cache, weights cast on load)."""
-        a0 = self.layers[0].self_attn
-        key = (self.cpu_kernels, a0.attn.k_cache.data_ptr(), a0.qkv_proj.weight.data_ptr())
-        if self._decode_layers is None or self._decode_layers[0] != key:
-            none = torch.empty(0)
-            weights, k_caches, v_caches = [], [], []
-            for layer in self.layers:
-                a, m = layer.self_attn, layer.mlp
-                for w in (
-                    layer.input_layernorm.weight,
-                    a.qkv_proj.weight,
-                    a.qkv_proj.bias,
-                    a.o_proj.weight,
-                    a.o_proj.bias,
-                    layer.post_attention_layernorm.weight,
-                    m.gate_up_proj.weight,
-                    m.gate_up_proj.bias,
-                    m.down_proj.weight,
-                    m.down_proj.bias,
-                ):
-                    weights.append(none if w is None else w)
-                k_caches.append(a.attn.k_cache)
-                v_caches.append(a.attn.v_cache)
-            layers = self.cpu_kernels.DecodeLayers(
-                weights,
-                k_caches,
-                v_caches,
-                a0.rotary.cos_cached,
-                a0.rotary.sin_cached,
-                a0.num_heads,
-                a0.num_kv_heads,
-                self.config.rms_norm_eps,
-                a0.attn.scale,
-            )
-            self._decode_layers = (key, layers)
-        return self._decode_layers[1]
+        h, residual = self.get_input_embeddings(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        return self.compute_logits(h, residual, logits_indices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters,

@@ -1,0 +1,92 @@
+"""The CPU's counterpart of a CUDA graph: a decode step's decoder layers in
+one C++ call (layers/csrc/cpu_decode_layers.cpp).
+
+At batch 1 the per-layer Python and op dispatch had been a third of a
+float32 decode step on the CPU. The C++ layers are bound once to the
+model's weights and KV cache and run the same kernels the layers do
+(few-row matmul, norms, rotary, paged decode attention); Python sees the
+embedding, one call, and the final norm with the LM head. The model runner
+builds one where it applies (the cpu_kernel backend with AVX2, a float32
+Llama-family model on one rank, every matmul's inner size a multiple of the
+kernel's 16) and runs it for every step whose rows are all decodes, as it
+replays a CUDA graph for those on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelMetadata
+from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+
+
+class CPUDecodeStep:
+    def __init__(self, model: LlamaForCausalLM, kernels):
+        self.model, self.kernels = model, kernels
+        self._bound = None  # (what it was built over, kernels.DecodeLayers)
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, kernels) -> CPUDecodeStep | None:
+        """One for `model` where the C++ layers can run it; kernels: what
+        layers/cpu_kernels.bind returned (None without AVX2)."""
+        if kernels is None or not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32:
+            return None
+        if model.layers[0].mlp.down_proj.tp.size != 1:
+            return None
+        a, m = model.layers[0].self_attn, model.layers[0].mlp
+        if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+            return None
+        return cls(model, kernels)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, meta: CPUKernelMetadata
+    ) -> torch.Tensor:
+        """The model's forward for a step whose rows are all decodes (meta.decode_only)."""
+        g = meta.decode
+        h = self.model.get_input_embeddings(input_ids)
+        h, residual = self.bound_layers()(h, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+        return self.model.compute_logits(h, residual, logits_indices)
+
+    def unbind(self) -> None:
+        """Drops the C++ layers' hold on the KV cache (the runner frees or replaces it)."""
+        self._bound = None
+
+    def bound_layers(self):
+        """The C++ layers bound to the model's weights and KV cache; built
+        again when either is replaced (a new cache, weights cast on load)."""
+        model = self.model
+        a0 = model.layers[0].self_attn
+        key = (self.kernels, a0.attn.k_cache.data_ptr(), a0.qkv_proj.weight.data_ptr())
+        if self._bound is None or self._bound[0] != key:
+            none = torch.empty(0)
+            weights, k_caches, v_caches = [], [], []
+            for layer in model.layers:
+                a, m = layer.self_attn, layer.mlp
+                for w in (
+                    layer.input_layernorm.weight,
+                    a.qkv_proj.weight,
+                    a.qkv_proj.bias,
+                    a.o_proj.weight,
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    m.gate_up_proj.weight,
+                    m.gate_up_proj.bias,
+                    m.down_proj.weight,
+                    m.down_proj.bias,
+                ):
+                    weights.append(none if w is None else w)
+                k_caches.append(a.attn.k_cache)
+                v_caches.append(a.attn.v_cache)
+            layers = self.kernels.DecodeLayers(
+                weights,
+                k_caches,
+                v_caches,
+                a0.rotary.cos_cached,
+                a0.rotary.sin_cached,
+                a0.num_heads,
+                a0.num_kv_heads,
+                model.config.rms_norm_eps,
+                a0.attn.scale,
+            )
+            self._bound = (key, layers)
+        return self._bound[1]

@@ -1,0 +1,202 @@
+"""The pure-torch backend (SDPA): runs anywhere and is the reference for
+the others.
+
+Prefill chunks attend over their fresh keys, or over their blocks gathered
+from the cache when context came before them. Decodes are split into groups
+of similar context length, each gathered block-wise into a reusable buffer
+and run as one masked SDPA call. The cpu_kernel backend shares the prefill
+half and the metadata's pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionLayer, CommonAttentionMetadata
+from shoal.workers.utils import cdiv
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Queries [start, end) of the flat batch attend to `context_len` keys.
+    `block_table` lists the blocks holding them; None means the chunk is the
+    whole context, so the fresh keys are used as they are."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """One-token queries [start, end) of the flat batch, one per sequence,
+    of similar context length so that padding them to the longest is cheap."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, max_blocks], padded
+    context_lens: torch.Tensor  # [end - start]
+    mask: torch.Tensor | None  # [end - start, 1, 1, max_blocks * block_size], True = attend (torch path)
+
+
+@dataclass(slots=True)
+class TorchSDPAMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]: where each new key/value goes
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+
+
+def prefill_chunks(common: CommonAttentionMetadata, block_size: int, device: torch.device) -> list[PrefillChunk]:
+    """A chunk per row of more than one new token (on the CPU, its block
+    table is no copy)."""
+    chunks = []
+    q_start = common.num_decodes
+    for i in range(common.num_decodes, len(common.query_lens)):
+        n, seq_len = common.query_lens[i], common.seq_lens_cpu[i]
+        table = None
+        if seq_len > n:  # context came before the chunk
+            table = torch.tensor(common.block_tables_cpu[i][: cdiv(seq_len, block_size)], device=device)
+        chunks.append(PrefillChunk(q_start, q_start + n, seq_len, table))
+        q_start += n
+    return chunks
+
+
+def decode_group(
+    seq_lens: list[int],
+    tables: list[list[int]],
+    start: int,
+    end: int,
+    block_size: int,
+    device: torch.device,
+    masked: bool,
+) -> DecodeGroup:
+    """Decodes [start, end): block tables padded with 0 to the longest, and
+    (masked) the mask that hides the padding."""
+    max_blocks = cdiv(max(seq_lens[start:end]), block_size)
+    rows = [t[:max_blocks] for t in tables[start:end]]
+    padded = [r + [0] * (max_blocks - len(r)) for r in rows]
+    block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+    lens = torch.tensor(seq_lens[start:end], dtype=torch.long, device=device)
+    mask = None
+    if masked:
+        mask = (torch.arange(max_blocks * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None]
+    return DecodeGroup(start, end, block_tables, lens, mask)
+
+
+class TorchSDPAMetadataBuilder:
+    # A new decode group starts where padding to its longest would waste
+    # more than this share of the keys read.
+    MAX_WASTE = 0.25
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size, self.device = block_size, device
+
+    def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        chunks = prefill_chunks(common, self.block_size, self.device)
+        return TorchSDPAMetadata(common.slot_mapping, self._decode_groups(common), chunks)
+
+    def _decode_groups(self, common: CommonAttentionMetadata) -> list[DecodeGroup]:
+        lens, tables = common.seq_lens_cpu, common.block_tables_cpu
+        groups, start = [], 0
+        while start < common.num_decodes:
+            longest = lens[start]
+            end, total = start, 0
+            while end < common.num_decodes:
+                n = lens[end]
+                if total + n < (1 - self.MAX_WASTE) * longest * (end - start + 1):
+                    break
+                total += n
+                end += 1
+            groups.append(decode_group(lens, tables, start, end, self.block_size, self.device, masked=True))
+            start = end
+        return groups
+
+
+class GatherWorkspace:
+    """Reusable buffers for gathered keys and values, shared by all layers
+    of one model: a fresh multi-megabyte tensor per layer and step costs
+    more in page faults than the copy itself."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(slot)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.buffers[slot] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
+    def gather(self, block_tables: torch.Tensor, cache: torch.Tensor, slot: int) -> torch.Tensor:
+        """[n, max_blocks] block ids -> [n, max_blocks * block_size, kv_heads, dim],
+        copied whole blocks at a time into buffer `slot`."""
+        n, m = block_tables.shape
+        block_shape = cache.shape[1:]
+        out = self.get(slot, n * m * cache[0].numel(), cache).view(n * m, *block_shape)
+        torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
+        return out.view(n, m * block_shape[0], *block_shape[1:])
+
+
+def prefill_attention(
+    workspace: GatherWorkspace,
+    layer: AttentionLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefills: list[PrefillChunk],
+    out: torch.Tensor,
+) -> None:
+    """Each chunk's queries attend causally over its context, into `out`."""
+    for p in prefills:
+        n = p.end - p.start
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        if p.block_table is None:
+            ks, vs = k[p.start : p.end], v[p.start : p.end]
+        else:
+            ks = workspace.gather(p.block_table[None], layer.k_cache, 0)[0, : p.context_len]
+            vs = workspace.gather(p.block_table[None], layer.v_cache, 1)[0, : p.context_len]
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+        if n == p.context_len:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=layer.scale, enable_gqa=True)
+        else:
+            # Queries are the last n positions of the context.
+            mask = torch.ones(n, p.context_len, dtype=torch.bool, device=q.device).tril(p.context_len - n)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+        out[p.start : p.end] = o[0].transpose(0, 1)
+
+
+class TorchSDPAImpl:
+    def __init__(self):
+        self.workspace = GatherWorkspace()
+
+    def forward(
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for g in metadata.decodes:
+            # One batched call per group: gather each one's blocks (whole
+            # blocks copy at memory speed) into a padded
+            # [n, kv_heads, max_blocks * block_size, dim] and mask the padding.
+            kd = self.workspace.gather(g.block_tables, layer.k_cache, 0).transpose(1, 2)
+            vd = self.workspace.gather(g.block_tables, layer.v_cache, 1).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[g.start : g.end].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=layer.scale, enable_gqa=True
+            )
+            out[g.start : g.end] = o.squeeze(2)
+        prefill_attention(self.workspace, layer, q, k, v, metadata.prefills, out)
+        return out
+
+
+class TorchSDPABackend:
+    name = "torch"
+    varlen = False
+    cpu_kernels = None
+    metadata_cls = TorchSDPAMetadata
+    builder_cls = TorchSDPAMetadataBuilder
+    impl_cls = TorchSDPAImpl
+
+    def validate(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+        """Runs anywhere."""

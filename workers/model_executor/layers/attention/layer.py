@@ -1,0 +1,40 @@
+"""The attention layer over the paged KV cache. It writes the step's keys
+and values into the cache, then hands the attention itself to its
+backend's impl (backends/), which the model runner binds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionImpl
+from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPAImpl
+from shoal.workers.model_executor.layers.attention.forward_context import get_forward_context
+
+
+def write_to_paged_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key/value [T, kv_heads, dim] go to flat slots `slot_mapping` of the
+    caches [num_blocks, block_size, kv_heads, dim]; every backend reads them there."""
+    k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+
+
+class PagedAttention(nn.Module):
+    """The cache of one layer is [num_blocks, block_size, num_kv_heads, head_dim];
+    viewed flat, slot s is block s // block_size, offset s % block_size."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.impl: AttentionImpl = TorchSDPAImpl()  # the reference, until the model runner binds its backend's
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
+        meta = get_forward_context()
+        write_to_paged_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.impl.forward(self, q, k, v, meta).view(q.shape[0], -1)

@@ -145,81 +145,62 @@ def run(ns) -> int:
 
 
 def profile(engine, prompt: list[int], output_len: int) -> dict:
-    """Where one request's decode steps go: each part of the step timed in
-    place (wrapping the engine's own calls for one more request), then,
-    inside the one-call decoder layers, each op (norms, each matrix with its
-    read rate, RoPE, attention, SiLU) as the C++ step times it. Without the
-    compiled kernels, each matrix is timed alone at one row instead. Printed
-    and returned."""
+    """Where one request's decode steps go: the engine's named step ranges
+    (shoal.workers.profiling) for one more request, the decoder layers and
+    the LM head timed through module hooks (or, in the one-call decode step,
+    its own range), then, inside the one-call decoder layers, each op (norms,
+    each matrix with its read rate, RoPE, attention, SiLU) as the C++ step
+    times it. Without the compiled kernels, each matrix is timed alone at one
+    row instead. Printed and returned."""
     import torch
+
+    from shoal.workers import SamplingParams, profiling
 
     runner = engine.runner
     model = runner.model
-    parts = dict.fromkeys(
-        ("decoder layers", "LM head", "sampler", "forward", "runner", "scheduler", "detokenizer", "step"), 0.0
-    )
-    restore = []
-
-    def timed(obj, name, part):
-        orig = getattr(obj, name)
-        restore.append((obj, name, obj.__dict__.get(name)))
-
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **kw)
-            finally:
-                parts[part] += time.perf_counter() - t0
-
-        setattr(obj, name, wrapper)
-
-    timed(runner, "sampler", "sampler")
-    timed(runner, "execute", "runner")
-    timed(model.lm_head, "forward", "LM head")
-    timed(model, "forward", "forward")
-    timed(engine.scheduler, "schedule", "scheduler")
-    timed(engine.scheduler, "update_from_output", "scheduler")
-    timed(engine, "_detokenize", "detokenizer")
-    timed(engine, "_delta", "detokenizer")
     decode_step = runner.cpu_decode_step
     fused = decode_step is not None
-    if fused:  # the one C++ call per decode step, in place of the model's forward
-        timed(decode_step, "forward", "forward")
-        orig_bound = decode_step.bound_layers
-        restore.append((decode_step, "bound_layers", None))
-
-        def bound():
-            layers = orig_bound()
-            layers.timing = True  # its ops time themselves (read back below)
-            return _Timed(layers, parts, "decoder layers")
-
-        decode_step.bound_layers = bound
-    else:
-        for layer in model.layers:
-            timed(layer, "forward", "decoder layers")
-    from shoal.workers import SamplingParams
+    hooked = {"decoder layers": 0.0, "LM head": 0.0}
+    modules = [(model.lm_head, "LM head")] + ([] if fused else [(layer, "decoder layers") for layer in model.layers])
+    handles = []
+    for module, part in modules:
+        handles += _time_module(module, hooked, part)
 
     engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     engine.step()  # the prefill, not counted
-    for k in parts:
-        parts[k] = 0.0
+    for k in hooked:
+        hooked[k] = 0.0
     if fused:
-        orig_bound().op_seconds()  # zeroes them
-    steps = 0
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        parts["step"] += time.perf_counter() - t0
-        steps += 1
+        layers = decode_step.bound_layers()
+        layers.timing = True  # its ops time themselves (read back below)
+        layers.op_seconds()  # zeroes them
+    profiling.enable()
+    steps, step = 0, 0.0
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            step += time.perf_counter() - t0
+            steps += 1
+        ranges = profiling.seconds()
+    finally:
+        profiling.enable(False)
+        for h in handles:
+            h.remove()
     if fused:
-        op_seconds = orig_bound().op_seconds()
-        orig_bound().timing = False
-    for obj, name, own in restore:
-        if own is None:
-            delattr(obj, name)  # the method shows through again
-        else:
-            setattr(obj, name, own)  # an attribute of the instance (the runner's sampler)
-    step = parts["step"]
+        op_seconds = layers.op_seconds()
+        layers.timing = False
+    r = {name: ranges.get(name, 0.0) for name in profiling.RANGES}
+    parts = {
+        "decoder layers": r["decoder_layers"] if fused else hooked["decoder layers"],
+        "LM head": hooked["LM head"],
+        "forward": r["forward"],
+        "sampler": r["sample"],
+        "runner": r["execute_model"] - r["forward"] - r["sample"],  # staging and the runner's own Python
+        "scheduler": r["schedule"] + r["update_from_output"],
+        "detokenizer": r["detokenize"],
+        "engine": step - r["schedule"] - r["execute_model"] - r["update_from_output"] - r["detokenize"],
+    }
     rows = [
         ("decoder layers", parts["decoder layers"]),
         ("LM head", parts["LM head"]),
@@ -228,13 +209,10 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
             parts["forward"] - parts["decoder layers"] - parts["LM head"],
         ),
         ("sampler", parts["sampler"]),
-        (
-            "input staging (token ids, positions, slots, one copy)",
-            parts["runner"] - parts["forward"] - parts["sampler"],
-        ),
+        ("input staging (token ids, positions, slots, one copy)", parts["runner"]),
         ("scheduler (schedule, update from output)", parts["scheduler"]),
         ("detokenizer and output deltas", parts["detokenizer"]),
-        ("rest of the step (engine bookkeeping)", step - parts["runner"] - parts["scheduler"] - parts["detokenizer"]),
+        ("rest of the step (engine bookkeeping)", parts["engine"]),
     ]
     print(
         f"  one decode step, {1e3 * step / steps:.2f} ms ({steps} steps of one request; "
@@ -282,15 +260,15 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     return report
 
 
-class _Timed:
-    """A callable timed into parts[part]."""
+def _time_module(module, totals: dict, part: str) -> list:
+    """Time each call of `module` into totals[part] through its forward hooks
+    (PyTorch's own seam); returns the handles to remove."""
+    started = []
 
-    def __init__(self, fn, parts: dict, part: str):
-        self.fn, self.parts, self.part = fn, parts, part
+    def before(*_):
+        started.append(time.perf_counter())
 
-    def __call__(self, *a):
-        t0 = time.perf_counter()
-        try:
-            return self.fn(*a)
-        finally:
-            self.parts[self.part] += time.perf_counter() - t0
+    def after(*_):
+        totals[part] += time.perf_counter() - started.pop()
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]

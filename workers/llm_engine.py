@@ -29,6 +29,7 @@ from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.model_loader import load_model_files
 from shoal.workers.model_executor.runner import Runner
+from shoal.workers.profiling import step_range
 
 logger = logging.getLogger(__name__)
 
@@ -208,12 +209,14 @@ class LLMEngine:
         on one request (its staging, sampling or detokenizing raised) ends
         that request alone, with an error delta, and the rest go on; any
         other failure raises, and the engine is dead."""
-        sched = self.scheduler.schedule()
+        with step_range("schedule"):
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         t0 = time.perf_counter()
         try:
-            out = self.model_executor.execute_model(sched)
+            with step_range("execute_model"):
+                out = self.model_executor.execute_model(sched)
         except Exception as e:
             # Nothing advanced: the sequences are as scheduled, and the next
             # step computes the same tokens again (their KV slots rewritten
@@ -223,20 +226,23 @@ class LLMEngine:
         self.step_seconds += time.perf_counter() - t0
         tokens = out.sampled_token_ids
         stop_strings, failed = [], {}
-        for seq, token in zip(out.seqs, tokens):
-            try:
-                stop_strings.append(self._detokenize(seq, token))
-            except Exception as e:  # this request's text alone
-                stop_strings.append(None)
-                failed[seq.request_id] = e
-        finished = self.scheduler.update_from_output(sched, out, stop_strings)
+        with step_range("detokenize"):
+            for seq, token in zip(out.seqs, tokens):
+                try:
+                    stop_strings.append(self._detokenize(seq, token))
+                except Exception as e:  # this request's text alone
+                    stop_strings.append(None)
+                    failed[seq.request_id] = e
+        with step_range("update_from_output"):
+            finished = self.scheduler.update_from_output(sched, out, stop_strings)
         deltas = []
-        for seq, token, lp in zip(out.seqs, tokens, out.logprobs):
-            if seq.request_id in failed:
-                deltas.append(self._fail(seq, failed[seq.request_id]))
-                continue
-            logprobs = None if lp is None else [TokenLogprob(token, *lp)]
-            deltas.append(self._delta(self.requests[seq.request_id], [token], logprobs))
+        with step_range("detokenize"):  # the outputs: one delta per token
+            for seq, token, lp in zip(out.seqs, tokens, out.logprobs):
+                if seq.request_id in failed:
+                    deltas.append(self._fail(seq, failed[seq.request_id]))
+                    continue
+                logprobs = None if lp is None else [TokenLogprob(token, *lp)]
+                deltas.append(self._delta(self.requests[seq.request_id], [token], logprobs))
         for seq in finished:
             if seq.request_id not in failed:
                 del self.requests[seq.request_id]

@@ -18,6 +18,7 @@ import torch
 
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelMetadata
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+from shoal.workers.profiling import step_range
 
 
 class CPUDecodeStep:
@@ -44,8 +45,10 @@ class CPUDecodeStep:
         """The model's forward for a step whose rows are all decodes (meta.decode_only)."""
         g = meta.decode
         h = self.model.get_input_embeddings(input_ids)
-        h, residual = self.bound_layers()(h, positions, meta.slot_mapping, g.block_tables, g.context_lens)
-        return self.model.compute_logits(h, residual, logits_indices)
+        with step_range("decoder_layers"):
+            h, residual = self.bound_layers()(h, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+        with step_range("compute_logits"):
+            return self.model.compute_logits(h, residual, logits_indices)
 
     def unbind(self) -> None:
         """Drops the C++ layers' hold on the KV cache (the runner frees or replaces it)."""

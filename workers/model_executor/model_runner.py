@@ -37,6 +37,7 @@ from shoal.workers.model_executor.layers.sampler import Sampler
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 from shoal.workers.model_executor.sampling_metadata_builder import stage_sampling_metadata
 from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
+from shoal.workers.profiling import step_range
 from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
             self.fault_plan.before_sampling(seqs)
-        out = self.sampler(logits, metadata)
+        with step_range("sample"):
+            out = self.sampler(logits, metadata)
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
 
     def execute_model(self, scheduled: list) -> tuple[list, torch.Tensor | None]:
@@ -229,36 +231,38 @@ class ModelRunner:
         if self.graphs is not None and len(decodes) == len(rows):
             graph_size = self.graphs.padded_size(len(rows))
 
-        query_lens = [r.num_new for r in rows]
-        seq_lens = [r.seq_len for r in rows]
-        batch = self.staging.begin()
-        if self.varlen:
-            self._stage_varlen(rows, seq_lens, query_lens, graph_size, batch)
-        else:
-            self._stage_flat(rows, batch)
-        pending = None
-        if sample and due:
-            pending = stage_sampling_metadata(due, self.eos_token_ids, self.model.config.vocab_size, batch)
-        t = batch.upload()  # the step's one host-to-device copy
-        metadata = pending.resolve(t, self.device) if pending is not None else None
+        with step_range("prepare_inputs"):
+            query_lens = [r.num_new for r in rows]
+            seq_lens = [r.seq_len for r in rows]
+            batch = self.staging.begin()
+            if self.varlen:
+                self._stage_varlen(rows, seq_lens, query_lens, graph_size, batch)
+            else:
+                self._stage_flat(rows, batch)
+            pending = None
+            if sample and due:
+                pending = stage_sampling_metadata(due, self.eos_token_ids, self.model.config.vocab_size, batch)
+            t = batch.upload()  # the step's one host-to-device copy
+            metadata = pending.resolve(t, self.device) if pending is not None else None
+            if graph_size is None:
+                common = self._common_metadata(
+                    t,
+                    max(query_lens, default=0),
+                    num_decodes=len(decodes),
+                    query_lens=query_lens,
+                    seq_lens_cpu=seq_lens,
+                    block_tables_cpu=[r.seq.block_table for r in rows],
+                )
+                meta = self.attn_metadata_builder.build(common)
 
-        if graph_size is not None:
-            logits = self.graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
-            return due, logits, metadata
-        common = self._common_metadata(
-            t,
-            max(query_lens, default=0),
-            num_decodes=len(decodes),
-            query_lens=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_tables_cpu=[r.seq.block_table for r in rows],
-        )
-        meta = self.attn_metadata_builder.build(common)
-        if self.cpu_decode_step is not None and meta.decode_only:
-            logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
-        else:
-            with set_forward_context(meta):
-                logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
+        with step_range("forward"):
+            if graph_size is not None:
+                logits = self.graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
+            elif self.cpu_decode_step is not None and meta.decode_only:
+                logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
+            else:
+                with set_forward_context(meta):
+                    logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
         return due, logits, metadata
 
     @staticmethod

@@ -303,14 +303,12 @@ class _ChunkFormat:
             choice["delta"] = delta
         else:
             choice["text"] = delta
+        return {**self._chunk_head(), "choices": [choice]}
+
+    def _chunk_head(self) -> dict:
+        """The fields every streamed chunk starts with."""
         obj = self.object + ".chunk" if self.chat else self.object
-        return {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": self.fe.info.model,
-            "choices": [choice],
-        }
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model}
 
     def delta(self, i: int, msg: GenerateDelta) -> dict:
         text, finished = msg.text, msg.finished
@@ -329,15 +327,7 @@ class _ChunkFormat:
         }
 
     def usage_chunk(self, finals: list[RequestFinished]) -> dict:
-        obj = self.object + ".chunk" if self.chat else self.object
-        return {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": self.fe.info.model,
-            "choices": [],
-            "usage": self.usage(finals),
-        }
+        return {**self._chunk_head(), "choices": [], "usage": self.usage(finals)}
 
     def whole(self, choices: list[dict]) -> dict:
         out = []

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
 from shoal.workers.model_executor.dummy_weights import dummy_weights
 from shoal.workers.model_executor.layers import parallel_state
 from shoal.workers.model_executor.layers.linear import (
@@ -177,6 +178,9 @@ def test_a_quantization_config_plugs_a_method_into_every_layer_of_the_model():
     gate, up = (2 * F.linear(x, ref.gate_up_proj.weight)).chunk(2, dim=-1)
     torch.testing.assert_close(mlp(x), 2 * F.linear(F.silu(gate) * up, ref.down_proj.weight))
     torch.testing.assert_close(model.lm_head(x), plain.lm_head(x), rtol=0, atol=0)
+    # The one-call C++ decode step reads each weight as it is: it stands aside for any other method.
+    kernels = object()  # stands for the loaded extension; create() only checks that there is one
+    assert CPUDecodeStep.create(plain, kernels) is not None and CPUDecodeStep.create(model, kernels) is None
 
 
 def test_the_registry_knows_none_and_refuses_other_names():

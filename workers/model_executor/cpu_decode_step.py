@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelMetadata
+from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 from shoal.workers.profiling import step_range
 
@@ -36,6 +37,11 @@ class CPUDecodeStep:
             return None
         a, m = model.layers[0].self_attn, model.layers[0].mlp
         if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+            return None
+        # The C++ layers read each matrix's weight as it is: a quantized or wrapped method computes otherwise.
+        linears = [x for layer in model.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+        linears += [x for layer in model.layers for x in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(type(x.quant_method) is not UnquantizedLinearMethod for x in linears):
             return None
         return cls(model, kernels)
 

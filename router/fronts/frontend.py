@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 from shoal.router.fronts.prompt import Prompt, tokenize
 from shoal.router.observability import tracing
@@ -127,6 +128,22 @@ class Frontend:
             )
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
+
+    async def detokenize(self, ids: list[int], field: str = "tokens") -> str:
+        """The text of token ids, special tokens kept (as vLLM's /detokenize
+        and echo give it), decoded on the tokenizer pool once the ids are
+        checked against the vocabulary and the context length."""
+        vocab, limit = self.info.vocab_size, self.info.max_model_len
+        if self.tokenizer is None:
+            raise ServingError("invalid", "this model has no tokenizer on the router", field)
+        if len(ids) > limit:
+            raise ServingError("invalid", f"{field} has {len(ids)} token ids; max_model_len is {limit}", field)
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise ServingError("invalid", f"token id {t} is outside the vocabulary [0, {vocab})", field)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, partial(self.tokenizer.decode, ids, skip_special_tokens=False)
+        )
 
     def start_span(
         self, parent, operation: str, request_id: str, client_request_id: str | None, stream: bool

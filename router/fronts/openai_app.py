@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP front (a Starlette app): /v1/completions,
-/v1/chat/completions, /v1/models, /health, streamed as server-sent events."""
+/v1/chat/completions, /v1/models, /health, streamed as server-sent events,
+and vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -16,12 +18,20 @@ from starlette.routing import Route
 from shoal.router.fronts import strict_json
 from shoal.router.fronts.frontend import Frontend, ServingError
 from shoal.router.fronts.http_guards import AdmissionLimit, HostCheck, until_disconnect
-from shoal.router.fronts.openai_protocol import ParsedRequest, parse_chat, parse_completion
+from shoal.router.fronts.openai_protocol import (
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
 from shoal.router.observability import tracing
 from shoal.router.observability.status_page import StatusPage
 from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, RequestFinished
+
+logger = logging.getLogger(__name__)
 
 # kind -> (HTTP status, OpenAI error type, code)
 _ERRORS = {
@@ -70,6 +80,8 @@ class OpenAIApp:
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 *status.routes(self._denied),  # /metrics, the status page and its JSON
             ]
         )
@@ -125,11 +137,10 @@ class OpenAIApp:
         """Check and dispatch; wait for each prompt's first delta so that a
         refusal (full, invalid) still gets its own status code. One prompt's
         engine id is `rid`; several prompts' are `rid-0`, `rid-1`, ..."""
-        try:
-            parsed = parse(body)
-        except InvalidRequestError as e:
-            raise ServingError("invalid", str(e), e.field) from None
+        parsed = _parsed(parse, body)
         self.fe.check_model(parsed.model)
+        if parsed.user is not None:  # %r: one log line whatever the client sent
+            logger.info("request %s from user %r", rid, parsed.user)
         n = len(parsed.prompts)
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         # One trace span per prompt (engine request), each a child of the client's context.
@@ -139,6 +150,12 @@ class OpenAIApp:
         ]
         try:
             prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans)]
+            parsed.num_prompt_tokens = [len(ids) for ids, _ in prepared]
+            if parsed.echo:  # a token-id prompt echoes as its text
+                parsed.echo_texts = [
+                    p.text if p.text is not None else await self.fe.detokenize(ids, "echo")
+                    for p, (ids, _) in zip(parsed.prompts, prepared)
+                ]
         except ServingError as e:
             for s in spans:
                 tracing.fail_request_span(s, e)
@@ -206,15 +223,35 @@ class OpenAIApp:
             return error_response(e, headers)
         finally:
             await _close(streams)
+        if parsed.echo_texts is not None:
+            for c in choices:
+                c["text"] = parsed.echo_texts[c["index"]] + c["text"]
         return JSONResponse(fmt.whole(choices), headers=headers)
 
     async def _events(self, fmt: _ChunkFormat, parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
         finals = []
+        echo = list(parsed.echo_texts) if parsed.echo_texts is not None else None  # None once sent
+        made = [0] * len(streams) if parsed.continuous_usage else None  # completion tokens so far, per choice
         try:
             if fmt.chat:
-                yield "data: " + _dumps(fmt.chunk(0, {"role": "assistant", "content": ""}, None, None)) + "\n\n"
+                chunk = fmt.chunk(0, {"role": "assistant", "content": ""}, None, None)
+                if made is not None:
+                    chunk["usage"] = _usage_so_far(parsed.num_prompt_tokens[0], 0)
+                yield "data: " + _dumps(chunk) + "\n\n"
             async for i, msg in _merge(streams, firsts):
-                yield "data: " + _dumps(fmt.delta(i, msg)) + "\n\n"
+                chunk = fmt.delta(i, msg)
+                if echo is not None and echo[i] is not None:  # the first chunk of each choice carries its prompt
+                    chunk["choices"][0]["text"] = echo[i] + chunk["choices"][0]["text"]
+                    echo[i] = None
+                if made is not None:  # vLLM's per-choice usage; the finish's own counts end it
+                    made[i] += len(msg.token_ids)
+                    f = msg.finished
+                    chunk["usage"] = (
+                        _usage_so_far(parsed.num_prompt_tokens[i], made[i])
+                        if f is None
+                        else _usage_so_far(f.num_prompt_tokens, f.num_output_tokens)
+                    )
+                yield "data: " + _dumps(chunk) + "\n\n"
                 if msg.finished is not None:
                     finals.append(msg.finished)
             if parsed.include_usage:
@@ -225,6 +262,34 @@ class OpenAIApp:
         finally:
             await _close(streams)
         yield "data: [DONE]\n\n"
+
+    async def _one_shot(self, request: Request, parse):
+        """Key, body and model of a call answered at once; parse -> (value, model)."""
+        self._authenticate(request)
+        value, model = _parsed(parse, await self._read_json(request))
+        self.fe.check_model(model)
+        return value
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's POST /tokenize: the ids the completion paths would send."""
+        try:
+            prompt = await self._one_shot(request, parse_tokenize)
+            ids = await self.fe.tokenize(prompt)
+            limit = self.fe.info.max_model_len
+            if len(ids) > limit:
+                field = "prompt" if prompt.messages is None else "messages"
+                raise ServingError("invalid", f"{field} has {len(ids)} tokens; max_model_len is {limit}", field)
+        except ServingError as e:
+            return error_response(e)
+        return JSONResponse({"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's POST /detokenize: token ids -> {"prompt": text}."""
+        try:
+            text = await self.fe.detokenize(await self._one_shot(request, parse_detokenize))
+        except ServingError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": text})
 
     async def models(self, request: Request) -> Response:
         try:
@@ -347,6 +412,18 @@ class _ChunkFormat:
             "choices": out,
             "usage": self.usage([c["final"] for c in choices]),
         }
+
+
+def _usage_so_far(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _parsed(parse, body):
+    """parse(body), its InvalidRequestError a 400 naming the field."""
+    try:
+        return parse(body)
+    except InvalidRequestError as e:
+        raise ServingError("invalid", str(e), e.field) from None
 
 
 async def _merge(

@@ -13,6 +13,7 @@ from shoal.router.fronts.prompt import Prompt
 from shoal.workers.errors import InvalidRequestError
 
 _NUMBER = (int, float)
+MAX_USER_LEN = 256  # `user` is logged, so it is bounded like a client's request id
 
 
 def _get(body: dict, name: str, types, default=None):
@@ -51,6 +52,11 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    echo: bool = False  # completions: the prompt's text starts each choice
+    user: str | None = None  # logged with the request id, never a key
+    num_prompt_tokens: list[int] | None = None  # per prompt, once tokenized
+    echo_texts: list[str] | None = None  # per prompt, once tokenized, when echo
 
 
 def _sampling(body: dict) -> dict:
@@ -112,12 +118,19 @@ def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling:
         sampling["max_tokens"] = max_tokens
     stream = _get(body, "stream", bool, False)
     opts = _get(body, "stream_options", dict)
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", field="stream_options")
         include_usage = _get(opts, "include_usage", bool, False)
-    return ParsedRequest(prompts, sampling, stream, include_usage, _get(body, "model", str))
+        # As vLLM: usage on every chunk only together with include_usage.
+        continuous = _get(opts, "continuous_usage_stats", bool, False) and include_usage
+    user = _get(body, "user", str)
+    if user is not None and len(user) > MAX_USER_LEN:
+        raise InvalidRequestError(f"user has {len(user)} characters; at most {MAX_USER_LEN} are allowed", field="user")
+    parsed = ParsedRequest(prompts, sampling, stream, include_usage, _get(body, "model", str))
+    parsed.continuous_usage, parsed.user = continuous, user
+    return parsed
 
 
 def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
@@ -153,9 +166,12 @@ def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
     logprobs = _get(body, "logprobs", int)
     if logprobs is not None:  # its upper bound is the engine's --max-logprobs (request_checks)
         sampling["logprobs"] = logprobs
-    if _get(body, "echo", bool, False):
-        raise InvalidRequestError("echo is not supported", field="echo")
-    return _common(body, prompts, _get(body, "max_tokens", int, 16), sampling)
+    echo = _get(body, "echo", bool, False)
+    if echo and logprobs is not None:  # vLLM then returns the prompt's logprobs, which the engine does not make
+        raise InvalidRequestError("echo together with logprobs is not supported", field="echo")
+    parsed = _common(body, prompts, _get(body, "max_tokens", int, 16), sampling)
+    parsed.echo = echo
+    return parsed
 
 
 def parse_chat(body: dict) -> ParsedRequest:
@@ -203,6 +219,35 @@ def _content(content, i: int) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise InvalidRequestError(f"messages[{i}].content must be a string or an array of text parts", field="messages")
+
+
+def parse_tokenize(body: dict) -> tuple[Prompt, str | None]:
+    """POST /tokenize (vLLM's): `prompt` text (`add_special_tokens`, default
+    true), or chat `messages` rendered as the chat endpoint renders them
+    (`add_generation_prompt`, default true; `add_special_tokens` default false)."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    special = _get(body, "add_special_tokens", bool)
+    if body.get("messages") is not None:
+        chat = {k: body[k] for k in ("messages", "add_generation_prompt", "tools") if k in body}
+        prompt = parse_chat(chat).prompts[0]
+    else:
+        prompt = Prompt(text=_get(body, "prompt", str))
+        if prompt.text is None:
+            raise InvalidRequestError("prompt (a string) or messages is required", field="prompt")
+    prompt.add_special_tokens = special
+    return prompt, _get(body, "model", str)
+
+
+def parse_detokenize(body: dict) -> tuple[list[int], str | None]:
+    """POST /detokenize (vLLM's): `tokens`, an array of token ids; the
+    vocabulary bound is the Frontend's."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise InvalidRequestError("tokens must be an array of token ids (integers)", field="tokens")
+    return tokens, _get(body, "model", str)
 
 
 def _is_int(x) -> bool:

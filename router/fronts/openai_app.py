@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -18,6 +17,7 @@ from starlette.routing import Route
 from shoal.router.fronts import strict_json
 from shoal.router.fronts.frontend import Frontend, ServingError
 from shoal.router.fronts.http_guards import AdmissionLimit, HostCheck, until_disconnect
+from shoal.router.fronts.openai_format import ChunkFormat, usage_so_far
 from shoal.router.fronts.openai_protocol import (
     ParsedRequest,
     parse_chat,
@@ -27,9 +27,8 @@ from shoal.router.fronts.openai_protocol import (
 )
 from shoal.router.observability import tracing
 from shoal.router.observability.status_page import StatusPage
-from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.messages import GenerateDelta, RequestFinished
+from shoal.workers.messages import GenerateDelta
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +205,7 @@ class OpenAIApp:
         except ServingError as e:
             return error_response(e, headers)
         want_lp = parsed.sampling.get("logprobs") is not None
-        fmt = _ChunkFormat(self.fe, rid, chat, want_lp)
+        fmt = ChunkFormat(self.fe, rid, chat, want_lp)
         if parsed.stream:
             return StreamingResponse(
                 self._events(fmt, parsed, streams, firsts), media_type="text/event-stream", headers=headers
@@ -228,7 +227,7 @@ class OpenAIApp:
                 c["text"] = parsed.echo_texts[c["index"]] + c["text"]
         return JSONResponse(fmt.whole(choices), headers=headers)
 
-    async def _events(self, fmt: _ChunkFormat, parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
+    async def _events(self, fmt: ChunkFormat, parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
         finals = []
         echo = list(parsed.echo_texts) if parsed.echo_texts is not None else None  # None once sent
         made = [0] * len(streams) if parsed.continuous_usage else None  # completion tokens so far, per choice
@@ -236,7 +235,7 @@ class OpenAIApp:
             if fmt.chat:
                 chunk = fmt.chunk(0, {"role": "assistant", "content": ""}, None, None)
                 if made is not None:
-                    chunk["usage"] = _usage_so_far(parsed.num_prompt_tokens[0], 0)
+                    chunk["usage"] = usage_so_far(parsed.num_prompt_tokens[0], 0)
                 yield "data: " + _dumps(chunk) + "\n\n"
             async for i, msg in _merge(streams, firsts):
                 chunk = fmt.delta(i, msg)
@@ -247,9 +246,9 @@ class OpenAIApp:
                     made[i] += len(msg.token_ids)
                     f = msg.finished
                     chunk["usage"] = (
-                        _usage_so_far(parsed.num_prompt_tokens[i], made[i])
+                        usage_so_far(parsed.num_prompt_tokens[i], made[i])
                         if f is None
-                        else _usage_so_far(f.num_prompt_tokens, f.num_output_tokens)
+                        else usage_so_far(f.num_prompt_tokens, f.num_output_tokens)
                     )
                 yield "data: " + _dumps(chunk) + "\n\n"
                 if msg.finished is not None:
@@ -327,95 +326,6 @@ class OpenAIApp:
         return JSONResponse(
             {"status": status, "workers": up, "num_workers": self.fe.info.num_workers}, 200 if up >= need else 503
         )
-
-
-class _ChunkFormat:
-    """OpenAI's response shapes for one request."""
-
-    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool):
-        self.fe, self.rid, self.chat, self.want_lp = fe, rid, chat, want_lp
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _tok(self, token_id: int) -> str:
-        tok = self.fe.tokenizer
-        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
-
-    def logprobs(self, lps: list[TokenLogprob]) -> dict | None:
-        if not self.want_lp:
-            return None
-        if self.chat:
-
-            def entry(t: int, lp: float) -> dict:
-                tok = self._tok(t)
-                return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-
-            return {
-                "content": [
-                    dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(k, v) for k, v in lp.top_logprobs.items()])
-                    for lp in lps
-                ]
-            }
-        return {
-            "tokens": [self._tok(lp.token_id) for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self._tok(k): v for k, v in lp.top_logprobs.items()} for lp in lps],
-        }
-
-    def chunk(self, i: int, delta, finish_reason, lps) -> dict:
-        choice = {"index": i, "finish_reason": finish_reason, "logprobs": lps}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        return {**self._chunk_head(), "choices": [choice]}
-
-    def _chunk_head(self) -> dict:
-        """The fields every streamed chunk starts with."""
-        obj = self.object + ".chunk" if self.chat else self.object
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model}
-
-    def delta(self, i: int, msg: GenerateDelta) -> dict:
-        text, finished = msg.text, msg.finished
-        lps = self.logprobs(msg.logprobs or [])
-        delta = ({"content": text} if text or finished is None else {}) if self.chat else text
-        return self.chunk(i, delta, None if finished is None else finished.finish_reason, lps)
-
-    def usage(self, finals: list[RequestFinished]) -> dict:
-        prompt = sum(f.num_prompt_tokens for f in finals)
-        completion = sum(f.num_output_tokens for f in finals)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
-        }
-
-    def usage_chunk(self, finals: list[RequestFinished]) -> dict:
-        return {**self._chunk_head(), "choices": [], "usage": self.usage(finals)}
-
-    def whole(self, choices: list[dict]) -> dict:
-        out = []
-        for c in choices:
-            final = c["final"]
-            entry = {"index": c["index"], "finish_reason": final.finish_reason, "logprobs": self.logprobs(c["lps"])}
-            if self.chat:
-                entry["message"] = {"role": "assistant", "content": c["text"]}
-            else:
-                entry["text"] = c["text"]
-            out.append(entry)
-        return {
-            "id": self.rid,
-            "object": self.object,
-            "created": self.created,
-            "model": self.fe.info.model,
-            "choices": out,
-            "usage": self.usage([c["final"] for c in choices]),
-        }
-
-
-def _usage_so_far(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _parsed(parse, body):

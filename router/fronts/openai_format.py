@@ -1,0 +1,99 @@
+"""OpenAI's response shapes (chat and text completions, whole and streamed
+chunks, logprobs, usage) for one request, as the HTTP front writes them."""
+
+from __future__ import annotations
+
+import time
+
+from shoal.router.fronts.frontend import Frontend
+from shoal.workers.core.outputs import TokenLogprob
+from shoal.workers.messages import GenerateDelta, RequestFinished
+
+
+class ChunkFormat:
+    """OpenAI's response shapes for one request."""
+
+    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool):
+        self.fe, self.rid, self.chat, self.want_lp = fe, rid, chat, want_lp
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _tok(self, token_id: int) -> str:
+        tok = self.fe.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+
+    def logprobs(self, lps: list[TokenLogprob]) -> dict | None:
+        if not self.want_lp:
+            return None
+        if self.chat:
+
+            def entry(t: int, lp: float) -> dict:
+                tok = self._tok(t)
+                return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+            return {
+                "content": [
+                    dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(k, v) for k, v in lp.top_logprobs.items()])
+                    for lp in lps
+                ]
+            }
+        return {
+            "tokens": [self._tok(lp.token_id) for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._tok(k): v for k, v in lp.top_logprobs.items()} for lp in lps],
+        }
+
+    def chunk(self, i: int, delta, finish_reason, lps) -> dict:
+        choice = {"index": i, "finish_reason": finish_reason, "logprobs": lps}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {**self._chunk_head(), "choices": [choice]}
+
+    def _chunk_head(self) -> dict:
+        """The fields every streamed chunk starts with."""
+        obj = self.object + ".chunk" if self.chat else self.object
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model}
+
+    def delta(self, i: int, msg: GenerateDelta) -> dict:
+        text, finished = msg.text, msg.finished
+        lps = self.logprobs(msg.logprobs or [])
+        delta = ({"content": text} if text or finished is None else {}) if self.chat else text
+        return self.chunk(i, delta, None if finished is None else finished.finish_reason, lps)
+
+    def usage(self, finals: list[RequestFinished]) -> dict:
+        prompt = sum(f.num_prompt_tokens for f in finals)
+        completion = sum(f.num_output_tokens for f in finals)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+        }
+
+    def usage_chunk(self, finals: list[RequestFinished]) -> dict:
+        return {**self._chunk_head(), "choices": [], "usage": self.usage(finals)}
+
+    def whole(self, choices: list[dict]) -> dict:
+        out = []
+        for c in choices:
+            final = c["final"]
+            entry = {"index": c["index"], "finish_reason": final.finish_reason, "logprobs": self.logprobs(c["lps"])}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": c["text"]}
+            else:
+                entry["text"] = c["text"]
+            out.append(entry)
+        return {
+            "id": self.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.fe.info.model,
+            "choices": out,
+            "usage": self.usage([c["final"] for c in choices]),
+        }
+
+
+def usage_so_far(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -13,16 +13,19 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("workers", "router", "cluster", "proto", "benchmarks")
+from shoal.benchmarks.baseline_tree import ROOT, baseline_and_current
 
-# Runs inside either tree: old fronts had _prepare(Prompt, sampling), new ones _check(ids, sampling).
+# Runs inside either tree: old fronts had _prepare(Prompt, sampling), new ones _check(ids, sampling);
+# before the router's rooms the fronts sat at shoal.router.*.
 _SNIPPET = r"""
 import json, sys, time
-from shoal.router.fronts.frontend import Frontend, ModelInfo
-from shoal.router.fronts.prompt import Prompt, tokenize
+try:
+    from shoal.router.fronts.frontend import Frontend, ModelInfo
+    from shoal.router.fronts.prompt import Prompt, tokenize
+except ImportError:
+    from shoal.router.frontend import Frontend, ModelInfo
+    from shoal.router.prompt import Prompt, tokenize
 from shoal.workers.core.block_hash import chain_hashes
 num_tokens, block_size, calls = map(int, sys.argv[1:4])
 fe = Frontend(None, None, ModelInfo("m", 8192, 49152, block_size, 1, 1))
@@ -55,15 +58,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def shoal_tree(src: str, dest: str) -> str:
-    """`dest`/shoal/<package> -> `src`/<package>: importable as `shoal.*` from dest."""
-    os.makedirs(os.path.join(dest, "shoal"), exist_ok=True)
-    for name in PACKAGES:
-        if os.path.isdir(os.path.join(src, name)):
-            os.symlink(os.path.join(src, name), os.path.join(dest, "shoal", name))
-    return dest
-
-
 def time_tree(path: str, num_tokens: int, block_size: int, calls: int) -> float:
     env = dict(os.environ, PYTHONPATH=path)
     out = subprocess.run(
@@ -78,30 +72,21 @@ def time_tree(path: str, num_tokens: int, block_size: int, calls: int) -> float:
 
 
 def run(ns) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        worktree = os.path.join(tmp, "baseline")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", worktree, ns.baseline], check=True)
-        try:
-            trees = {
-                "baseline": shoal_tree(worktree, os.path.join(tmp, "ns-baseline")),
-                "current": shoal_tree(ROOT, os.path.join(tmp, "ns-current")),
-            }
-            rows = []
-            for n in ns.tokens:
-                best = {name: float("inf") for name in trees}
-                for _ in range(ns.rounds):
-                    for name, path in trees.items():
-                        best[name] = min(best[name], time_tree(path, n, ns.block_size, ns.calls))
-                rows.append(
-                    {
-                        "tokens": n,
-                        "baseline_us": best["baseline"],
-                        "current_us": best["current"],
-                        "added_us": best["current"] - best["baseline"],
-                    }
-                )
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", worktree], check=False)
+    with baseline_and_current(ns.baseline) as trees:
+        rows = []
+        for n in ns.tokens:
+            best = {name: float("inf") for name in trees}
+            for _ in range(ns.rounds):
+                for name, path in trees.items():
+                    best[name] = min(best[name], time_tree(path, n, ns.block_size, ns.calls))
+            rows.append(
+                {
+                    "tokens": n,
+                    "baseline_us": best["baseline"],
+                    "current_us": best["current"],
+                    "added_us": best["current"] - best["baseline"],
+                }
+            )
     rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", ns.baseline], capture_output=True, text=True)
     print(
         f"router-side preparation from token ids, block size {ns.block_size}, best of {ns.rounds} rounds of "

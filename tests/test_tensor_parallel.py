@@ -4,6 +4,7 @@ that dies."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -50,6 +51,23 @@ def test_k2_greedy_equals_k1(ray_cluster, tp_models, name):
     # The workload went through every kind of step input.
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
     assert (stats.num_preemptions, stats.num_total_blocks) == (ref_stats.num_preemptions, ref_stats.num_total_blocks)
+
+
+def test_k2_guided_sampling_equals_k1(ray_cluster, tp_models):
+    """Rank 0 alone builds and applies the grammar's mask: the sharded engine's
+    guided, seeded replies equal the single rank's (a padded vocabulary too)."""
+    from shoal.workers.core.structured_outputs import StructuredOutputsParams
+
+    so = StructuredOutputsParams(regex=r"[a-z]{2,8}( [0-9]{1,3}){1,4}")
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, structured_outputs=so) for s in range(6)]
+    prompts = tp_prompts(500, n=6)
+    for name in ("4 heads, 2 KV, untied", "odd vocab"):
+        path = tp_models[name]
+        with LLM(path, **ENGINE) as one:
+            ref = [o.text for o in one.generate(prompts, params)]
+        with LLM(path, tensor_parallel_size=2, **ENGINE) as two:
+            got = [o.text for o in two.generate(prompts, params)]
+        assert got == ref and all(re.fullmatch(so.regex, t) for t in got), (name, got)
 
 
 def test_k2_holds_twice_the_blocks_in_the_same_bytes(ray_cluster, tp_models):

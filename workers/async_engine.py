@@ -169,6 +169,9 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params, num_resumed_tokens)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled on the grammar threads, never in a step
+            grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
         try:
@@ -176,7 +179,14 @@ class AsyncEngine:
             self._ensure_loop()
             self._submit(
                 AddRequest(
-                    request_id, prompt_ids, params, priority, num_resumed_tokens, num_resumed_chars, block_hashes
+                    request_id,
+                    prompt_ids,
+                    params,
+                    priority,
+                    num_resumed_tokens,
+                    num_resumed_chars,
+                    block_hashes,
+                    grammar,
                 )
             )
             while True:
@@ -252,6 +262,7 @@ class AsyncEngine:
                         num_resumed_tokens=cmd.num_resumed_tokens,
                         num_resumed_chars=cmd.num_resumed_chars,
                         block_hashes=cmd.block_hashes,
+                        grammar=cmd.grammar,
                     )
                 except Exception as e:  # validated already; never let one request stop the loop
                     delivered.append((cmd.request_id, e))

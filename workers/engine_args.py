@@ -133,6 +133,10 @@ class EngineArgs:
     # Per-request limits, enforced by the engine itself (the fronts import the same check).
     max_logprobs: int = cli_field(20, "most top logprobs one request may ask for per token")
     max_stop_strings: int = cli_field(64, "most stop strings one request may carry (each at most 1,024 characters)")
+    max_n: int = cli_field(16, "most parallel samples (n, best_of) one request may ask for")
+    grammar_compile_timeout_s: float = cli_field(
+        10.0, "a structured-output grammar that takes longer to compile is refused (400), not left to block others"
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

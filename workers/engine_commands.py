@@ -19,6 +19,7 @@ class AddRequest:
     num_resumed_tokens: int = 0
     num_resumed_chars: int = 0
     block_hashes: list[bytes] | None = None
+    grammar: object | None = None  # params.structured_outputs, compiled (structured_output/manager.py)
 
 
 @dataclass(slots=True)

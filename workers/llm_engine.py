@@ -30,6 +30,7 @@ from shoal.workers.model_executor.executor.abstract import Executor, get_executo
 from shoal.workers.model_executor.model_loader import load_model_files
 from shoal.workers.model_executor.runner import Runner
 from shoal.workers.profiling import step_range
+from shoal.workers.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class LLMEngine:
             logger.warning("max_model_len capped at the sliding window (%d)", cfg.sliding_window)
             max_len = cfg.sliding_window
         self.max_model_len = max_len
-        self.limits = RequestLimits(cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings)
+        self.limits = RequestLimits(cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings, args.max_n)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.args = args
         cfg.check_tp_size(args.tensor_parallel_size)  # before any actor starts
@@ -87,12 +88,22 @@ class LLMEngine:
             self.shutdown()
             raise
         self.device = self.model_executor.driver_worker.device
+        self.structured_output = None  # compiles request grammars and makes each step's token masks
+        if self.tokenizer is not None:
+            self.structured_output = StructuredOutputManager(
+                self._grammar_backend, compile_timeout_s=args.grammar_compile_timeout_s
+            )
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         self.load_time_s = time.perf_counter() - t0
+
+    def _grammar_backend(self):
+        from shoal.workers.structured_output.guidance import GuidanceBackend
+
+        return GuidanceBackend(self.tokenizer.backend.to_str(), self.model_config.vocab_size, self.eos_token_ids)
 
     @property
     def runner(self) -> Runner:
@@ -132,6 +143,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", field="stop")
+        if params.structured_outputs is not None and self.structured_output is None:
+            field = params.structured_outputs.field
+            raise InvalidRequestError("structured output needs a tokenizer; this model has none", field=field)
 
     def add_request(
         self,
@@ -143,6 +157,7 @@ class LLMEngine:
         num_resumed_tokens: int = 0,
         num_resumed_chars: int = 0,
         block_hashes: list[bytes] | None = None,
+        grammar=None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (a ValueError) at once
         for bad input, leaving everything else untouched.
@@ -154,7 +169,10 @@ class LLMEngine:
         stop strings' text), so the reply goes on as if never moved.
         block_hashes: the prompt's prefix-cache keys as the router computed
         them (block_hash.chain_hashes), taken when their shape fits, so a
-        prompt is hashed once on its way; else the engine hashes it."""
+        prompt is hashed once on its way; else the engine hashes it.
+        grammar: params.structured_outputs compiled already (AsyncEngine
+        compiles off this thread); else it is compiled here (or found in
+        the cache)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
@@ -183,6 +201,15 @@ class LLMEngine:
         )
         if block_hashes:
             seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
+        if params.structured_outputs is not None:
+            sor = self.structured_output.new_request(params.structured_outputs, grammar)
+            # A failover's reply so far goes through a new matcher, which then stands where the lost one did.
+            if num_resumed_tokens and not sor.grammar.accept_tokens(prompt_ids[num_prompt:]):
+                raise InvalidRequestError(
+                    "the resumed output does not match the structured output's grammar",
+                    field=params.structured_outputs.field,
+                )
+            seq.structured_output_request = sor
         if not params.greedy:
             seq.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.requests[request_id] = _Request(seq, detok)
@@ -213,6 +240,9 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if self.structured_output is not None:
+            with step_range("grammar_bitmask"):
+                sched.grammar_bitmask = self.structured_output.grammar_bitmask(sched.seqs_due_token)
         t0 = time.perf_counter()
         try:
             with step_range("execute_model"):
@@ -355,5 +385,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
+        if getattr(self, "structured_output", None) is not None:
+            self.structured_output.shutdown()
         if getattr(self, "model_executor", None) is not None:
             self.model_executor.shutdown()

@@ -124,6 +124,8 @@ class WorkerInfo:
     worker: str
     max_logprobs: int = 20  # the engine's per-request limits, which the router checks too
     max_stop_strings: int = 64
+    max_n: int = 16
+    grammar_compile_timeout_s: float = 10.0
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ import torch
 # The ranges, outermost first: the engine's, then the runner's, then the CPU decode step's.
 RANGES = (
     "schedule",
+    "grammar_bitmask",
     "execute_model",
     "update_from_output",
     "detokenize",

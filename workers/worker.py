@@ -72,6 +72,8 @@ class Worker:
             self.name,
             eng.limits.max_logprobs,
             eng.limits.max_stop_strings,
+            eng.limits.max_n,
+            eng.args.grammar_compile_timeout_s,
         )
 
     def stats(self) -> WorkerLoad:

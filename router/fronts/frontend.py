@@ -50,6 +50,8 @@ class ModelInfo:
     num_workers: int
     max_logprobs: int = 20
     max_stop_strings: int = 64
+    max_n: int = 16
+    grammar_compile_timeout_s: float = 10.0
 
     @classmethod
     def from_worker_info(cls, info: WorkerInfo, num_workers: int) -> ModelInfo:
@@ -62,6 +64,8 @@ class ModelInfo:
             num_workers,
             info.max_logprobs,
             info.max_stop_strings,
+            info.max_n,
+            info.grammar_compile_timeout_s,
         )
 
 
@@ -81,7 +85,9 @@ class Frontend:
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
         self.api_key = api_key or None
         self.max_prompts = max_prompts  # prompts in one completions request
-        self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.max_logprobs, info.max_stop_strings)
+        self.limits = RequestLimits(
+            info.vocab_size, info.max_model_len, info.max_logprobs, info.max_stop_strings, info.max_n
+        )
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="shoal-tokenize")
         self.metrics = RouterMetrics(info.model, info.max_model_len)
         self.draining = False

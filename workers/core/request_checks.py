@@ -24,6 +24,7 @@ class RequestLimits:
     max_model_len: int
     max_logprobs: int = 20  # --max-logprobs
     max_stop_strings: int = 64  # --max-stop-strings (stop strings, and stop token ids)
+    max_n: int = 16  # --max-n (parallel samples of one request)
 
 
 def check_request(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shoal.workers.core.structured_outputs import StructuredOutputsParams
 from shoal.workers.errors import InvalidRequestError
 
 
@@ -35,6 +36,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> a number in [-100, 100] added to its logit (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # what the output must match (a JSON schema, a regex, a grammar...): the sampler masks the rest
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +106,10 @@ class SamplingParams:
                 bad("logit_bias", "must map non-negative token ids to numbers")
             if any(not _is_number(b) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):  # NaN fails too
                 bad("logit_bias", "values must be numbers in [-100, 100]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be StructuredOutputsParams")
+            self.structured_outputs.validate()
 
 
 SAMPLING_EPS = 1e-5

@@ -6,12 +6,15 @@ and status change."""
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from dataclasses import dataclass, field
 
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -33,6 +36,9 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # The constrained rows' token masks (structured_output/manager.py GrammarBitmask), made on rank 0
+    # by the engine once the batch is known; only rank 0 samples, so no other rank is sent it.
+    grammar_bitmask: object | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -191,16 +197,27 @@ class Scheduler:
             seq.token_ids.append(token)
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
-            reason, stop_reason = self._check_stop(seq, token, stop_string)
+            grammar_done = False
+            if (sor := seq.structured_output_request) is not None and token not in self.eos_token_ids:
+                if not sor.grammar.accept_tokens([token]):  # the mask allowed it: a bug, never the client's
+                    logger.error("request %s: its grammar refused sampled token %d", seq.request_id, token)
+                    self.finish(seq, "abort")
+                    finished.append(seq)
+                    continue
+                grammar_done = sor.grammar.is_terminated()
+            reason, stop_reason = self._check_stop(seq, token, stop_string, grammar_done)
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
                 finished.append(seq)
         return finished
 
-    def _check_stop(self, seq: Sequence, token: int, stop_string: str | None) -> tuple[str | None, str | int | None]:
+    def _check_stop(
+        self, seq: Sequence, token: int, stop_string: str | None, grammar_done: bool = False
+    ) -> tuple[str | None, str | int | None]:
         """(finish reason, stop reason) after token was appended: a stop
-        token, then eos, then a stop string, all from min_tokens on; then
-        the length caps."""
+        token, then eos, then a stop string, all from min_tokens on; then a
+        grammar that nothing more can follow (whatever min_tokens says: no
+        token is left to sample); then the length caps."""
         p = seq.params
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
@@ -210,6 +227,8 @@ class Scheduler:
                 return "stop", None
             if stop_string is not None:
                 return "stop", stop_string
+        if grammar_done:
+            return "stop", None
         if num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length", None
         return None, None

@@ -200,7 +200,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step: the sequences due a token and what was sampled for
         them, in order."""
-        seqs, logits, metadata = self._run(sched.scheduled, sample=True)
+        seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
         if not seqs:
             return ModelRunnerOutput([], [], [])
         if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
@@ -216,10 +216,11 @@ class ModelRunner:
         return seqs, logits
 
     @torch.inference_mode()
-    def _run(self, scheduled: list, sample: bool):
+    def _run(self, scheduled: list, sample: bool, grammar_bitmask=None):
         """scheduled: (sequence, new tokens) pairs; a sequence is anything
         with token_ids, num_computed_tokens and block_table (a rank's
-        mirror will do when sample is False)."""
+        mirror will do when sample is False). grammar_bitmask: the
+        constrained rows' token masks (SchedulerOutput.grammar_bitmask)."""
         # Decodes first, longest context first, so the torch backend can
         # batch them in a few groups of similar length.
         decodes = sorted((_Row(s, n) for s, n in scheduled if n == 1), key=lambda r: -r.seq.num_computed_tokens)
@@ -241,7 +242,9 @@ class ModelRunner:
                 self._stage_flat(rows, batch)
             pending = None
             if sample and due:
-                pending = stage_sampling_metadata(due, self.eos_token_ids, self.model.config.vocab_size, batch)
+                pending = stage_sampling_metadata(
+                    due, self.eos_token_ids, self.model.config.vocab_size, batch, grammar_bitmask
+                )
             t = batch.upload()  # the step's one host-to-device copy
             metadata = pending.resolve(t, self.device) if pending is not None else None
             if graph_size is None:

@@ -54,6 +54,8 @@ class PendingSamplingMetadata:
             bias_rows=get("bias_rows"),
             bias_token_ids=get("bias_token_ids"),
             bias_values=get("bias_values"),
+            grammar_rows=get("grammar_rows"),
+            grammar_bitmask=get("grammar_bitmask"),
             logprob_rows=get("logprob_rows"),
             num_logprobs=self.num_logprobs,
         )
@@ -77,8 +79,14 @@ class PendingSamplingMetadata:
 class _RowKinds:
     """Which rows need what, from one pass over the sequences."""
 
-    def __init__(self, seqs: list[Sequence], eos_token_ids: list[int]):
+    def __init__(self, seqs: list[Sequence], eos_token_ids: list[int], grammar_bitmask=None):
         self.random_rows: list[int] = []
+        # (row, its row of the grammar bitmask): the constrained rows
+        self.grammar: list[tuple[int, int]] = []
+        if grammar_bitmask is not None:
+            where = grammar_bitmask.rows
+            self.grammar = [(i, where[id(s)]) for i, s in enumerate(seqs) if id(s) in where]
+        self.grammar_bitmask = grammar_bitmask
         self.repetition_rows: list[int] = []
         self.frequency_rows: list[int] = []
         self.banned: list[tuple[int, int]] = []
@@ -108,17 +116,19 @@ class _RowKinds:
             or self.frequency_rows
             or self.banned
             or self.bias
+            or self.grammar
             or self.num_logprobs
         )
 
 
 def stage_sampling_metadata(
-    seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, batch: StagedBatch
+    seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, batch: StagedBatch, grammar_bitmask=None
 ) -> PendingSamplingMetadata:
     """Adds the rows' sampling inputs to `batch` (names prefixed "sampling.");
     resolve the result with batch.upload()'s tensors. Only what some row
-    uses is staged: a plain greedy batch stages nothing."""
-    return _stage(_RowKinds(seqs, eos_token_ids), seqs, vocab_size, batch)
+    uses is staged: a plain greedy batch stages nothing. grammar_bitmask:
+    the constrained rows' token masks (structured_output GrammarBitmask)."""
+    return _stage(_RowKinds(seqs, eos_token_ids, grammar_bitmask), seqs, vocab_size, batch)
 
 
 def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: StagedBatch) -> PendingSamplingMetadata:
@@ -164,6 +174,10 @@ def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: Stage
         add("bias_rows", [i for i, _, _ in kinds.bias], i64)
         add("bias_token_ids", [t for _, t, _ in kinds.bias], i64)
         add("bias_values", [b for _, _, b in kinds.bias], f32)
+    if kinds.grammar:
+        masks = kinds.grammar_bitmask.bitmask[[k for _, k in kinds.grammar]]  # in the rows' order
+        add("grammar_rows", [i for i, _ in kinds.grammar], i64)
+        batch.add(_PREFIX + "grammar_bitmask", masks, torch.int32, masks.shape)
     if kinds.num_logprobs:
         add("logprob_rows", list(kinds.num_logprobs), i64)
     return PendingSamplingMetadata(vocab_size, len(kinds.random_rows), num_tokens, kinds.num_logprobs)
@@ -176,11 +190,11 @@ def _seed_of(seq: Sequence) -> int:
 
 
 def build_sampling_metadata(
-    seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device: torch.device
+    seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device: torch.device, grammar_bitmask=None
 ) -> SamplingMetadata:
     """Stage, upload and resolve in one go, in a batch of its own (none
     for a plain greedy batch: nothing to copy)."""
-    kinds = _RowKinds(seqs, eos_token_ids)
+    kinds = _RowKinds(seqs, eos_token_ids, grammar_bitmask)
     if kinds.plain_greedy:
         return PendingSamplingMetadata(vocab_size, 0, {}, {}).resolve({}, device)
     batch = StagingBuffer(device, initial_bytes=0).begin()

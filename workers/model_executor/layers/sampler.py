@@ -25,11 +25,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [rows, vocab] float32, left unchanged."""
         raw = logits  # logprobs come from the unprocessed distribution
-        if not metadata.no_penalties or metadata.banned_rows is not None or metadata.bias_rows is not None:
+        if (
+            not metadata.no_penalties
+            or metadata.banned_rows is not None
+            or metadata.bias_rows is not None
+            or metadata.grammar_rows is not None
+        ):
             logits = logits.clone()  # only when some row is changed: a step's logits are megabytes
             self.apply_penalties(logits, metadata)
             if metadata.bias_rows is not None:
                 logits.index_put_((metadata.bias_rows, metadata.bias_token_ids), metadata.bias_values, accumulate=True)
+            if metadata.grammar_rows is not None:
+                apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
             if metadata.banned_rows is not None:
                 logits[metadata.banned_rows, metadata.banned_token_ids] = float("-inf")
 
@@ -92,6 +99,18 @@ class Sampler:
             ids = top_ids[j * k : j * k + n]
             out[i] = (sampled[j], dict(zip(map(int, ids), top_values[j * k : j * k + n])))
         return SamplerOutput(token_ids, out)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: each constrained row's disallowed tokens become -inf, in one
+    masked fill over those rows; the other rows are untouched. The int32
+    words are read as little-endian bytes (CPU and CUDA both), so bit k of
+    byte b in word i is token 32i + 8b + k."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1
+    banned = bits.view(bitmask.shape[0], -1)[:, :vocab] == 0
+    logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,10 @@ class SamplingMetadata:
     bias_token_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
 
+    # The constrained rows and their allowed tokens, packed (int32 words, bit j of word i: token 32i+j)
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_rows), ceil(vocab / 32)] int32
+
     logprob_rows: torch.Tensor | None = None  # the rows of num_logprobs, in its order, on the device
     num_logprobs: dict[int, int] = field(default_factory=dict)  # row -> how many top logprobs (0: the sampled one's)
 

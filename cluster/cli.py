@@ -70,11 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         scheduler,
         serve,
         soak,
+        structured,
         tp,
         tune_cb,
     )
 
-    for bench in (offline, tune_cb, serve, latency, scheduler, tp, gpu, calibrate, routing, soak, prepare_cost):
+    benches = (offline, tune_cb, serve, latency, scheduler, tp, gpu, calibrate, routing, soak, prepare_cost, structured)
+    for bench in benches:
         bench.add_parser(bsub)
     return parser
 

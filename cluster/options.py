@@ -8,6 +8,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from shoal.router.fronts.tool_parsers import TOOL_PARSERS
 from shoal.router.options import RouterOptions
 from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
 
@@ -58,6 +59,12 @@ class ServeOptions:
         "Host header values the HTTP API answers, comma-separated "
         "(default: any when an API key is set, else loopback names "
         "only, against DNS rebinding)",
+    )
+    tool_call_parser: str | None = cli_field(
+        None,
+        'how the chat API reads tool calls in a reply under tool_choice "auto" (the default with tools): '
+        "hermes (Qwen 2.5/3, Hermes), llama3_json (Llama 3.x), pythonic (Llama 3.2/4); unset, auto is refused",
+        choices=tuple(sorted(TOOL_PARSERS)),
     )
     drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
     cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
@@ -153,6 +160,10 @@ class ServeOptions:
         self._validate_autoscaling()
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))}; got {self.tool_call_parser!r}"
+            )
 
     def _validate_autoscaling(self) -> None:
         if self.max_workers is None:
@@ -234,4 +245,5 @@ class ServeOptions:
             tokenizer_threads=self.tokenizer_threads,
             allow_client_priority=self.allow_client_priority,
             allowed_hosts=self.allowed_hosts,
+            tool_call_parser=self.tool_call_parser,
         )

@@ -29,6 +29,7 @@ class RouterOptions:
     tokenizer_threads: int = 2  # the pool that tokenizes off the event loop
     allow_client_priority: bool = False  # honour gRPC's priority field
     allowed_hosts: str | None = None  # comma-separated Host headers answered (None: the default rule)
+    tool_call_parser: str | None = None  # reads tool_choice auto replies (router/fronts/tool_parsers); None: no auto
     # Only for a router built in this process (tests); one that Serve deploys reads $SHOAL_API_KEY.
     api_key: str | None = None
 

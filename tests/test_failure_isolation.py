@@ -162,3 +162,21 @@ def test_the_client_of_a_poisoned_request_gets_a_500_poisoned_request(tiny_model
 
     err = asyncio.run(main())
     assert err.kind == "internal" and err.code == "poisoned_request" and "cmpl-poison" in err.message
+
+
+def test_a_failed_requests_unwritten_blocks_leave_the_prefix_index(tiny_model, monkeypatch):
+    """The blocks a failed step registered for its culprit were never known to be
+    written: a later prompt with the same prefix recomputes them instead of reading them."""
+    prefix = [30 + j % 300 for j in range(48)]  # three full blocks
+    clean = (prefix + [11, 12, 13], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    ref = LLMEngine(model=tiny_model, num_kv_blocks=64)
+    ref.add_request("clean", *clean)
+    want = _drain(ref, [])[0]
+
+    monkeypatch.setenv(ENV, f"request={POISON}")
+    engine = LLMEngine(model=tiny_model, num_kv_blocks=64)
+    got, errors = _drain(engine, [("poison", prefix + [POISON], SamplingParams(max_tokens=4))])
+    assert set(errors) == {"poison"} and not engine.block_manager.pool.cached
+    hits = engine.block_manager.pool.num_hit_tokens
+    got, errors = _drain(engine, [("clean", *clean)])
+    assert not errors and got == want and engine.block_manager.pool.num_hit_tokens == hits

@@ -156,7 +156,7 @@ def test_the_response_id_is_the_engine_id_and_a_client_id_is_echoed_never_shared
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": "hi", "stop": 3}, "stop"),
         ({"prompt": [1, 2, 10**9]}, "prompt"),
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 17}, "n"),
         ({"prompt": {"text": "hi"}}, "prompt"),
         ({"max_tokens": 3}, "prompt"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),

@@ -146,6 +146,25 @@ def test_openai_client_completions_and_chat_equal_llm_generate(server, reference
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
 
 
+def test_n_choices_are_their_seeds_alone_and_share_one_worker(server):
+    """n=2 with a seed: choice k is seed + k run alone, the prompt counts
+    once, and both samples ran on one worker (its log lines say which)."""
+    client = _client(server)
+    args = dict(model="SmolLM2-135M-Instruct", prompt=PROMPTS[0], max_tokens=8, seed=11)
+    both = client.completions.create(n=2, **args)
+    alone = [client.completions.create(**dict(args, seed=11 + k)) for k in range(2)]
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    wants = [f"request {both.id}-{k} finished: " for k in range(2)]
+    deadline = time.monotonic() + 15  # Ray forwards a replica's stderr to the driver every few hundred ms
+    while time.monotonic() < deadline and not all(any(w in ln for ln in server.lines) for w in wants):
+        time.sleep(0.1)
+    lines = [next(ln for ln in server.lines if w in ln) for w in wants]
+    assert len({ln.split(")", 1)[0] for ln in lines}) == 1, lines  # "(ServeReplica:shoal:Worker pid=...)"
+
+
 def test_each_request_is_logged_by_its_worker_under_both_ids(server):
     """The worker's line for a request (counts, never text) reaches the
     console that started the cluster, as Serve's own replica lines do."""

@@ -153,12 +153,14 @@ class AsyncEngine:
         num_resumed_tokens: int = 0,
         num_resumed_chars: int = 0,
         block_hashes: list[bytes] | None = None,
+        parent_request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; the last has finish_reason set.
         Bad input raises InvalidRequestError before anything is queued; a
         dead engine raises EngineDeadError (before or amid the deltas).
         num_resumed_*: a failover's reply so far; block_hashes: the router's
-        prefix-cache keys of the prompt (LLMEngine.add_request)."""
+        prefix-cache keys of the prompt; parent_request_id: its parallel-sampling
+        group (LLMEngine.add_request)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
         request_id = request_id or f"req-{next(self._ids)}"
@@ -187,6 +189,7 @@ class AsyncEngine:
                     num_resumed_chars,
                     block_hashes,
                     grammar,
+                    parent_request_id,
                 )
             )
             while True:
@@ -263,6 +266,7 @@ class AsyncEngine:
                         num_resumed_chars=cmd.num_resumed_chars,
                         block_hashes=cmd.block_hashes,
                         grammar=cmd.grammar,
+                        parent_request_id=cmd.parent_request_id,
                     )
                 except Exception as e:  # validated already; never let one request stop the loop
                     delivered.append((cmd.request_id, e))

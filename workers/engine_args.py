@@ -137,6 +137,12 @@ class EngineArgs:
     grammar_compile_timeout_s: float = cli_field(
         10.0, "a structured-output grammar that takes longer to compile is refused (400), not left to block others"
     )
+    structured_outputs_backend: str = cli_field(
+        "guidance",
+        "the grammar library of structured outputs: guidance (llguidance) or xgrammar (installed "
+        "separately; `shoal bench structured` compares them)",
+        choices=("guidance", "xgrammar"),
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ class AddRequest:
     num_resumed_chars: int = 0
     block_hashes: list[bytes] | None = None
     grammar: object | None = None  # params.structured_outputs, compiled (structured_output/manager.py)
+    parent_request_id: str | None = None  # its parallel-sampling group (n > 1)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ process or, under tensor parallelism, Ray actors beside it."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import random
@@ -59,6 +60,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         if args.load_format == "simulated" and args.tensor_parallel_size > 1:
             raise ValueError("load_format 'simulated' runs one rank: tensor_parallel_size must be 1")
+        if args.structured_outputs_backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            raise ValueError("structured_outputs_backend 'xgrammar' needs the xgrammar package: pip install xgrammar")
         loaded = load_model_files(args.model)  # config and tokenizer now; rank 0 reads the weights as it builds
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
@@ -101,6 +104,10 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - t0
 
     def _grammar_backend(self):
+        if self.args.structured_outputs_backend == "xgrammar":
+            from shoal.workers.structured_output.xgrammar_backend import XgrammarBackend
+
+            return XgrammarBackend(self.tokenizer.backend, self.model_config.vocab_size, self.eos_token_ids)
         from shoal.workers.structured_output.guidance import GuidanceBackend
 
         return GuidanceBackend(self.tokenizer.backend.to_str(), self.model_config.vocab_size, self.eos_token_ids)
@@ -158,6 +165,7 @@ class LLMEngine:
         num_resumed_chars: int = 0,
         block_hashes: list[bytes] | None = None,
         grammar=None,
+        parent_request_id: str | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (a ValueError) at once
         for bad input, leaving everything else untouched.
@@ -172,7 +180,8 @@ class LLMEngine:
         prompt is hashed once on its way; else the engine hashes it.
         grammar: params.structured_outputs compiled already (AsyncEngine
         compiles off this thread); else it is compiled here (or found in
-        the cache)."""
+        the cache). parent_request_id: the request's parallel-sampling group
+        (n > 1), whose members share one prefill of the prompt (Scheduler)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
@@ -199,6 +208,10 @@ class LLMEngine:
             priority,
             RequestTimings(arrival_time or time.time()),
         )
+        if parent_request_id is not None:
+            if not isinstance(parent_request_id, str):
+                raise InvalidRequestError("parent_request_id must be a string", field="parent_request_id")
+            seq.parent_request_id = parent_request_id
         if block_hashes:
             seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
         if params.structured_outputs is not None:

@@ -39,6 +39,10 @@ class GenerateRequest:
     # The router's span (W3C traceparent/tracestate), when tracing is on:
     # the worker's span for the request is its child.
     trace_context: dict[str, str] | None = None
+    # Parallel sampling (n > 1): the first sibling's request id, carried by
+    # every sibling of one prompt (the first too). The router sends them all
+    # to one worker, whose engine prefills the prompt once for them.
+    parent_request_id: str | None = None
 
     @property
     def log_name(self) -> str:

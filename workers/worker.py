@@ -123,6 +123,7 @@ class Worker:
                 request.num_resumed_tokens,
                 request.num_resumed_chars,
                 request.block_hashes,
+                request.parent_request_id,
             )
             async with aclosing(stream):
                 async for out in stream:

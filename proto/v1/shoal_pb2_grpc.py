@@ -60,7 +60,8 @@ class ShoalServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Stream one request's deltas; the last message has `finished` set.
+        """Stream one request's deltas; each choice's last message has `finished`
+        set (one choice, index 0, unless SamplingParams.n asks for more).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

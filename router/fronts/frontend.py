@@ -23,6 +23,7 @@ from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
+from shoal.workers.structured_output.guidance import validate as validate_grammar
 
 logger = logging.getLogger(__name__)
 # Bounded: a client's own request id goes into the log lines of its request.
@@ -169,16 +170,40 @@ class Frontend:
         """Token ids and SamplingParams, or a ServingError('invalid') naming
         the field (which also ends `span`, the request's, as failed)."""
         if span is None:
-            return self._check(await self.tokenize(prompt), sampling)
+            ids, params = self._check(await self.tokenize(prompt), sampling)
+            await self.check_grammar(params)
+            return ids, params
         try:
             with tracing.stage_span(span, "shoal.prepare"):
                 ids, params = self._check(await self.tokenize(prompt), sampling)
+                await self.check_grammar(params)
         except ServingError as e:
             tracing.fail_request_span(span, e)
             raise
         span.set_attribute("gen_ai.usage.input_tokens", len(ids))
         tracing.set_request_params(span, **tracing.request_params(params))
         return ids, params
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """A structured output the grammar library refuses is a 400 naming its
+        field before any worker sees it (checked on the tokenizer pool, bounded
+        by --grammar-compile-timeout-s; the worker compiles it again)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        timeout = self.info.grammar_compile_timeout_s
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, validate_grammar, spec), timeout
+            )
+        except TimeoutError:
+            raise ServingError(
+                "invalid",
+                f"{spec.field}: the grammar took longer than {timeout:g} s to compile (--grammar-compile-timeout-s)",
+                spec.field,
+            ) from None
+        except InvalidRequestError as e:
+            raise ServingError("invalid", str(e), e.field) from None
 
     def _check(self, ids: list[int], sampling: dict) -> tuple[list[int], SamplingParams]:
         """The engine's own check (request_checks), so a bad request is
@@ -215,10 +240,12 @@ class Frontend:
         client_request_id: str | None = None,
         priority: int = 0,
         span=None,
+        parent_request_id: str | None = None,
     ) -> AsyncIterator[GenerateDelta]:
         """Stream one request. Raises ServingError before the first delta when
         the request is refused (draining, full, invalid). `span` (start_span's)
-        ends with the request."""
+        ends with the request. parent_request_id: its parallel-sampling group
+        (GenerateRequest's)."""
         if self.draining:
             err = ServingError("unavailable", "the server is shutting down")
             tracing.fail_request_span(span, err)
@@ -233,6 +260,7 @@ class Frontend:
             client_request_id,
             chain_hashes(prompt_ids, self.info.block_size),
             trace_context=tracing.inject(span) if span is not None else None,
+            parent_request_id=parent_request_id,
         )
         self.num_in_flight += 1
         self._idle.clear()

@@ -3,14 +3,20 @@ on one grpc.aio server."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
+from shoal.router.fronts import parallel_sampling
 from shoal.router.fronts.frontend import Frontend, ServingError
-from shoal.router.fronts.prompt import Prompt
+from shoal.router.fronts.grpc_request import parse_generate, parse_prompt
+from shoal.router.fronts.stream_merge import merge_streams
+from shoal.router.fronts.tool_parsers import get_tool_parser
+from shoal.router.fronts.tool_replies import ToolReply
 from shoal.router.observability import tracing
 from shoal.workers.messages import GenerateDelta
 
@@ -24,47 +30,27 @@ _CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
 }
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
-    "logprobs",
-    "skip_special_tokens",
-)
 
 
-def _prompt(msg, which: str) -> Prompt:
-    if which == "text":
-        return Prompt(text=msg.text)
-    if which == "token_ids":
-        return Prompt(token_ids=list(msg.token_ids.ids))
-    if which == "chat":
-        return Prompt(messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages])
-    raise ServingError("invalid", "a prompt is required: text, token_ids or chat", field="prompt")
+def _add_tool_calls(r: pb.GenerateResponse, reply: ToolReply, text: str) -> None:
+    """A choice's last message: the calls its whole reply holds, and the finish
+    reason the HTTP front gives it ("tool_calls" when auto called or required stopped)."""
+    got = reply.whole(text, r.finished.finish_reason)
+    for c in got["tool_calls"] or ():
+        f = c["function"]
+        r.tool_calls.append(
+            pb.ToolCall(id=c["id"], type=c["type"], function=pb.FunctionCall(name=f["name"], arguments=f["arguments"]))
+        )
+    r.finished.finish_reason = got["finish_reason"]
 
 
-def _sampling(sp: pb.SamplingParams) -> dict:
-    out = {name: getattr(sp, name) for name in _SAMPLING_FIELDS if sp.HasField(name)}
-    out.setdefault("max_tokens", 16)
-    if sp.stop:
-        out["stop"] = list(sp.stop)
-    if sp.stop_token_ids:
-        out["stop_token_ids"] = list(sp.stop_token_ids)
-    if sp.ignore_eos:
-        out["ignore_eos"] = True
-    return out
-
-
-def _response(request_id: str, client_request_id: str, msg: GenerateDelta) -> pb.GenerateResponse:
+def _response(request_id: str, client_request_id: str, msg: GenerateDelta, index: int = 0) -> pb.GenerateResponse:
     r = pb.GenerateResponse(
-        request_id=request_id, client_request_id=client_request_id, token_ids=msg.token_ids, text=msg.text
+        request_id=request_id,
+        client_request_id=client_request_id,
+        token_ids=msg.token_ids,
+        text=msg.text,
+        index=index,
     )
     for lp in msg.logprobs or ():
         r.logprobs.append(
@@ -92,42 +78,80 @@ def _response(request_id: str, client_request_id: str, msg: GenerateDelta) -> pb
 
 
 class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
-    def __init__(self, frontend: Frontend, allow_client_priority: bool = False):
+    def __init__(self, frontend: Frontend, allow_client_priority: bool = False, tool_call_parser: str | None = None):
         self.fe = frontend
         # The scheduler's queue order and preemption are the operator's: a client's priority only when allowed.
         self.allow_client_priority = allow_client_priority
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # an unknown name fails the start, not a request
+        self.tool_call_parser = tool_call_parser  # reads tool_choice "auto" replies (--tool-call-parser)
 
     async def _abort(self, context, e: ServingError):
         await context.abort(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), e.message)
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        span = None
+        """n choices are n engine requests `rid-<k>` (parallel_sampling.py, as
+        the HTTP front's), merged into one stream; each message has its index."""
+        spans = []
         try:
-            which = request.WhichOneof("prompt")
-            prompt = _prompt(request, which)
-            sampling = _sampling(request.sampling)
+            g = parse_generate(request, self.fe.info.max_n)
             if request.priority and not self.allow_client_priority:
                 raise ServingError(
                     "invalid",
                     "priority is set by the operator here; send 0 (the server runs without --allow-client-priority)",
                     field="priority",
                 )
+            replies = self._tool_replies(g.tool_choice, g.n)
             client_id = self.fe.client_request_id(request.request_id, "request_id")
             rid = self.fe.new_request_id("gen")
-            # The trace starts from the client's context, sent as gRPC metadata (traceparent).
-            span = self.fe.start_span(
-                tracing.context_from_metadata(context.invocation_metadata()),
-                "chat" if which == "chat" else "text_completion",
-                rid,
-                client_id,
-                True,
-            )
-            ids, params = await self.fe.prepare(prompt, sampling, span)
-            async for msg in self.fe.generate(ids, params, rid, client_id, request.priority, span=span):
-                yield _response(rid, request.request_id, msg)
+            rids = parallel_sampling.request_ids(rid, g.n)
+            # One trace span per engine request, each a child of the client's context (traceparent metadata).
+            parent = tracing.context_from_metadata(context.invocation_metadata())
+            op = "chat" if g.prompt.messages is not None else "text_completion"
+            spans = [self.fe.start_span(parent, op, r, client_id, True) for r in rids]
+            ids, params = await self.fe.prepare(g.prompt, g.sampling, spans[0])
+            group = rids[0] if g.n > 1 else None  # the request router keeps the samples on one worker
+            streams = [
+                self.fe.generate(
+                    ids,
+                    parallel_sampling.sample_params(params, k, ranked=False),
+                    r,
+                    client_id,
+                    request.priority,
+                    span=s,
+                    parent_request_id=group,
+                )
+                for k, (r, s) in enumerate(zip(rids, spans))
+            ]
+            texts = [""] * g.n
+            async with aclosing(merge_streams(streams)) as merged:
+                async for k, msg in merged:
+                    r = _response(rid, request.request_id, msg, k)
+                    if replies is not None:
+                        texts[k] += msg.text
+                        if msg.finished is not None:
+                            _add_tool_calls(r, replies[k], texts[k])
+                    yield r
         except ServingError as e:
-            tracing.fail_request_span(span, e)  # a no-op once the request's own path ended it
+            for s in spans:  # a no-op for those whose own path ended them
+                tracing.fail_request_span(s, e)
             await self._abort(context, e)
+        finally:
+            for s in spans:  # the client went away before a stream began (a no-op once ended)
+                tracing.end_request_span(s, cancelled=True)
+
+    def _tool_replies(self, choice, n: int) -> list[ToolReply] | None:
+        """A reader of each choice's reply for tool calls, when the request has a tool choice."""
+        if choice is None:
+            return None
+        if choice.mode == "auto" and self.tool_call_parser is None:
+            raise ServingError(
+                "invalid",
+                'tool_choice "auto" needs a tool-call parser and this server has none (--tool-call-parser): '
+                'send tool_choice "required" or "none", or tool_choice_function',
+                field="tool_choice",
+            )
+        return [ToolReply(choice, self.tool_call_parser) for _ in range(n)]
 
     async def GetModelInfo(self, request, context):
         i = self.fe.info
@@ -156,10 +180,7 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
-            which = request.WhichOneof("prompt")
-            if which is None:
-                raise ServingError("invalid", "a prompt is required: text or chat", field="prompt")
-            prompt = _prompt(request, which)
+            prompt = parse_prompt(request)
             if request.HasField("add_special_tokens"):
                 prompt.add_special_tokens = request.add_special_tokens
             ids = await self.fe.tokenize(prompt)
@@ -207,6 +228,7 @@ class GrpcServer:
         max_request_bytes: int,
         max_concurrent_rpcs: int | None = None,
         allow_client_priority: bool = False,
+        tool_call_parser: str | None = None,
     ):
         # Past max_concurrent_rpcs calls in flight, grpc.aio answers RESOURCE_EXHAUSTED itself.
         self.server = grpc.aio.server(
@@ -218,7 +240,9 @@ class GrpcServer:
                 ("grpc.so_reuseport", 1),
             ],
         )
-        shoal_pb2_grpc.add_ShoalServicer_to_server(ShoalServicer(frontend, allow_client_priority), self.server)
+        shoal_pb2_grpc.add_ShoalServicer_to_server(
+            ShoalServicer(frontend, allow_client_priority, tool_call_parser), self.server
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)

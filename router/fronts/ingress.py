@@ -110,7 +110,13 @@ class Router:
         )
         limit, concurrent = options.max_request_bytes, options.max_concurrent_requests
         self.grpc = GrpcServer(
-            self.frontend, options.host, options.grpc_port, limit, concurrent, options.allow_client_priority
+            self.frontend,
+            options.host,
+            options.grpc_port,
+            limit,
+            concurrent,
+            options.allow_client_priority,
+            options.tool_call_parser,
         )
         await self.grpc.start()
         try:
@@ -120,6 +126,7 @@ class Router:
                 StatusPage(self.frontend, self.name, options.routing),
                 concurrent,
                 host_allowlist(options.allowed_hosts, self.frontend.api_key),
+                options.tool_call_parser,
             ).app
             self.http, self._http_task = await start_http(
                 app, options.host, options.http_port, [("X-Shoal-Router", self.name)], concurrent

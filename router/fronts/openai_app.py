@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shoal.router.fronts import strict_json
+from shoal.router.fronts import parallel_sampling, strict_json
 from shoal.router.fronts.frontend import Frontend, ServingError
 from shoal.router.fronts.http_guards import AdmissionLimit, HostCheck, until_disconnect
 from shoal.router.fronts.openai_format import ChunkFormat, usage_so_far
@@ -25,6 +25,9 @@ from shoal.router.fronts.openai_protocol import (
     parse_detokenize,
     parse_tokenize,
 )
+from shoal.router.fronts.stream_merge import merge_streams
+from shoal.router.fronts.tool_parsers import TOOL_PARSERS, get_tool_parser
+from shoal.router.fronts.tool_replies import ToolReplies
 from shoal.router.observability import tracing
 from shoal.router.observability.status_page import StatusPage
 from shoal.workers.errors import InvalidRequestError
@@ -67,9 +70,14 @@ class OpenAIApp:
         status: StatusPage | None = None,
         max_concurrent_requests: int | None = None,
         allowed_hosts: tuple[str, ...] | None = None,
+        tool_call_parser: str | None = None,
     ):
         """max_concurrent_requests: past it 429 (None: no cap); allowed_hosts:
-        the Host names answered (http_guards.host_allowlist; None: any)."""
+        the Host names answered (http_guards.host_allowlist; None: any);
+        tool_call_parser: reads tool_choice auto replies (None: auto is refused)."""
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # an unknown name fails the start, not a request
+        self.tool_call_parser = tool_call_parser
         self.fe = frontend
         self.max_request_bytes = max_request_bytes
         status = status or StatusPage(frontend)
@@ -133,22 +141,25 @@ class OpenAIApp:
         client_id: str,
         chat: bool,
     ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:
-        """Check and dispatch; wait for each prompt's first delta so that a
-        refusal (full, invalid) still gets its own status code. One prompt's
-        engine id is `rid`; several prompts' are `rid-0`, `rid-1`, ..."""
+        """Check and dispatch; wait for each choice's first delta so that a
+        refusal (full, invalid) still gets its own status code. One choice's
+        engine id is `rid`; several choices' (several prompts, n, best_of:
+        parallel_sampling.py) are `rid-0`, `rid-1`, ..."""
         parsed = _parsed(parse, body)
         self.fe.check_model(parsed.model)
+        self._check_tool_choice(parsed)
+        parallel_sampling.check(parsed, self.fe.limits.max_n, chat)
         if parsed.user is not None:  # %r: one log line whatever the client sent
             logger.info("request %s from user %r", rid, parsed.user)
-        n = len(parsed.prompts)
-        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        # One trace span per prompt (engine request), each a child of the client's context.
+        width = parallel_sampling.width(parsed)
+        rids = parallel_sampling.request_ids(rid, len(parsed.prompts) * width)
+        # One trace span per engine request, each a child of the client's context.
         parent = tracing.context_from_headers(request.headers)
         spans = [
             self.fe.start_span(parent, "chat" if chat else "text_completion", r, client_id, parsed.stream) for r in rids
         ]
         try:
-            prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans)]
+            prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans[::width])]
             parsed.num_prompt_tokens = [len(ids) for ids, _ in prepared]
             if parsed.echo:  # a token-id prompt echoes as its text
                 parsed.echo_texts = [
@@ -160,7 +171,8 @@ class OpenAIApp:
                 tracing.fail_request_span(s, e)
             raise
         streams = [
-            self.fe.generate(ids, params, r, client_id, span=s) for r, (ids, params), s in zip(rids, prepared, spans)
+            self.fe.generate(ids, params, r, client_id, span=s, parent_request_id=group)
+            for r, (ids, params, group), s in zip(rids, parallel_sampling.expand(prepared, rids, parsed), spans)
         ]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
@@ -172,6 +184,16 @@ class OpenAIApp:
                 await _close(streams)
                 raise f
         return parsed, streams, firsts
+
+    def _check_tool_choice(self, parsed: ParsedRequest) -> None:
+        choice = parsed.tool_choice
+        if choice is not None and choice.mode == "auto" and self.tool_call_parser is None:
+            raise ServingError(
+                "invalid",
+                'tool_choice "auto" (the default with tools) needs the server started with --tool-call-parser '
+                f"({', '.join(sorted(TOOL_PARSERS))}); send tool_choice required, a named function or none",
+                "tool_choice",
+            )
 
     # ---- endpoints ----------------------------------------------------------
 
@@ -205,14 +227,15 @@ class OpenAIApp:
         except ServingError as e:
             return error_response(e, headers)
         want_lp = parsed.sampling.get("logprobs") is not None
-        fmt = ChunkFormat(self.fe, rid, chat, want_lp)
+        fmt = ChunkFormat(self.fe, rid, chat, want_lp, parallel_sampling.width(parsed))
+        replies = None if parsed.tool_choice is None else ToolReplies(parsed.tool_choice, self.tool_call_parser)
         if parsed.stream:
             return StreamingResponse(
-                self._events(fmt, parsed, streams, firsts), media_type="text/event-stream", headers=headers
+                self._events(fmt, parsed, streams, firsts, replies), media_type="text/event-stream", headers=headers
             )
         choices = [{"index": i, "text": "", "lps": [], "final": None} for i in range(len(streams))]
         try:
-            async for i, msg in _merge(streams, firsts):
+            async for i, msg in merge_streams(streams, firsts):
                 c = choices[i]
                 c["text"] += msg.text
                 c["lps"].extend(msg.logprobs or [])
@@ -224,35 +247,46 @@ class OpenAIApp:
             await _close(streams)
         if parsed.echo_texts is not None:
             for c in choices:
-                c["text"] = parsed.echo_texts[c["index"]] + c["text"]
-        return JSONResponse(fmt.whole(choices), headers=headers)
+                c["text"] = parsed.echo_texts[c["index"] // fmt.width] + c["text"]
+        if replies is not None:  # each choice's content, tool_calls and finish_reason
+            for c in choices:
+                c.update(replies[c["index"]].whole(c["text"], c["final"].finish_reason))
+        finals = [c["final"] for c in choices]  # the usage counts every sample run (best_of too)
+        return JSONResponse(fmt.whole(parallel_sampling.best(choices, parsed.n, fmt.width), finals), headers=headers)
 
-    async def _events(self, fmt: ChunkFormat, parsed: ParsedRequest, streams, firsts) -> AsyncIterator[str]:
-        finals = []
-        echo = list(parsed.echo_texts) if parsed.echo_texts is not None else None  # None once sent
+    async def _events(
+        self, fmt: ChunkFormat, parsed: ParsedRequest, streams, firsts, replies: ToolReplies | None = None
+    ) -> AsyncIterator[str]:
+        finals = [None] * len(streams)  # in choice order, for the usage
+        prompt_of = [i // fmt.width for i in range(len(streams))]  # each choice's prompt
+        echo = [parsed.echo_texts[p] for p in prompt_of] if parsed.echo_texts is not None else None  # None once sent
         made = [0] * len(streams) if parsed.continuous_usage else None  # completion tokens so far, per choice
         try:
-            if fmt.chat:
-                chunk = fmt.chunk(0, {"role": "assistant", "content": ""}, None, None)
+            for i in range(len(streams) if fmt.chat else 0):  # the role goes out for every choice, as vLLM's
+                chunk = fmt.chunk(i, {"role": "assistant", "content": ""}, None, None)
                 if made is not None:
-                    chunk["usage"] = usage_so_far(parsed.num_prompt_tokens[0], 0)
+                    chunk["usage"] = usage_so_far(parsed.num_prompt_tokens[prompt_of[i]], 0)
                 yield "data: " + _dumps(chunk) + "\n\n"
-            async for i, msg in _merge(streams, firsts):
-                chunk = fmt.delta(i, msg)
+            async for i, msg in merge_streams(streams, firsts):
+                # read for tool calls, a delta makes no chunk (text held back) or several
+                chunks = [fmt.delta(i, msg)] if replies is None else fmt.tool_chunks(i, msg, replies[i])
                 if echo is not None and echo[i] is not None:  # the first chunk of each choice carries its prompt
-                    chunk["choices"][0]["text"] = echo[i] + chunk["choices"][0]["text"]
+                    chunks[0]["choices"][0]["text"] = echo[i] + chunks[0]["choices"][0]["text"]
                     echo[i] = None
                 if made is not None:  # vLLM's per-choice usage; the finish's own counts end it
                     made[i] += len(msg.token_ids)
                     f = msg.finished
-                    chunk["usage"] = (
-                        usage_so_far(parsed.num_prompt_tokens[i], made[i])
+                    usage = (
+                        usage_so_far(parsed.num_prompt_tokens[prompt_of[i]], made[i])
                         if f is None
                         else usage_so_far(f.num_prompt_tokens, f.num_output_tokens)
                     )
-                yield "data: " + _dumps(chunk) + "\n\n"
+                    for chunk in chunks:
+                        chunk["usage"] = usage
+                for chunk in chunks:
+                    yield "data: " + _dumps(chunk) + "\n\n"
                 if msg.finished is not None:
-                    finals.append(msg.finished)
+                    finals[i] = msg.finished
             if parsed.include_usage:
                 yield "data: " + _dumps(fmt.usage_chunk(finals)) + "\n\n"
         except ServingError as e:  # after the 200 went out: report in the stream, as vLLM does
@@ -334,47 +368,6 @@ def _parsed(parse, body):
         return parse(body)
     except InvalidRequestError as e:
         raise ServingError("invalid", str(e), e.field) from None
-
-
-async def _merge(
-    streams: list[AsyncIterator[GenerateDelta]],
-    firsts: list[GenerateDelta],
-) -> AsyncIterator[tuple[int, GenerateDelta]]:
-    """(index, delta) from several streams as they come; one stream needs no tasks."""
-    if len(streams) == 1:
-        yield 0, firsts[0]
-        if firsts[0].finished is None:
-            async for msg in streams[0]:
-                yield 0, msg
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            if firsts[i].finished is None:
-                async for msg in streams[i]:
-                    await queue.put((i, msg))
-        except Exception as e:
-            await queue.put((i, e))
-        await queue.put((i, None))
-
-    for i, f in enumerate(firsts):
-        yield i, f
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-    try:
-        left = len(streams)
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _close(streams: list) -> None:

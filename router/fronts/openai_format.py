@@ -13,8 +13,9 @@ from shoal.workers.messages import GenerateDelta, RequestFinished
 class ChunkFormat:
     """OpenAI's response shapes for one request."""
 
-    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool):
+    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool, width: int = 1):
         self.fe, self.rid, self.chat, self.want_lp = fe, rid, chat, want_lp
+        self.width = width  # engine requests per prompt (parallel sampling: n, or best_of)
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -62,26 +63,48 @@ class ChunkFormat:
         delta = ({"content": text} if text or finished is None else {}) if self.chat else text
         return self.chunk(i, delta, None if finished is None else finished.finish_reason, lps)
 
+    def tool_chunks(self, i: int, msg: GenerateDelta, reply) -> list[dict]:
+        """The chunks of one delta read for tool calls by `reply` (a
+        tool_replies.ToolReply): text it holds back sends nothing yet; the
+        logprobs ride on the first chunk, the finish on the last."""
+        finished = msg.finished
+        parts = reply.feed(msg.text, finished is not None)
+        lps = self.logprobs(msg.logprobs) if msg.logprobs else None
+        if lps is not None or (finished is not None and not parts):
+            parts = parts or [{}]
+        chunks = [self.chunk(i, part, None, lps if k == 0 else None) for k, part in enumerate(parts)]
+        if finished is not None:
+            chunks[-1]["choices"][0]["finish_reason"] = reply.finish_reason(finished.finish_reason, reply.called)
+        return chunks
+
     def usage(self, finals: list[RequestFinished]) -> dict:
-        prompt = sum(f.num_prompt_tokens for f in finals)
+        """finals: every engine request's, in choice order. Each prompt counts
+        once, as its first sample saw it (the others share its prefill)."""
+        firsts = finals[:: self.width]
+        prompt = sum(f.num_prompt_tokens for f in firsts)
         completion = sum(f.num_output_tokens for f in finals)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in firsts)},
         }
 
     def usage_chunk(self, finals: list[RequestFinished]) -> dict:
         return {**self._chunk_head(), "choices": [], "usage": self.usage(finals)}
 
-    def whole(self, choices: list[dict]) -> dict:
+    def whole(self, choices: list[dict], finals: list[RequestFinished] | None = None) -> dict:
+        """finals: every engine request's for the usage, when not all are
+        among the choices (best_of)."""
         out = []
         for c in choices:
             final = c["final"]
             entry = {"index": c["index"], "finish_reason": final.finish_reason, "logprobs": self.logprobs(c["lps"])}
             if self.chat:
-                entry["message"] = {"role": "assistant", "content": c["text"]}
+                entry["message"] = {"role": "assistant", "content": c.get("content", c["text"])}
+                if c.get("tool_calls"):  # tool_replies.ToolReply.whole's
+                    entry["message"]["tool_calls"] = c["tool_calls"]
+                    entry["finish_reason"] = c["finish_reason"]
             else:
                 entry["text"] = c["text"]
             out.append(entry)
@@ -91,7 +114,7 @@ class ChunkFormat:
             "created": self.created,
             "model": self.fe.info.model,
             "choices": out,
-            "usage": self.usage([c["final"] for c in choices]),
+            "usage": self.usage(finals if finals is not None else [c["final"] for c in choices]),
         }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.router.fronts.prompt import Prompt
+from shoal.router.fronts.structured_fields import parse_structured
+from shoal.router.fronts.tools import ToolChoice, constrain_sampling, parse_messages, parse_tools
 from shoal.workers.errors import InvalidRequestError
 
 _NUMBER = (int, float)
@@ -57,6 +59,9 @@ class ParsedRequest:
     user: str | None = None  # logged with the request id, never a key
     num_prompt_tokens: list[int] | None = None  # per prompt, once tokenized
     echo_texts: list[str] | None = None  # per prompt, once tokenized, when echo
+    tool_choice: ToolChoice | None = None  # chat with tools: how the reply is read (tool_replies.py)
+    n: int = 1  # choices per prompt (parallel samples; router/fronts/parallel_sampling.py)
+    best_of: int | None = None  # completions: samples per prompt, of which the n likeliest are returned
 
 
 def _sampling(body: dict) -> dict:
@@ -89,14 +94,12 @@ def _sampling(body: dict) -> dict:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("stop_token_ids must be an array of integers", field="stop_token_ids")
         s["stop_token_ids"] = ids
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise InvalidRequestError("only n=1 is supported", field="n")
-    if _get(body, "best_of", int, 1) != 1:
-        raise InvalidRequestError("only best_of=1 is supported", field="best_of")
     bias = _get(body, "logit_bias", dict)
     if bias:
         s["logit_bias"] = _logit_bias(bias)
+    structured = parse_structured(body)
+    if structured is not None:
+        s["structured_outputs"] = structured
     return s
 
 
@@ -130,6 +133,15 @@ def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling:
         raise InvalidRequestError(f"user has {len(user)} characters; at most {MAX_USER_LEN} are allowed", field="user")
     parsed = ParsedRequest(prompts, sampling, stream, include_usage, _get(body, "model", str))
     parsed.continuous_usage, parsed.user = continuous, user
+    parsed.n = _get(body, "n", int, 1)  # its upper bound is the engine's --max-n (parallel_sampling.py)
+    if parsed.n < 1:
+        raise InvalidRequestError(f"n must be at least 1, got {parsed.n}", field="n")
+    parsed.best_of = _get(body, "best_of", int)  # completions only (parallel_sampling.py refuses it on chat)
+    if parsed.best_of is not None:
+        if parsed.best_of < parsed.n:
+            raise InvalidRequestError(f"best_of must be at least n ({parsed.n}), got {parsed.best_of}", field="best_of")
+        if stream and parsed.best_of > parsed.n:  # OpenAI's rule: only finished samples can be ranked
+            raise InvalidRequestError("best_of greater than n cannot be streamed", field="best_of")
     return parsed
 
 
@@ -175,18 +187,14 @@ def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
 
 
 def parse_chat(body: dict) -> ParsedRequest:
-    """POST /v1/chat/completions. Content may be a string or text parts."""
+    """POST /v1/chat/completions. Content may be a string or text parts;
+    tools and tool calls as tools.py reads them."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty array", field="messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}] must be an object with a string role", field="messages")
-        rendered.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    rendered = parse_messages(body.get("messages"))
+    tools, choice = parse_tools(body)
     sampling = _sampling(body)
+    constrain_sampling(sampling, tools, choice, "tool_choice")
     if _get(body, "logprobs", bool, False):
         top = _get(body, "top_logprobs", int, 0)
         if top < 0:
@@ -194,31 +202,14 @@ def parse_chat(body: dict) -> ParsedRequest:
         sampling["logprobs"] = top
     elif body.get("top_logprobs") is not None:
         raise InvalidRequestError("top_logprobs needs logprobs=true", field="top_logprobs")
-    fmt = _get(body, "response_format", dict)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise InvalidRequestError("only the text response_format is supported", field="response_format")
-    if _get(body, "tools", list):
-        raise InvalidRequestError("tools are not supported", field="tools")
     max_tokens = _get(body, "max_completion_tokens", int)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int)
     add_gen = _get(body, "add_generation_prompt", bool, True)
-    return _common(body, [Prompt(messages=rendered, add_generation_prompt=add_gen)], max_tokens, sampling)
-
-
-def _content(content, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"messages[{i}].content: only text parts are supported", field="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidRequestError(f"messages[{i}].content must be a string or an array of text parts", field="messages")
+    prompt = Prompt(messages=rendered, add_generation_prompt=add_gen, tools=tools)
+    parsed = _common(body, [prompt], max_tokens, sampling)
+    parsed.tool_choice = choice
+    return parsed
 
 
 def parse_tokenize(body: dict) -> tuple[Prompt, str | None]:

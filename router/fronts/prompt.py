@@ -13,9 +13,10 @@ class Prompt:
 
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict] | None = None  # [{"role", "content"}], rendered with the chat template
+    messages: list[dict] | None = None  # tools.parse_messages, rendered with the chat template
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # None: True for text, False for chat (the template has them)
+    tools: list[dict] | None = None  # chat: the tool definitions, rendered by the template as transformers does
 
 
 def tokenize(prompt: Prompt, tokenizer) -> list[int]:
@@ -28,7 +29,9 @@ def tokenize(prompt: Prompt, tokenizer) -> list[int]:
         if not tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template: use the completions API", field="messages")
         try:
-            text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=prompt.add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                prompt.messages, add_generation_prompt=prompt.add_generation_prompt, tools=prompt.tools
+            )
         except Exception as e:  # the template's own raise_exception, e.g. bad role order
             raise InvalidRequestError(f"the chat template refused the messages: {e}", field="messages") from None
         special = bool(prompt.add_special_tokens)

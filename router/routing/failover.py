@@ -205,6 +205,7 @@ class FailoverPool:
                 prompt_token_ids=request.prompt_token_ids + streamed,
                 num_resumed_tokens=request.num_resumed_tokens + len(streamed),
                 num_resumed_chars=request.num_resumed_chars + num_chars,
+                parent_request_id=None,  # its own prompt now; pinned to its group it could meet the lost worker
             )
 
 

@@ -110,10 +110,23 @@ def route(
     """Choose, reserve, trace: the one routing step of both pools (Serve's
     request router and the in-process pool). The replicas' order for
     `request` (None for a call that is no request) over `figs` (those of
-    `names`, from `stats`); the request counts as sent to the first."""
+    `names`, from `stats`); the request counts as sent to the first.
+    Parallel-sampling siblings (one parent_request_id) all go where the
+    first of them went, whatever the policy: there the prompt is prefilled
+    once for all of them."""
     order, blocks, tokens = choose(policy, request, figs, stats.block_size, turn)
+    group = None if request is None else request.parent_request_id
+    if group is not None and order and (at := stats.group_replica(group)) in names:
+        pinned = names.index(at)
+        if pinned != order[0]:
+            order = [pinned, *(i for i in order if i != pinned)]
+            blocks, tokens = (0, 0)
+            if policy == "kv" and stats.block_size:
+                blocks, tokens = blocks_at(request, figs[pinned], stats.block_size)
     if request is not None and order:
-        stats.reserve(request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens)
+        stats.reserve(
+            request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens, group=group
+        )
         if request.trace_context:  # the request's routing span: what each candidate looked like
             tracing.trace_route(request.trace_context, list(names), figs, order[0], policy)
     return order

@@ -82,6 +82,9 @@ class ReplicaStats:
         self.replicas: dict[str, ReplicaFigures] = {}
         self.block_size = 0  # the model's (WorkerInfo.block_size), set by the pool; 0: not known yet
         self._where: dict[str, str] = {}  # request id -> replica, while in flight
+        # Parallel sampling: a group's siblings go where its first one went (policies.route).
+        self._groups: dict[str, list] = {}  # parent request id -> [replica, members in flight]
+        self._group_of: dict[str, str] = {}  # request id -> its parent request id, while in flight
         self.version = 0  # changes when a replica's figures are made or dropped
         self._lock = threading.Lock()
         self._ended: OrderedDict[str, None] = OrderedDict()  # ids done before they were reserved
@@ -182,9 +185,12 @@ class ReplicaStats:
         hashes: Sequence[bytes] = (),
         now: float | None = None,
         tokens: int = 0,
+        group: str | None = None,
     ) -> None:
         """Count a request as sent to `replica` (again: moved there): the
-        KV blocks and the prefill tokens it takes there."""
+        KV blocks and the prefill tokens it takes there. `group`: its
+        parallel-sampling group (GenerateRequest.parent_request_id), placed
+        where its first member is reserved (group_replica)."""
         prev = self._where.get(request_id)
         if prev == replica:
             return
@@ -197,6 +203,9 @@ class ReplicaStats:
             if prev is not None:
                 self._forget(request_id, prev)
             self._where[request_id] = replica
+            if group is not None and request_id not in self._group_of:
+                self._group_of[request_id] = group
+                self._groups.setdefault(group, [replica, 0])[1] += 1
             f.sent[request_id] = (blocks, tokens, now)
             f.sent_blocks += blocks
             f.sent_tokens += tokens
@@ -209,6 +218,11 @@ class ReplicaStats:
     def where(self, request_id: str) -> str | None:
         """The replica a request in flight was sent to."""
         return self._where.get(request_id)
+
+    def group_replica(self, group: str) -> str | None:
+        """Where a parallel-sampling group's members go, while one is in flight."""
+        entry = self._groups.get(group)
+        return None if entry is None else entry[0]
 
     def ack(self, request_id: str) -> None:
         """The request's first message came back: its worker counts it now."""
@@ -238,6 +252,11 @@ class ReplicaStats:
             f.sent_tokens -= sent[1]
         if self._where.pop(request_id, None) is not None:
             f.in_flight -= 1
+        group = self._group_of.pop(request_id, None)
+        if group is not None and (entry := self._groups.get(group)) is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._groups[group]
 
     # ---- replicas coming and going --------------------------------------------
 
@@ -255,6 +274,9 @@ class ReplicaStats:
             self.version += 1
             for rid in [rid for rid, r in self._where.items() if r == replica]:
                 del self._where[rid]
+                self._group_of.pop(rid, None)
+            for group in [g for g, (r, _) in self._groups.items() if r == replica]:
+                del self._groups[group]
             _remember(self._departed, replica)
             listeners = [m() for m in self._on_departure]
             self._on_departure = [m for m, fn in zip(self._on_departure, listeners) if fn is not None]
@@ -276,7 +298,8 @@ class ReplicaStats:
     def num_request_entries(self) -> int:
         """Entries keyed by request id of requests in flight (the ids
         remembered as ended are capped at MAX_REMEMBERED)."""
-        return len(self._where) + sum(len(f.sent) for f in list(self.replicas.values()))
+        n = len(self._where) + len(self._group_of) + len(self._groups)
+        return n + sum(len(f.sent) for f in list(self.replicas.values()))
 
 
 def _remember(seen: OrderedDict, key: str) -> None:

@@ -93,7 +93,8 @@ class KVRequestRouter(RequestRouter):
             blocks, tokens = 0, 0
             if self.policy == "kv" and stats.block_size:
                 blocks, tokens = policies.blocks_at(request, stats.get(replica), stats.block_size)
-            stats.reserve(request.request_id, replica, blocks, request.block_hashes or (), tokens=tokens)
+            hashes = request.block_hashes or ()
+            stats.reserve(request.request_id, replica, blocks, hashes, tokens=tokens, group=request.parent_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """The replica set or a replica's routing stats changed (Serve's long poll)."""

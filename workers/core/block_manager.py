@@ -57,6 +57,20 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def shared_blocks(self, seq: Sequence, donor: Sequence, num_ready_tokens: int) -> list[int]:
+        """donor's leading full blocks within its first num_ready_tokens
+        (computed, or computed in this step: written before any attention
+        reads them) that hold seq's leading tokens (a parallel-sampling
+        sibling's prompt): seq may take them as it takes prefix hits (no
+        reference taken yet), also with prefix caching off. The last token
+        is left to compute."""
+        bs = self.block_size
+        limit = min((seq.num_tokens - 1) // bs, len(donor.block_table), num_ready_tokens // bs)
+        n = 0
+        while n < limit and seq.token_ids[n * bs : (n + 1) * bs] == donor.token_ids[n * bs : (n + 1) * bs]:
+            n += 1
+        return donor.block_table[:n]
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Give seq room for `num_new_tokens` more tokens after its computed
         ones (and after `computed_blocks`, prefix hits for a sequence that has
@@ -96,6 +110,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks at once (finish, abort or preemption)."""
+        # Blocks registered for a step that never ran for seq (a failed step's culprit, or a sequence
+        # preempted in the schedule that registered them) hold no keys and values: they leave the index.
+        for i in range(seq.num_computed_tokens // self.block_size, seq.num_registered_blocks):
+            self.pool.uncache_block(seq.block_table[i])
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.num_registered_blocks = 0

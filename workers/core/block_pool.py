@@ -86,6 +86,16 @@ class BlockPool:
         if block.ref_cnt:
             self.in_use_cached[block_id] = None
 
+    def uncache_block(self, block_id: int) -> None:
+        """Take a block out of the prefix index: its contents were never written."""
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) == block_id:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        self.in_use_cached.pop(block_id, None)
+
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; list tail blocks first so the
         prefix blocks, more likely shared, are evicted last."""

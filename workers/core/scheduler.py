@@ -74,6 +74,8 @@ class Scheduler:
         self.waiting: list[tuple[int, int, Sequence]] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # parent_request_id -> the group's unfinished members, in arrival order (parallel sampling)
+        self.groups: dict[str, list[Sequence]] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -97,8 +99,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.num_computed_tokens == 0 and not seq.num_expected_prefill:  # a new arrival, not a preempted one
-            hits = self.block_manager.get_computed_blocks(seq)  # hashes the prompt once; scheduling reuses them
-            seq.num_expected_prefill = seq.num_tokens - len(hits) * self.block_manager.block_size
+            bs = self.block_manager.block_size
+            hits = len(self.block_manager.get_computed_blocks(seq))  # hashes the prompt once; scheduling reuses them
+            if seq.parent_request_id is not None:
+                members = self.groups.setdefault(seq.parent_request_id, [])
+                if members:  # a sibling: it will take the prompt's full blocks from the first
+                    hits = (seq.num_tokens - 1) // bs
+                members.append(seq)
+            seq.num_expected_prefill = seq.num_tokens - hits * bs
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting, (seq.priority, seq.arrival_order, seq))
 
@@ -110,6 +118,10 @@ class Scheduler:
             self.waiting = [w for w in self.waiting if w[2] is not seq]
             heapq.heapify(self.waiting)
         self._free(seq)
+        if (members := self.groups.get(seq.parent_request_id)) is not None:
+            members[:] = [m for m in members if m is not seq]
+            if not members:
+                del self.groups[seq.parent_request_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.timings.finished = time.time()
@@ -155,12 +167,24 @@ class Scheduler:
                 picked[id(seq)] = (seq, n)
                 budget -= n
         out.scheduled = list(picked.values())
+        this_step = {id(s): n for s, n in out.scheduled}  # tokens each sequence computes in this step
 
         # Waiting sequences, in (priority, arrival) order; none join in a
-        # step that had to preempt, since memory is short.
+        # step that had to preempt, since memory is short. A parallel-sampling
+        # sibling is held (set aside) until a member's prompt is computed by
+        # the end of this step: one prefill, not n.
+        held = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][2]
+            donor = None
+            if seq.parent_request_id is not None:
+                wait, donor, ready = self._sibling_source(seq, this_step)
+                if wait:
+                    held.append(heapq.heappop(self.waiting))
+                    continue
             hits = bm.get_computed_blocks(seq)
+            if donor is not None and len(shared := bm.shared_blocks(seq, donor, ready)) > len(hits):
+                hits = shared  # the cache is off, or did not keep them all
             n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
             if not bm.allocate_slots(seq, n, hits):
                 break
@@ -174,8 +198,26 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
+            this_step[id(seq)] = n
             budget -= n
+        for item in held:
+            heapq.heappush(self.waiting, item)
         return out
+
+    def _sibling_source(self, seq: Sequence, this_step: dict[int, int]) -> tuple[bool, Sequence | None, int]:
+        """(whether seq waits, the member whose blocks it may take, that
+        member's tokens computed by the end of this step). A running member
+        whose prompt is computed by then gives its blocks: seq joins the step
+        that completes the prompt (each layer writes the whole batch's keys
+        and values before any attention reads them). Without one, every
+        member but the group's first waits (for that one's prefill, which
+        never waits on them: a group whose first member finishes has a new first)."""
+        members = self.groups.get(seq.parent_request_id, ())
+        for m in members:
+            ready = m.num_computed_tokens + this_step.get(id(m), 0)
+            if m is not seq and m.status is SequenceStatus.RUNNING and ready >= m.num_prompt_tokens:
+                return False, m, ready
+        return bool(members) and members[0] is not seq, None, 0
 
     def update_from_output(
         self,

@@ -62,6 +62,9 @@ class Sequence:
     # Its grammar's matcher (structured_output/request.py), when its output is constrained. Not part of
     # any block's key: only sampled tokens are constrained, so a prompt's blocks are the same either way.
     structured_output_request: object | None = None
+    # Its parallel-sampling group (n > 1: the router's siblings of one prompt share this key): a member
+    # waits until another has computed the prompt, then takes that one's full prompt blocks.
+    parent_request_id: str | None = None
 
     @property
     def num_tokens(self) -> int:

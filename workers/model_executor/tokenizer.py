@@ -40,8 +40,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render chat messages to the prompt text the model was tuned on."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+    ) -> str:
+        """Render chat messages to the prompt text the model was tuned on;
+        `tools` (the tool definitions, as given) as transformers passes them."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         if self._template is None:
@@ -50,13 +53,19 @@ class Tokenizer:
             def raise_exception(message):
                 raise ValueError(message)
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = raise_exception
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            # transformers' tojson: tool-use templates pass indent, separators or sort_keys
+            env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+                x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+            )
             self._template = env.from_string(self.chat_template)
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,

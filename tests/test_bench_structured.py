@@ -1,0 +1,80 @@
+"""`shoal bench structured --quick` end to end on the tiny model: a row per
+schema, batch and library, whose figures agree with one another; and the
+pieces it stands on (matched steps, the JSON check) on their own."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from shoal.benchmarks.structured import WORKLOADS, lockstep, record_schema, tool_call_schema, validate
+from shoal.cluster.cli import main
+from shoal.workers import LLMEngine, SamplingParams
+from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
+
+
+def test_bench_structured_quick_reports_every_row(tiny_model, tmp_path, capsys):
+    out = tmp_path / "structured.json"
+    args = ["bench", "structured", "--quick", "--model", tiny_model, "--num-threads", "1", "--num-kv-blocks", "128"]
+    assert main([*args, "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    backends = ["guidance"] + (["xgrammar"] if importlib.util.find_spec("xgrammar") else [])
+    keys = [(s["workload"], s["batch"], s["backend"]) for s in r["steps"]]
+    assert keys == [(w.name, b, lib) for w in WORKLOADS for b in (4, 1) for lib in backends]
+    for s in r["steps"]:
+        # max_tokens 24: at most 23 decode steps after the first token
+        assert 0 < s["steps"] <= 23 and s["replies"] == s["batch"]
+        assert abs(s["raw_ratio"] - s["guided_ms"] / s["unconstrained_ms"]) < 1e-9
+        assert abs(s["ratio"] - s["raw_ratio"] / s["engine_speed"]) < 1e-9
+        assert s["engine_speed"] == r["engine_speeds"][str(s["batch"])][s["backend"]] > 0
+        assert s["goal"] == (1.05 if s["batch"] == 1 else 1.10)
+        assert s["extra_ms"]["grammar_bitmask"] > 0  # the mask fill is the guided run's alone
+        assert 0 <= s["valid"] <= s["replies"] and set(s["finish_reasons"]) <= {"stop", "length"}
+    assert [(c["workload"], c["backend"]) for c in r["compile"]] == [
+        (w.name, lib) for w in WORKLOADS for lib in backends
+    ]
+    for c in r["compile"]:
+        assert c["schemas"] == 4 and 0 < c["compile_ms"]["p50"] <= c["compile_ms"]["p99"]
+        assert c["cache_hit_ms"]["p50"] < c["compile_ms"]["p50"]  # a hit skips the compile
+    printed = capsys.readouterr().out
+    assert "| tool call | 4 | guidance |" in printed and "compile p50" in printed
+
+
+def test_lockstep_runs_match_step_for_step(tiny_model):
+    """Unconstrained and guided on two engines (libraries), a step of each
+    in turn: every full-batch decode step of a guided batch has its
+    unconstrained twin, and the unconstrained batch stops when no guided
+    one is whole (its requests aborted, its engine left empty)."""
+    make = lambda **kw: LLMEngine(model=tiny_model, num_threads=1, num_kv_blocks=64, **kw)  # noqa: E731
+    free_engine, engines = make(), {"guidance": make()}
+    if importlib.util.find_spec("xgrammar"):
+        engines["xgrammar"] = make(structured_outputs_backend="xgrammar")
+    try:
+        prompts = ["The quick brown fox", "Hello, world!", "Numbers: 0 1 2"]
+        free, guided = lockstep(
+            free_engine,
+            engines,
+            prompts,
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(regex="[a-z]{16}")),
+            "t",
+        )
+        assert not free_engine.has_unfinished_requests() and set(guided) == set(engines)
+        for w in guided.values():
+            assert w.done and set(w.finish.values()) == {"stop"}
+            assert all(len(w.text[i]) == 16 and w.text[i].isalpha() for i in w.ids)
+            assert w.steps and set(w.steps) <= set(free.steps)
+        assert max(free.steps) == max(len(w.steps) for w in guided.values())  # no further than needed
+        assert len(free.steps) < 39  # stopped before its max_tokens
+    finally:
+        for e in (free_engine, *engines.values()):
+            e.shutdown()
+
+
+def test_the_json_check_and_the_schemas():
+    schema = tool_call_schema()
+    good = json.dumps({"location": "Paris", "unit": "celsius", "days": 3, "include_hourly": False})
+    assert validate([good, good[:-1], good.replace("3", "30"), '{"location": "a\x01"}'], schema) == 1
+    for tag in ("", "_7"):  # each tag renames a property: a new schema, a new cache key
+        assert len(record_schema(tag)["properties"]) == 30
+        assert SO(json=record_schema(tag)).spec != SO(json=record_schema("_x")).spec

@@ -290,6 +290,7 @@ def replay(
             seq.token_ids.extend(tokens[len(r.prompt) :])
             if not bm.allocate_slots(seq, len(tokens) - len(r.prompt)):
                 raise ValueError(f"request {i} ({len(tokens)} tokens) does not fit a cache of {num_blocks} blocks")
+            seq.num_computed_tokens = len(tokens)  # written, as a real step would (free keeps only those)
         bm.free(seq)
         hit = len(hits) * block_size
         out.hit_tokens += hit

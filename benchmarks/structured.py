@@ -3,14 +3,18 @@
 For each grammar library (llguidance always, xgrammar where installed) and
 two schemas (a typical tool call's arguments, and a 30-property record with
 nested arrays), at each batch size: the same prompts run unconstrained
-(ignore_eos) and guided (greedy; a reply ends when its JSON does), each on
-its own engine (the guided ones built with --structured-outputs-backend),
-a step of each in turn, so that this machine's drift falls on all alike.
-Each is timed per `engine.step()` (so the mask fill, which the engine's own
-step timing leaves out, counts) over the decode steps in which every
-request of the batch is decoding, matched step for step (the k-th decode
-step of one against the k-th of the other: the same batch, the same context
-lengths). The ratio of the mean steps, guided / unconstrained, is printed
+(ignore_eos) and guided (greedy; a reply ends when its JSON does). Each run
+is timed per `engine.step()` (so the mask fill, which the engine's own step
+timing leaves out, counts) over the decode steps in which every request of
+the batch is decoding, matched step for step (the k-th decode step of one
+against the k-th of the other: the same batch, the same context lengths).
+At a batch of many, each run has its own engine (the guided ones built with
+--structured-outputs-backend), a step of each in turn, so that this
+machine's drift falls on all alike; engines that do the same work part by a
+few percent, so an A/A run (all unconstrained) measures each one's speed
+and each ratio is divided by it. At batch 1, where engines part by up to
+10%, one engine runs all, in a palindrome order (engine_speeds, palindrome).
+The ratio of the mean steps, guided / unconstrained, is printed
 beside the goal (1.10x at a batch of many, 1.05x at batch 1), with where the
 extra time goes, from the engine's named step ranges (shoal.workers.profiling):
 the mask fill (`grammar_bitmask`), staging, the sampler (which applies the
@@ -34,118 +38,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shoal.benchmarks.structured_workloads import WORKLOADS, Workload
 from shoal.workers.engine_args import EngineArgs
 
 GOALS = {1: 1.05}  # batch -> the most a guided step may cost over an unconstrained one
 DEFAULT_GOAL = 1.10
-CITIES = (
-    "Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Sydney", "Denver", "Nairobi",
-    "Madrid", "Hanoi", "Quebec", "Dublin", "Seoul", "Zurich", "Austin", "Porto",
-)  # fmt: skip
-PRODUCTS = (
-    "kettle", "bicycle", "desk lamp", "backpack", "guitar", "tent", "drone", "blender",
-    "camera", "sofa", "watch", "scooter", "printer", "jacket", "telescope", "keyboard",
-)  # fmt: skip
-
-
-def tool_call_schema(tag: str = "") -> dict:
-    """A get_weather tool's arguments, as an OpenAI tools request gives them.
-    Strings are bounded so that every reply ends inside max_tokens."""
-    return {
-        "type": "object",
-        "properties": {
-            "location" + tag: {"type": "string", "maxLength": 32, "description": "City and country"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 14},
-            "include_hourly": {"type": "boolean"},
-        },
-        "required": ["location" + tag, "unit", "days", "include_hourly"],
-        "additionalProperties": False,
-    }
-
-
-def record_schema(tag: str = "") -> dict:
-    """30 properties of every kind, two of them arrays of objects that hold arrays."""
-    text, word = {"type": "string", "maxLength": 16}, {"type": "string", "maxLength": 10}
-    props: dict = {
-        "name" + tag: text,
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "brand": text,
-        "category": {"enum": ["home", "sport", "music", "office", "outdoor", "tech"]},
-        "price": {"type": "number", "minimum": 0, "maximum": 10000},
-        "currency": {"enum": ["USD", "EUR", "JPY"]},
-        "in_stock": {"type": "boolean"},
-        "stock_count": {"type": "integer", "minimum": 0, "maximum": 9999},
-        "rating": {"type": "number", "minimum": 0, "maximum": 5},
-        "reviews": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "color": word,
-        "material": word,
-        "weight_kg": {"type": "number", "minimum": 0, "maximum": 500},
-        "width_cm": {"type": "integer", "minimum": 0, "maximum": 1000},
-        "height_cm": {"type": "integer", "minimum": 0, "maximum": 1000},
-        "depth_cm": {"type": "integer", "minimum": 0, "maximum": 1000},
-        "warranty_years": {"type": "integer", "minimum": 0, "maximum": 10},
-        "origin": word,
-        "tags": {"type": "array", "items": word, "minItems": 1, "maxItems": 3},
-        "features": {"type": "array", "items": text, "minItems": 1, "maxItems": 3},
-        "variants": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 2,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "label": word,
-                    "sizes": {"type": "array", "items": {"enum": ["S", "M", "L", "XL"]}, "minItems": 1, "maxItems": 3},
-                },
-                "required": ["label", "sizes"],
-                "additionalProperties": False,
-            },
-        },
-        "discount": {"anyOf": [{"type": "null"}, {"type": "number", "minimum": 0, "maximum": 90}]},
-        "release_year": {"type": "integer", "minimum": 1990, "maximum": 2030},
-        "eco_friendly": {"type": "boolean"},
-        "energy_class": {"enum": ["A", "B", "C", "D"]},
-        "seller": {
-            "type": "object",
-            "properties": {
-                "name": word,
-                "country": word,
-                "ratings": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 5}, "maxItems": 3},
-            },
-            "required": ["name", "country", "ratings"],
-            "additionalProperties": False,
-        },
-        "shipping_days": {"type": "integer", "minimum": 0, "maximum": 60},
-        "returnable": {"type": "boolean"},
-        "language": {"enum": ["en", "fr", "de", "ja"]},
-        "summary": {"type": "string", "maxLength": 24},
-    }  # fmt: skip
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    schema: Callable[[str], dict]  # a property-name tag -> the schema
-    max_tokens: int  # enough for every reply to close its JSON
-
-    def prompts(self, tokenizer, n: int) -> list[str]:
-        if self.name == "tool call":
-            asks = [f"What's the weather in {CITIES[i % 16]} for the next {1 + i // 16} days?" for i in range(n)]
-            system = "Call get_weather: reply with its arguments as one JSON object."
-        else:
-            asks = [f"Describe the {PRODUCTS[i % 16]} number {i} we sell." for i in range(n)]
-            system = "Reply with the product record as one JSON object."
-        return [
-            tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": a}])
-            if tokenizer.chat_template
-            else f"{system}\n{a}\n"
-            for a in asks
-        ]
-
-
-WORKLOADS = (Workload("tool call", tool_call_schema, 64), Workload("30 properties", record_schema, 448))
 
 
 def add_parser(sub) -> None:
@@ -161,7 +58,7 @@ def add_parser(sub) -> None:
         "--calibration-tokens",
         type=int,
         default=64,
-        help="tokens of the A/A run that measures each engine's own speed per batch size (0: none)",
+        help="tokens of the A/A run that measures each engine's own speed, per batch size over 1 (0: none)",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (batch 4 and 1, 4 schemas)")
     p.add_argument("--output", default="bench_results/structured.json")
@@ -172,6 +69,7 @@ def add_parser(sub) -> None:
 # ---- the step measurements ------------------------------------------------------------
 
 PARTS = ("grammar_bitmask", "prepare_inputs", "sample", "update_from_output")
+FORWARD = "forward"  # the model's pass: the same work guided or not, and nearly all of a step's time
 
 
 class Wave:
@@ -239,6 +137,30 @@ def lockstep(free_engine, guided_engines: dict, prompts: list[str], free_params,
     return free, guided
 
 
+def palindrome(engine, engines: dict, prompts: list[str], free_params, guided_params, tag: str) -> dict[str, list]:
+    """At batch 1, where engines part the most (engine_speeds), all on one
+    engine: each library (that engine given the library's manager), the
+    unconstrained run twice, each library again in reverse order, so that a
+    drift in time falls alike on both sides. An unconstrained run stops at
+    the longest guided batch's last matched step. Returns the Waves by name."""
+    own, runs = engine.structured_output, {name: [] for name in ["free", *engines]}
+    try:
+        for i, name in enumerate([*engines, "free", "free", *reversed(engines)]):
+            if name == "free":
+                need = max(len(w.steps) for n in engines for w in runs[n])
+                wave = Wave(engine, prompts, free_params, f"{tag}-{i}-free")
+                in_turn([wave], lambda w, need=need: not w.done and len(w.steps) < need)
+                wave.abort()
+            else:
+                engine.structured_output = engines[name].structured_output
+                wave = Wave(engine, prompts, guided_params, f"{tag}-{i}-{name}")
+                in_turn([wave], lambda w: not w.done)
+            runs[name].append(wave)
+    finally:
+        engine.structured_output = own
+    return runs
+
+
 def engine_speeds(free_engine, engines: dict, batch: int, ns) -> dict[str, float]:
     """An A/A run: the same unconstrained tool-call prompts on every engine,
     in turn; each guided engine's mean step over the free engine's. Engines
@@ -247,20 +169,15 @@ def engine_speeds(free_engine, engines: dict, batch: int, ns) -> dict[str, float
     row's ratio is divided by its engine's."""
     from shoal.workers import SamplingParams
 
-    if not ns.calibration_tokens:
+    if batch == 1 or not ns.calibration_tokens:  # batch 1 runs all on one engine (palindrome)
         return dict.fromkeys(engines, 1.0)
-    waves = 1 if batch > 1 else ns.batch1_requests
-    prompts = WORKLOADS[0].prompts(free_engine.tokenizer, batch * waves)
+    prompts = WORKLOADS[0].prompts(free_engine.tokenizer, batch)
     params = SamplingParams(temperature=0, max_tokens=ns.calibration_tokens, ignore_eos=True)
-    steps: dict[str, list[float]] = {name: [] for name in ["free", *engines]}
-    for w in range(waves):
-        all_engines = {"free": free_engine, **engines}
-        runs = {n: Wave(e, prompts[w * batch : (w + 1) * batch], params, f"aa-{w}-{n}") for n, e in all_engines.items()}
-        in_turn(list(runs.values()), lambda wave: not wave.done)
-        ks = set.intersection(*(set(r.steps) for r in runs.values()))
-        for n, r in runs.items():
-            steps[n] += [r.steps[k][0] for k in sorted(ks)]
-    return {n: statistics.fmean(steps[n]) / statistics.fmean(steps["free"]) for n in engines}
+    runs = {n: Wave(e, prompts, params, f"aa-{n}") for n, e in {"free": free_engine, **engines}.items()}
+    in_turn(list(runs.values()), lambda wave: not wave.done)
+    ks = sorted(set.intersection(*(set(r.steps) for r in runs.values())))
+    mean = {n: statistics.fmean(r.steps[k][0] for k in ks) for n, r in runs.items()}
+    return {n: mean[n] / mean["free"] for n in engines}
 
 
 def validate(texts: list[str], schema: dict) -> int:
@@ -287,8 +204,8 @@ class _Acc:
 
     free: list[float] = field(default_factory=list)
     guided: list[float] = field(default_factory=list)
-    free_parts: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    guided_parts: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    free_parts: dict = field(default_factory=lambda: dict.fromkeys((*PARTS, FORWARD), 0.0))
+    guided_parts: dict = field(default_factory=lambda: dict.fromkeys((*PARTS, FORWARD), 0.0))
     valid: int = 0
     tokens: list[int] = field(default_factory=list)
     finishes: set = field(default_factory=set)
@@ -297,7 +214,7 @@ class _Acc:
         ks = sorted(set(free.steps) & set(guided.steps))
         for mine, wave, parts in ((self.free, free, self.free_parts), (self.guided, guided, self.guided_parts)):
             mine += [wave.steps[k][0] for k in ks]
-            for p in PARTS:
+            for p in parts:
                 parts[p] += sum(wave.steps[k][1].get(p, 0.0) for k in ks)
         texts = [guided.text[i] for i in guided.ids]
         self.valid += validate(texts, schema)
@@ -317,6 +234,14 @@ class _Acc:
             "ratio": guided_ms / free_ms / speed,
             # The median of step-for-step ratios: a burst of other load on the machine moves it less.
             "ratio_p50": statistics.median(g / f for f, g in zip(self.free, self.guided)) / speed,
+            # The guided step with the unconstrained run's forward pass in place of its own: all that
+            # guiding adds on the host, free of the forward's noise (a few percent from run to run,
+            # and from engine to engine), which at batch 1 is the size of the goal itself.
+            "host_ratio": (sum(self.guided) - self.guided_parts[FORWARD] + self.free_parts[FORWARD]) / sum(self.free),
+            "forward_ms": {
+                "unconstrained": 1e3 * self.free_parts[FORWARD] / n,
+                "guided": 1e3 * self.guided_parts[FORWARD] / n,
+            },
             # Per matched step, guided minus unconstrained (the mask fill is guided's alone).
             "extra_ms": {p: 1e3 * (self.guided_parts[p] - self.free_parts[p]) / n for p in PARTS},
             "valid": self.valid,
@@ -344,6 +269,12 @@ def measure_steps(free_engine, engines: dict, speeds: dict, work: Workload, batc
     for r in range(ns.rounds):
         for w in range(waves):
             wave = prompts[w * batch : (w + 1) * batch]
+            if batch == 1:
+                runs = palindrome(free_engine, engines, wave, free_params, guided_params, f"{r}-{w}")
+                for name in engines:
+                    for free, g in zip(runs["free"], runs[name]):
+                        acc[name].add(free, g, schema)
+                continue
             free, guided = lockstep(free_engine, engines, wave, free_params, guided_params, f"{r}-{w}")
             for name, g in guided.items():
                 acc[name].add(free, g, schema)
@@ -401,22 +332,27 @@ def available_backends() -> list[str]:
 def print_tables(report: dict) -> None:
     print(
         "\n| schema | batch | library | unconstrained ms/step | guided ms/step | engine A/A | ratio | goal |"
-        " step ratio p50 | steps | mask fill | staging | sampler | matcher advance | valid JSON | reply tokens |"
+        " step ratio p50 | host ratio | steps | mask fill | staging | sampler | matcher advance | valid JSON |"
+        " reply tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["steps"]:
         x = r["extra_ms"]
-        mark = "ok" if r["ratio"] <= r["goal"] else "over"
         t = r["reply_tokens"]
+
+        def mark(ratio: float, goal: float = r["goal"]) -> str:
+            return f"{ratio:.3f}x {'ok' if ratio <= goal else 'over'}"
+
         print(
             f"| {r['workload']} | {r['batch']} | {r['backend']} | {r['unconstrained_ms']:.2f} | {r['guided_ms']:.2f}"
-            f" | {r['engine_speed']:.3f} | {r['ratio']:.3f}x | {r['goal']:.2f}x {mark} | {r['ratio_p50']:.3f}x"
-            f" | {r['steps']} | {x['grammar_bitmask']:+.2f} | {x['prepare_inputs']:+.2f} | {x['sample']:+.2f}"
-            f" | {x['update_from_output']:+.2f}"
-            f" | {r['valid']}/{r['replies']} | {t['min']}-{t['max']} |"
+            f" | {r['engine_speed']:.3f} | {mark(r['ratio'])} | {r['goal']:.2f}x | {r['ratio_p50']:.3f}x"
+            f" | {mark(r['host_ratio'])} | {r['steps']} | {x['grammar_bitmask']:+.2f} | {x['prepare_inputs']:+.2f}"
+            f" | {x['sample']:+.2f} | {x['update_from_output']:+.2f} | {r['valid']}/{r['replies']}"
+            f" | {t['min']}-{t['max']} |"
         )
     print(
         "\n(ratio: guided over unconstrained, divided by the guided engine's own speed in the A/A run;"
+        " host ratio: the same with the unconstrained run's forward pass in both;"
         " mask fill ... matcher advance: ms per step, guided minus unconstrained)"
     )
     print(f"load average: {report['load_average_at_start']:.2f} at start, {report['load_average_at_end']:.2f} at end")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from shoal.benchmarks.structured import WORKLOADS, lockstep, record_schema, tool_call_schema, validate
+from shoal.benchmarks.structured import lockstep, palindrome, validate
+from shoal.benchmarks.structured_workloads import WORKLOADS, record_schema, tool_call_schema
 from shoal.cluster.cli import main
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
@@ -22,11 +23,16 @@ def test_bench_structured_quick_reports_every_row(tiny_model, tmp_path, capsys):
     keys = [(s["workload"], s["batch"], s["backend"]) for s in r["steps"]]
     assert keys == [(w.name, b, lib) for w in WORKLOADS for b in (4, 1) for lib in backends]
     for s in r["steps"]:
-        # max_tokens 24: at most 23 decode steps after the first token
-        assert 0 < s["steps"] <= 23 and s["replies"] == s["batch"]
+        # max_tokens 24: at most 23 decode steps after the first token, in each run (batch 1 runs twice, palindrome)
+        runs = 2 if s["batch"] == 1 else 1
+        assert 0 < s["steps"] <= 23 * runs and s["replies"] == s["batch"] * runs
         assert abs(s["raw_ratio"] - s["guided_ms"] / s["unconstrained_ms"]) < 1e-9
         assert abs(s["ratio"] - s["raw_ratio"] / s["engine_speed"]) < 1e-9
         assert s["engine_speed"] == r["engine_speeds"][str(s["batch"])][s["backend"]] > 0
+        assert s["batch"] > 1 or s["engine_speed"] == 1.0  # batch 1: one engine for all
+        # The host ratio swaps the guided forward for the unconstrained one: it differs by exactly that.
+        host_ms = s["guided_ms"] + s["forward_ms"]["unconstrained"] - s["forward_ms"]["guided"]
+        assert abs(s["host_ratio"] - host_ms / s["unconstrained_ms"]) < 1e-9
         assert s["goal"] == (1.05 if s["batch"] == 1 else 1.10)
         assert s["extra_ms"]["grammar_bitmask"] > 0  # the mask fill is the guided run's alone
         assert 0 <= s["valid"] <= s["replies"] and set(s["finish_reasons"]) <= {"stop", "length"}
@@ -68,6 +74,37 @@ def test_lockstep_runs_match_step_for_step(tiny_model):
         assert len(free.steps) < 39  # stopped before its max_tokens
     finally:
         for e in (free_engine, *engines.values()):
+            e.shutdown()
+
+
+def test_palindrome_runs_every_library_on_one_engine(tiny_model):
+    """Batch 1: each library, the unconstrained run twice, each library again
+    (reversed), all on one engine; an unconstrained run stops at the longest
+    guided run's last matched step; the engine keeps its own manager after."""
+    names = ["guidance"] + (["xgrammar"] if importlib.util.find_spec("xgrammar") else [])
+    engines = {
+        n: LLMEngine(model=tiny_model, num_threads=1, num_kv_blocks=64, structured_outputs_backend=n) for n in names
+    }
+    engine = LLMEngine(model=tiny_model, num_threads=1, num_kv_blocks=64)
+    own = engine.structured_output
+    try:
+        runs = palindrome(
+            engine,
+            engines,
+            ["Hello, world!"],
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(regex="[a-z]{12}")),
+            "p",
+        )
+        assert engine.structured_output is own and not engine.has_unfinished_requests()
+        assert set(runs) == {"free", *names} and all(len(w) == 2 for w in runs.values())
+        need = max(len(w.steps) for n in names for w in runs[n])
+        assert [len(w.steps) for w in runs["free"]] == [need, need] and need < 39
+        for n in names:
+            assert all(w.engine is engine and len(w.text[w.ids[0]]) == 12 for w in runs[n])
+            assert list(runs[n][0].text.values()) == list(runs[n][1].text.values())  # greedy: the same reply twice
+    finally:
+        for e in (engine, *engines.values()):
             e.shutdown()
 
 

@@ -107,7 +107,6 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         num_threads = num_threads or os.cpu_count() or 1
-
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
@@ -142,14 +141,12 @@ class XgrammarBackend:
         return XgrammarGrammar(self._xgr.GrammarMatcher(compiled), self.stop_words)
 
     def fill_bitmasks(self, grammars: list[tuple[XgrammarGrammar, int]], bitmask: np.ndarray) -> None:
-        fresh = []
+        fresh = [(g, row) for g, row in grammars if g._row is None]
+        if len(fresh) < BATCH_FILL_MIN_ROWS:
+            for g, row in grammars:
+                g.fill_bitmask(bitmask, row)
+            return
         for g, row in grammars:
             if g._row is not None:
                 bitmask[row] = g._row
-            else:
-                fresh.append((g, row))
-        if len(fresh) < BATCH_FILL_MIN_ROWS:
-            for g, row in fresh:
-                g.matcher.fill_next_token_bitmask(bitmask, row)
-        elif fresh:
-            self.batch.batch_fill_next_token_bitmask([g.matcher for g, _ in fresh], bitmask, [row for _, row in fresh])
+        self.batch.batch_fill_next_token_bitmask([g.matcher for g, _ in fresh], bitmask, [row for _, row in fresh])

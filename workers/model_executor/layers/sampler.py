@@ -106,11 +106,16 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     masked fill over those rows; the other rows are untouched. The int32
     words are read as little-endian bytes (CPU and CUDA both), so bit k of
     byte b in word i is token 32i + 8b + k."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1
-    banned = bits.view(bitmask.shape[0], -1)[:, :vocab] == 0
-    logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+    vocab, k = logits.shape[-1], bitmask.shape[0]
+    bits = torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=bitmask.device)
+    banned = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).view(k, -1)[:, :vocab] == 0
+    if k == logits.shape[0]:  # every row constrained (rows ascend): in place, no gather and scatter
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+
+
+_BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

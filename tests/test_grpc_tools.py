@@ -164,7 +164,7 @@ def test_named_and_required_tool_choices_reply_with_valid_calls(tool_model):
     # The gRPC front renders the same prompt (tools and the calls in the history) and asks the same grammar.
     text, calls, fin = _calls(named)
     assert [t for m in named for t in m.token_ids] == named_ref.token_ids and fin.usage.prompt_tokens == len(ids)
-    assert fin.finish_reason == "stop" and len(calls) == 1  # a named call keeps "stop", as vLLM's
+    assert fin.finish_reason == "tool_calls" and len(calls) == 1
     (call,) = calls
     assert (
         call.type == "function"

@@ -111,7 +111,7 @@ def test_required_and_named_tool_calls_whole_and_streamed(client, model, choice)
     if choice == "required":
         assert w.finish_reason == "tool_calls"
     else:
-        assert w.finish_reason == "stop" and [n for n, _ in _calls(w.message)] == ["get_weather"]
+        assert w.finish_reason == "tool_calls" and [n for n, _ in _calls(w.message)] == ["get_weather"]
     assert _calls(final.choices[0].message) == _calls(w.message)
     assert final.choices[0].finish_reason == w.finish_reason
 

@@ -94,10 +94,10 @@ class ToolReply:
         }
 
     def finish_reason(self, engine_reason: str, called: bool) -> str:
-        """The reply's finish: tool_calls once auto or required calls ended it;
-        a named call keeps "stop" (OpenAI's and vLLM's), and a reply cut short
-        keeps "length" (vLLM would say tool_calls for a call the limit broke)."""
-        if called and engine_reason == "stop" and self.choice.mode != "named":
+        """The reply's finish: tool_calls once its calls ended it (auto, required
+        or named: a client checks for calls by it), and a reply cut short keeps
+        "length" (vLLM would say tool_calls for a call the limit broke)."""
+        if called and engine_reason == "stop":
             return "tool_calls"
         return engine_reason
 

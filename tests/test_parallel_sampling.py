@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import http_client, make_frontend
@@ -20,6 +21,7 @@ from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
 from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateRequest
 
 PROMPT_IDS = [(7 * i + 3) % 500 for i in range(40)]  # two full 16-token blocks and 8 tokens more
@@ -297,3 +299,15 @@ def test_bad_n_and_best_of_get_400_naming_the_field(tiny_model):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert param in r.json()["error"]["message"]
     assert good.status_code == 200 and len(good.json()["choices"]) == 16 and fe.num_in_flight == 0
+
+
+def test_the_engine_refuses_a_group_larger_than_max_n(tiny_model):
+    """The router bounds n by --max-n; the engine bounds a group by it too, whoever sends it."""
+    engine = _engine(tiny_model, max_n=3)
+    for k in range(3):
+        engine.add_request(f"r-{k}", PROMPT_IDS, SAMPLED, parent_request_id="g")
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("r-3", PROMPT_IDS, SAMPLED, parent_request_id="g")
+    assert e.value.field == "n" and "r-3" not in engine.requests
+    engine.add_request("other", PROMPT_IDS, SAMPLED, parent_request_id="h")  # another group is its own
+    assert set(_drain(engine)) == {"r-0", "r-1", "r-2", "other"}

@@ -251,3 +251,24 @@ def test_stop_strings_and_seeds_work_on_guided_replies(llm):
     assert any(len(o.text) < 8 for o in outs)  # cut by the stop string: the grammar alone needs 8
     again = llm.generate([SHORT_PROMPTS[1]] * 6, params)
     assert [o.text for o in again] == [o.text for o in outs]
+
+
+def test_the_engine_bounds_and_checks_a_spec_however_it_was_built(llm):
+    """Size, count and shape are checked in the engine too: a spec built past
+    its constructor (a pickle, a front with a bug) is refused, the field named."""
+    from shoal.workers.core.structured_outputs import MAX_CHOICES, MAX_SPEC_CHARS
+
+    with pytest.raises(InvalidRequestError, match="at most"):
+        SO(regex="a" * (MAX_SPEC_CHARS + 1))
+    with pytest.raises(InvalidRequestError, match="at most"):
+        SO(choice=tuple(f"c{i}" for i in range(MAX_CHOICES + 1)))
+    eng = llm.engine
+    for bad in (("choice", (1, 2)), ("regex", "a" * (MAX_SPEC_CHARS + 1)), ("json", "{not json")):
+        so = SO(regex="ok", field="response_format")
+        object.__setattr__(so, "regex", None)
+        object.__setattr__(so, bad[0], bad[1])
+        params = SamplingParams(max_tokens=4)
+        params.structured_outputs = so  # past SamplingParams' own check, as an unpickled one would be
+        with pytest.raises(InvalidRequestError) as e:
+            eng.add_request(f"tampered-{bad[0]}", eng.tokenize(SHORT_PROMPTS[0]), params)
+        assert e.value.field == "response_format" and f"tampered-{bad[0]}" not in eng.requests

@@ -211,6 +211,12 @@ class LLMEngine:
         if parent_request_id is not None:
             if not isinstance(parent_request_id, str):
                 raise InvalidRequestError("parent_request_id must be a string", field="parent_request_id")
+            if len(self.scheduler.groups.get(parent_request_id, ())) >= self.limits.max_n:
+                raise InvalidRequestError(
+                    f"parallel-sampling group {parent_request_id[:64]!r} already has {self.limits.max_n} samples "
+                    "in flight (--max-n)",
+                    field="n",
+                )
             seq.parent_request_id = parent_request_id
         if block_hashes:
             seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)

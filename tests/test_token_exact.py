@@ -3,37 +3,12 @@ token, on tiny random models, under the four scheduler regimes."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from reference import check_setting, check_tokens, hf_greedy
+from regimes import MAX_NEW, SETTINGS, prompts_for, record_prefill_chunks
 
 from shoal.workers import LLM, SamplingParams
-
-MAX_NEW = 16
-SETTINGS = {
-    "plain": dict(num_kv_blocks=1024),
-    # 30 blocks of 16 for 16 prompts up to 600 tokens: sequences get preempted.
-    "preempt": dict(num_kv_blocks=40),
-    # a 48-token budget splits every long prompt into chunks
-    "chunked": dict(num_kv_blocks=1024, max_num_batched_tokens=48),
-    "prefix": dict(num_kv_blocks=1024),
-}
-
-
-def prompts_for(setting: str, vocab: int) -> list[list[int]]:
-    rng = random.Random(1)
-    if setting == "prefix":
-        shared = [rng.randrange(vocab) for _ in range(200)]
-        return [
-            shared[: rng.randrange(100, 201)] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-            for _ in range(16)
-        ]
-    lengths = [1, 2, 5, 17, 31, 64, 100, 150, 200, 256, 300, 350, 420, 480, 550, 600]
-    if setting == "preempt":
-        rng.shuffle(lengths)  # long and short interleaved: running sequences outgrow the cache
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +37,3 @@ def test_greedy_matches_transformers(tiny_models, hf_models, variant, setting):
         assert any(0 < start < prompt_len for start, _, prompt_len in chunks)
         assert all(end - start <= budget for start, end, _ in chunks)
     check_setting(llm.engine.stats(), setting, notes)
-
-
-def record_prefill_chunks(scheduler) -> list[tuple[int, int, int]]:
-    """(first, end, prompt length) of every prompt piece each step schedules."""
-    chunks, schedule = [], scheduler.schedule
-
-    def recording():
-        out = schedule()
-        for seq, n in out.scheduled:
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                chunks.append((seq.num_computed_tokens, seq.num_computed_tokens + n, seq.num_prompt_tokens))
-        return out
-
-    scheduler.schedule = recording
-    return chunks

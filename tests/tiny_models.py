@@ -47,22 +47,23 @@ def _train_tokenizer(path: str) -> None:
         )
 
 
-def make_tiny_model(path: str, kind: str = "llama", **overrides) -> str:
-    """Save a tiny random model of `kind` (llama, qwen2, mistral) to path."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+# kind -> (transformers config class, model class, what the kind changes from
+# the shared tiny shape below). An architecture's tests add its kind here.
+KINDS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    # head_dim 16 (Qwen3's default is 128); q/k norms with random weights, so they matter
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
 
-    cls_cfg, cls_model = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }[kind]
+
+def make_tiny_model(path: str, kind: str = "llama", **overrides) -> str:
+    """Save a tiny random model of `kind` (a key of KINDS) to path."""
+    import transformers
+
+    cfg_name, model_name, kind_args = KINDS[kind]
+    cls_cfg, cls_model = getattr(transformers, cfg_name), getattr(transformers, model_name)
     args = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -77,10 +78,23 @@ def make_tiny_model(path: str, kind: str = "llama", **overrides) -> str:
         # wider than the default 0.02, so logits are spread and ties rare
         initializer_range=0.3,
     )
+    args.update(kind_args)
     args.update(overrides)
     torch.manual_seed(0)
     model = cls_model(cls_cfg(**args)).to(torch.float32).eval()
+    if kind not in ("llama", "qwen2", "mistral"):  # their tests predate this and keep their models
+        _randomize_norms(model)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     _train_tokenizer(path)
     return path
+
+
+def _randomize_norms(model) -> None:
+    """Norm weights start as ones (or zeros in Gemma's 1 + w form), which
+    would hide a norm loaded into the wrong place: draw them near their start."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.add_(torch.empty(p.shape).uniform_(-0.5, 0.5, generator=gen))

@@ -31,8 +31,11 @@ class CPUDecodeStep:
     def create(cls, model: torch.nn.Module, kernels) -> CPUDecodeStep | None:
         """One for `model` where the C++ layers can run it; kernels: what
         layers/cpu_kernels.bind returned (None without AVX2)."""
-        if kernels is None or not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32:
+        # The C++ layers are the Llama family's own (a subclass changes the layers).
+        if kernels is None or type(model) is not LlamaForCausalLM or model.dtype != torch.float32:
             return None
+        if any(model.config.layer_sliding_windows):
+            return None  # its paged attention reads whole contexts
         if model.layers[0].mlp.down_proj.tp.size != 1:
             return None
         a, m = model.layers[0].self_attn, model.layers[0].mlp

@@ -21,7 +21,16 @@ LOW, HIGH = -1e-3, 1e-3  # vLLM's range: small enough that activations stay fini
 
 
 def dummy_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The Hugging Face checkpoint's tensor names and full shapes."""
+    """The Hugging Face checkpoint's tensor names and full shapes: the model
+    class's `checkpoint_shapes` where it has one, else the Llama family's."""
+    from shoal.workers.model_executor.models.registry import get_model_class
+
+    own = getattr(get_model_class(cfg.architecture), "checkpoint_shapes", None)
+    return own(cfg) if own is not None else llama_weight_shapes(cfg)
+
+
+def llama_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The Llama family's checkpoint: tensor names and full shapes."""
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     yield "model.embed_tokens.weight", (cfg.vocab_size, hidden)

@@ -106,7 +106,12 @@ def _load_hf_folder(path: str) -> LoadedModel:
     def weights():
         from safetensors import safe_open
 
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):  # sharded: the files the index names (a folder may hold others)
+            with open(index) as f:
+                files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+        else:
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"{path} holds no .safetensors weights")
         for file in files:
@@ -116,27 +121,6 @@ def _load_hf_folder(path: str) -> LoadedModel:
 
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(name, cfg, Tokenizer.from_hf_folder(path), weights())
-
-
-# llama.cpp tensor names -> Hugging Face names
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order (its rotary pairs adjacent dims; the
-    Hugging Face layout pairs dim i with i + head_dim/2)."""
-    shape = w.shape
-    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
 def _load_gguf(path: str) -> LoadedModel:
@@ -151,22 +135,9 @@ def _load_gguf(path: str) -> LoadedModel:
     def weights():
         import torch
 
-        for gname in g.tensors:
-            parts = gname.split(".")
-            if parts[0] == "blk":
-                hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            else:
-                hf = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}.get(
-                    parts[0]
-                )
-                if hf is None:
-                    continue  # e.g. rope_freqs, recomputed from the config
-                hf = f"{hf}.{parts[-1]}"
-            w = g.load(gname)
-            if gname.endswith(("attn_q.weight", "attn_q.bias")) and cfg.model_type == "llama":
-                w = _unpermute(w, cfg.num_attention_heads)
-            elif gname.endswith(("attn_k.weight", "attn_k.bias")) and cfg.model_type == "llama":
-                w = _unpermute(w, cfg.num_key_value_heads)
+        from shoal.workers.model_executor.gguf_weights import gguf_weights
+
+        for hf, w in gguf_weights(g, cfg):
             w = np.asarray(w, dtype=np.float32)
             if not (w.flags.writeable and w.flags.c_contiguous):
                 w = w.copy()  # float32 tensors are read-only views of the file
@@ -193,10 +164,11 @@ def build_model(
     method (None: unquantized)."""
     import torch
 
-    from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+    from shoal.workers.model_executor.models.registry import get_model_class
 
+    model_cls = get_model_class(cfg.architecture)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions, fused_ops, quant_config)
+        model = model_cls(cfg, max_positions, fused_ops, quant_config)
     model.to(dtype)
     model.load_weights(weights)
     for module in model.modules():  # once the checkpoint is in: a method may repack what it loaded

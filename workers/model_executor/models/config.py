@@ -1,11 +1,21 @@
 """The architecture facts the engine needs, read from a Hugging Face
-config.json or from GGUF metadata."""
+config.json (a GGUF file's metadata is first translated to one, see
+gguf_config.py). What only one architecture reads (Gemma 3's local rope
+base, Qwen3-MoE's dense layers) its model file takes from `hf_config`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from shoal.workers.model_executor.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
+
+# transformers' names for the MLP activations the layers implement
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Families whose `sliding_window` applies to every layer unless use_sliding_window says no
+# (configs that list `layer_types` say per layer instead).
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 
 
 @dataclass(slots=True)
@@ -28,9 +38,25 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the layers that have one
+    architecture: str = "LlamaForCausalLM"  # the registry's key (models/registry.py)
+    hidden_act: str = "silu"
+    # Per layer: the number of most recent positions (itself included) a
+    # query attends to, or None for full attention.
+    layer_sliding_windows: list[int | None] = field(default_factory=list)
+    partial_rotary_factor: float = 1.0
+    # Mixture of experts (0 experts: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    hf_config: dict = field(default_factory=dict)  # config.json as read, for architecture-only facts
 
-    def check_tp_size(self, tp_size: int) -> None:
+    def __post_init__(self):
+        if not self.layer_sliding_windows:
+            self.layer_sliding_windows = [self.sliding_window] * self.num_hidden_layers
+
+    def check_tp_size(self, tp_size: int, expert_parallel: bool = False) -> None:
         """Refuse, with the reason, a tensor-parallel size that cannot split this model."""
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
@@ -45,29 +71,52 @@ class ModelConfig:
             )
         if self.intermediate_size % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the MLP width {self.intermediate_size}")
+        if self.num_experts and expert_parallel and self.num_experts % tp_size:
+            raise ValueError(f"expert-parallel size {tp_size} does not divide the model's {self.num_experts} experts")
+        if self.num_experts and not expert_parallel and self.moe_intermediate_size % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} does not divide the expert MLP width {self.moe_intermediate_size}"
+            )
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
+        architecture = resolve_architecture(d)
         model_type = d.get("model_type", "llama")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model_type {model_type!r} is not supported; shoal runs {SUPPORTED_ARCHITECTURES}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (silu only)")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported ({', '.join(SUPPORTED_ACTIVATIONS)})")
         heads = d["num_attention_heads"]
-        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters;
+        # a hybrid model keeps one per layer type, the global layers' here.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        if isinstance(rope.get("full_attention"), dict):
+            rope = dict(rope["full_attention"])
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = None
         eos = d.get("eos_token_id")
         attention_bias = bool(d.get("attention_bias", False))
-        window = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+        n_layers = d["num_hidden_layers"]
+        window = d.get("sliding_window")
+        layer_types = d.get("layer_types")
+        if window and layer_types:
+            windows = [window if t == "sliding_attention" else None for t in layer_types]
+        elif window and d.get("use_sliding_window", model_type in _WINDOW_ON_EVERY_LAYER):
+            windows = [window] * n_layers
+        else:
+            window, windows = None, [None] * n_layers
+        if len(windows) != n_layers:
+            raise ValueError(f"layer_types lists {len(windows)} layers for a model of {n_layers}")
+        if not any(windows):
+            window = None
+        experts = d.get("num_experts") or d.get("num_local_experts") or 0
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            intermediate_size=d.get("intermediate_size") or d.get("moe_intermediate_size") or 0,
+            num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
@@ -84,39 +133,20 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,
+            architecture=architecture,
+            hidden_act=act,
+            layer_sliding_windows=windows,
+            partial_rotary_factor=float(partial),
+            num_experts=experts,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=(d.get("moe_intermediate_size") or d.get("intermediate_size", 0)) if experts else 0,
+            # Mixtral always renormalises its top-k weights; Qwen3-MoE says.
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            hf_config=dict(d),
         )
 
     @classmethod
     def from_gguf_metadata(cls, md: dict, tensor_names: set[str]) -> ModelConfig:
-        arch = md["general.architecture"]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported; shoal runs {SUPPORTED_ARCHITECTURES}")
-        p = arch + "."
-        heads = md[p + "attention.head_count"]
-        hidden = md[p + "embedding_length"]
-        scaling = None
-        if md.get(p + "rope.scaling.type") in ("linear", "yarn"):
-            scaling = {"rope_type": md[p + "rope.scaling.type"], "factor": md[p + "rope.scaling.factor"]}
-            if p + "rope.scaling.original_context_length" in md:
-                scaling["original_max_position_embeddings"] = md[p + "rope.scaling.original_context_length"]
-        vocab = md.get(p + "vocab_size") or len(md["tokenizer.ggml.tokens"])
-        eos = md.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            model_type=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=md[p + "feed_forward_length"],
-            num_hidden_layers=md[p + "block_count"],
-            num_attention_heads=heads,
-            num_key_value_heads=md.get(p + "attention.head_count_kv", heads),
-            head_dim=md.get(p + "attention.key_length", hidden // heads),
-            rms_norm_eps=md[p + "attention.layer_norm_rms_epsilon"],
-            rope_theta=float(md.get(p + "rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=md.get(p + "context_length", 2048),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias="blk.0.attn_q.bias" in tensor_names,
-            o_bias="blk.0.attn_output.bias" in tensor_names,
-            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [eos],
-        )
+        from shoal.workers.model_executor.models.gguf_config import hf_config_from_gguf
+
+        return cls.from_hf_dict(hf_config_from_gguf(md, tensor_names))

@@ -33,6 +33,7 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        layer_idx: int = 0,
     ):
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -52,7 +53,8 @@ class LlamaAttention(nn.Module):
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, quant_config, f"{prefix}.o_proj"
         )
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        window = cfg.layer_sliding_windows[layer_idx]
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -91,9 +93,10 @@ class LlamaDecoderLayer(nn.Module):
         fused_ops: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        layer_idx: int = 0,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, quant_config, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, rotary, quant_config, f"{prefix}.self_attn", layer_idx)
         self.mlp = LlamaMLP(cfg, fused_ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
@@ -125,6 +128,8 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer  # a family that changes only its layers (Qwen3) swaps this
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -139,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, fused_ops)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, "model.embed_tokens")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, fused_ops, quant_config, f"model.layers.{i}")
+            self.decoder_layer_cls(cfg, rotary, fused_ops, quant_config, f"model.layers.{i}", i)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)

@@ -25,10 +25,21 @@ class PagedAttention(nn.Module):
     """The cache of one layer is [num_blocks, block_size, num_kv_heads, head_dim];
     viewed flat, slot s is block s // block_size, offset s % block_size."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ):
+        """scale: of q.k (head_dim ** -0.5 unless the model says otherwise);
+        sliding_window: a query attends to this many most recent positions,
+        itself included (None: all of them)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.impl: AttentionImpl = TorchSDPAImpl()  # the reference, until the model runner binds its backend's

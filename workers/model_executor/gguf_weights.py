@@ -1,0 +1,71 @@
+"""A GGUF file's tensors under the Hugging Face names the models load
+(llama.cpp renames them and reorders some; this undoes it). An architecture
+whose tensors differ adds its names to `ARCH_NAMES` and, where llama.cpp
+changed the values too, a function to `ARCH_TRANSFORMS`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from shoal.workers.model_executor.models.config import ModelConfig
+
+# llama.cpp's per-block tensor names -> Hugging Face names
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# general.architecture -> block names that differ from BLOCK_NAMES
+ARCH_NAMES: dict[str, dict[str, str]] = {}
+# general.architecture -> f(hf_name, array, cfg) -> [(hf_name, array)], for
+# tensors llama.cpp changed (split, stacked or shifted) beyond renaming
+ARCH_TRANSFORMS: dict[str, Callable[[str, np.ndarray, ModelConfig], list[tuple[str, np.ndarray]]]] = {}
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (its rotary pairs adjacent dims; the
+    Hugging Face layout pairs dim i with i + head_dim/2)."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for tensors the model
+    recomputes (rope_freqs) or has no use for."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        names = ARCH_NAMES.get(arch, {})
+        piece = names.get(parts[2]) or BLOCK_NAMES.get(parts[2])
+        if piece is None:
+            raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
+        return f"model.layers.{parts[1]}.{piece}.{parts[-1]}"
+    top = TOP_NAMES.get(parts[0])
+    return None if top is None else f"{top}.{parts[-1]}"
+
+
+def gguf_weights(g, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of GGUFFile `g` as (Hugging Face name, float array)."""
+    arch = g.metadata["general.architecture"]
+    transform = ARCH_TRANSFORMS.get(arch)
+    for gname in g.tensors:
+        name = hf_name(gname, arch)
+        if name is None:
+            continue
+        w = g.load(gname)
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, cfg.num_attention_heads)
+        elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, cfg.num_key_value_heads)
+        pairs = transform(name, w, cfg) if transform is not None else [(name, w)]
+        yield from pairs

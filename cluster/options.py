@@ -216,7 +216,7 @@ class ServeOptions:
         cannot split or the cluster cannot place (Serve would wait forever)."""
         from shoal.workers.model_executor.model_loader import load_model_files
 
-        load_model_files(self.engine.model).config.check_tp_size(self.tp_size)
+        load_model_files(self.engine.model).config.check_tp_size(self.tp_size, self.engine.enable_expert_parallel)
         import ray
 
         # Under the Helm chart GPU pods join as the Ray autoscaler or KubeRay brings them: not countable yet.

@@ -20,6 +20,45 @@ from shoal.workers import LLM, SamplingParams
 FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("qwen3", {}),
     "qwen3-tied-mha": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "gemma3": ("gemma3", {}),
+    # Gemma 3 4B+'s linear rope scaling on the global layers, and final logit softcapping. (Tied
+    # embeddings, as the real ones, make a random tiny model repeat its last token: the 270M GGUF's test ties.)
+    "gemma3-linear-rope-softcap": (
+        "gemma3",
+        {
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            },
+        },
+    ),
+    "qwen3_moe": ("qwen3_moe", {}),
+    # a dense MLP on layer 0 (mlp_only_layers), MoE on 1 and 2, top-k weights not renormalised
+    "qwen3_moe-dense-first-unnormed": (
+        "qwen3_moe",
+        {"mlp_only_layers": [0], "norm_topk_prob": False, "num_hidden_layers": 3},
+    ),
+    "mixtral": ("mixtral", {}),
+    "phi3": ("phi3", {}),
+    # Phi-4-mini's 3/4 rotary with LongRoPE: every sequence here is within the original context, so both
+    # transformers and shoal (max_model_len 1024 <= original) use the short factors; the long ones and the
+    # engine-wide choice are tested in test_rotary_scaling.py.
+    "phi3-longrope": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 1024,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "factor": 16.0,
+                "short_factor": [1.0, 1.2, 1.7, 2.5, 4.0, 6.0],
+                "long_factor": [1.5, 2.5, 4.0, 8.0, 16.0, 32.0],
+            },
+        },
+    ),
+    # Phi-3-mini-4k's window on every layer (2047 there), shorter than most prompts here
+    "phi3-sliding": ("phi3", {"sliding_window": 50}),
 }
 # Small caches and token budgets: chunked prefills, decodes, prefix hits and preemptions in one run.
 TP_ENGINE = dict(num_kv_blocks=24, block_size=8, max_num_batched_tokens=48, max_num_seqs=6)

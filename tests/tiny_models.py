@@ -55,6 +55,43 @@ KINDS: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     # head_dim 16 (Qwen3's default is 128); q/k norms with random weights, so they matter
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    # fused q/k/v and gate/up; half of each 16-dim head rotated; Phi3Config's pad id 32000 is outside the vocab
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "pad_token_id": None}),
+    # 8 experts of width 32, top 2, renormalised (Qwen3-30B-A3B's norm_topk_prob; transformers' default is off)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
+    # intermediate_size is Mixtral's expert width
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+    ),
+    # local layers (window 24, so long prompts drop tokens) around a global one, each with its
+    # own rotary base; q.k scaled by a query_pre_attn_scalar unlike head_dim
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+        },
+    ),
 }
 
 

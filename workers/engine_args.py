@@ -56,7 +56,9 @@ def dataclass_from_cli_args(cls: type, ns: argparse.Namespace, **given: Any) -> 
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str | None = cli_field(None, "HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    model: str | None = cli_field(
+        None, "HF folder, .gguf file or packaged model name (gemma-3-270m; default: SmolLM2-135M-Instruct)"
+    )
     load_format: str = cli_field(
         "auto",
         "auto = the checkpoint's weights; dummy = random ones from the config alone "
@@ -129,6 +131,12 @@ class EngineArgs:
     )
     tensor_parallel_size: int = cli_field(
         1, "ranks (GPUs) one model is split across; ranks 1.. run as Ray actors", aliases=("-tp",)
+    )
+    enable_expert_parallel: bool = cli_field(
+        False,
+        "mixture-of-experts models: each of the --tensor-parallel-size ranks holds 1/K of the experts "
+        "whole, instead of 1/K of every expert's width; attention stays tensor-parallel (ignored, with "
+        "a log line, for dense models)",
     )
     # Per-request limits, enforced by the engine itself (the fronts import the same check).
     max_logprobs: int = cli_field(20, "most top logprobs one request may ask for per token")

@@ -65,16 +65,14 @@ class LLMEngine:
         loaded = load_model_files(args.model)  # config and tokenizer now; rank 0 reads the weights as it builds
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
-        max_len = args.max_model_len or cfg.max_position_embeddings
-        if cfg.sliding_window and max_len > cfg.sliding_window:
-            # Full attention equals sliding-window attention up to the window.
-            logger.warning("max_model_len capped at the sliding window (%d)", cfg.sliding_window)
-            max_len = cfg.sliding_window
+        max_len = args.max_model_len or cfg.max_position_embeddings  # every backend applies sliding windows
         self.max_model_len = max_len
         self.limits = RequestLimits(cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings, args.max_n)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.args = args
-        cfg.check_tp_size(args.tensor_parallel_size)  # before any actor starts
+        cfg.check_tp_size(args.tensor_parallel_size, args.enable_expert_parallel)  # before any actor starts
+        if args.enable_expert_parallel and not cfg.num_experts:
+            logger.info("enable_expert_parallel ignored: %s has no experts (plain tensor parallelism)", self.model_name)
         # Every rank's device up and model loaded (a constructor that fails stops what it started).
         self.model_executor: Executor = get_executor_class(args)(args, loaded, max_len)
         try:

@@ -34,8 +34,6 @@ class CPUDecodeStep:
         # The C++ layers are the Llama family's own (a subclass changes the layers).
         if kernels is None or type(model) is not LlamaForCausalLM or model.dtype != torch.float32:
             return None
-        if any(model.config.layer_sliding_windows):
-            return None  # its paged attention reads whole contexts
         if model.layers[0].mlp.down_proj.tp.size != 1:
             return None
         a, m = model.layers[0].self_attn, model.layers[0].mlp
@@ -99,6 +97,7 @@ class CPUDecodeStep:
                 a0.num_kv_heads,
                 model.config.rms_norm_eps,
                 a0.attn.scale,
+                [layer.self_attn.attn.sliding_window or 0 for layer in model.layers],  # 0: full attention
             )
             self._bound = (key, layers)
         return self._bound[1]

@@ -21,41 +21,11 @@ LOW, HIGH = -1e-3, 1e-3  # vLLM's range: small enough that activations stay fini
 
 
 def dummy_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The Hugging Face checkpoint's tensor names and full shapes: the model
-    class's `checkpoint_shapes` where it has one, else the Llama family's."""
+    """The Hugging Face checkpoint's tensor names and full shapes, as the
+    model class lists them (`checkpoint_shapes`)."""
     from shoal.workers.model_executor.models.registry import get_model_class
 
-    own = getattr(get_model_class(cfg.architecture), "checkpoint_shapes", None)
-    return own(cfg) if own is not None else llama_weight_shapes(cfg)
-
-
-def llama_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The Llama family's checkpoint: tensor names and full shapes."""
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    yield "model.embed_tokens.weight", (cfg.vocab_size, hidden)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (hidden,)
-        yield p + "post_attention_layernorm.weight", (hidden,)
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            yield f"{p}self_attn.{name}.weight", (rows, hidden)
-            if cfg.qkv_bias:
-                yield f"{p}self_attn.{name}.bias", (rows,)
-        yield p + "self_attn.o_proj.weight", (hidden, q)
-        if cfg.o_bias:
-            yield p + "self_attn.o_proj.bias", (hidden,)
-        for name, shape in (
-            ("gate_proj", (inter, hidden)),
-            ("up_proj", (inter, hidden)),
-            ("down_proj", (hidden, inter)),
-        ):
-            yield f"{p}mlp.{name}.weight", shape
-            if cfg.mlp_bias:
-                yield f"{p}mlp.{name}.bias", shape[:1]
-    yield "model.norm.weight", (hidden,)
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", (cfg.vocab_size, hidden)
+    return get_model_class(cfg.architecture).checkpoint_shapes(cfg)
 
 
 def dummy_weights(cfg: ModelConfig, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,12 +25,66 @@ BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    # Phi-3's LongRoPE factors (models/phi3.py takes them; other models skip rotary_emb tensors)
+    "rope_factors_long": "model.rotary_emb.long_factor",
+    "rope_factors_short": "model.rotary_emb.short_factor",
+}
 # general.architecture -> block names that differ from BLOCK_NAMES
 ARCH_NAMES: dict[str, dict[str, str]] = {}
 # general.architecture -> f(hf_name, array, cfg) -> [(hf_name, array)], for
 # tensors llama.cpp changed (split, stacked or shifted) beyond renaming
 ARCH_TRANSFORMS: dict[str, Callable[[str, np.ndarray, ModelConfig], list[tuple[str, np.ndarray]]]] = {}
+
+# Gemma 3: a norm after attention and one before and after the MLP; llama.cpp's
+# ffn_norm is the pre-MLP one. Its q/k are stored unpermuted (Gemma's rotary is
+# Hugging Face's), and its converter adds one to every (1 + w) norm weight.
+ARCH_NAMES["gemma3"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gemma_norms(name: str, w: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """Takes the one back off, in float32 as transformers' GGUF loader does."""
+    return [(name, w - np.float32(1) if name.endswith("norm.weight") else w)]
+
+
+ARCH_TRANSFORMS["gemma3"] = _gemma_norms
+
+# Mixture of experts: the router, and each projection of every expert stacked
+# in one [experts, rows, columns] tensor, split back into the per-expert
+# matrices a Hub checkpoint holds. llama.cpp writes Mixtral as "llama".
+ARCH_NAMES["qwen3moe"] = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+ARCH_NAMES["llama"] = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.w2",
+}
+
+
+def _split_experts(name: str, w: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    if ".experts." not in name or w.ndim != 3:
+        return [(name, w)]
+    return [(name.replace(".experts.", f".experts.{e}."), w[e]) for e in range(w.shape[0])]
+
+
+ARCH_TRANSFORMS["qwen3moe"] = _split_experts
+ARCH_TRANSFORMS["llama"] = _split_experts
+
+# Phi-3 keeps q/k/v and gate/up fused as its checkpoint does (rows gate then
+# up, llama.cpp's swiglu halves); some files hold q/k/v apart (BLOCK_NAMES).
+ARCH_NAMES["phi3"] = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -177,13 +177,18 @@ def check_weights_fit(weight_bytes: int, total_bytes: int, utilization: float) -
         )
 
 
-def estimate_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+def estimate_weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, tp_size: int = 1, expert_parallel: bool = False
+) -> int:
     """The bytes of the parameters one rank of a `tp_size` group holds, as
     models/llama.py lays them out: vocabulary rows ceil(vocab / tp) on every
     rank (the last rank's tail padded), q heads, MLP width and the o/down
     inputs split by tp, KV heads split or one replicated per rank, norms and
     the o/down biases whole on every rank. A tied LM head is the embedding.
-    Buffers (the rotary cos/sin tables) are not parameters and not counted."""
+    Buffers (the rotary cos/sin tables) are not parameters and not counted.
+    A mixture-of-experts layer holds its router whole and, instead of the
+    dense MLP, every expert at 1/tp of its width or, with expert_parallel,
+    1/tp of the experts whole (models/moe.py)."""
     c = config
     hidden, hd = c.hidden_size, c.head_dim
     rows = cdiv(c.vocab_size, tp_size) * (1 if c.tie_word_embeddings else 2)
@@ -191,14 +196,21 @@ def estimate_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int 
     kv = num_local_kv_heads(c.num_key_value_heads, tp_size) * hd
     inter = c.intermediate_size // tp_size
     o_in = c.num_attention_heads * hd // tp_size
-    layer = (
-        2 * hidden  # input and post-attention norms
-        + (q + 2 * kv) * (hidden + c.qkv_bias)
-        + hidden * o_in
-        + hidden * c.o_bias
-        + 2 * inter * (hidden + c.mlp_bias)  # gate and up
-        + hidden * inter
-        + hidden * c.mlp_bias  # down
-    )
-    params = rows * hidden + c.num_hidden_layers * layer + hidden  # + the final norm
+    attention = 2 * hidden + (q + 2 * kv) * (hidden + c.qkv_bias) + hidden * o_in + hidden * c.o_bias  # + 2 norms
+    if c.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        attention += 2 * hd  # the q and k norms, one head wide
+    dense_mlp = 2 * inter * (hidden + c.mlp_bias) + hidden * inter + hidden * c.mlp_bias  # gate and up, down
+    experts, width = c.num_experts, c.moe_intermediate_size
+    if expert_parallel:
+        experts //= tp_size
+    else:
+        width //= tp_size
+    moe_mlp = c.num_experts * hidden + experts * 3 * width * hidden  # router, each expert's gate, up and down
+    num_moe = 0
+    if c.num_experts:
+        from shoal.workers.model_executor.models.moe import is_moe_layer
+
+        num_moe = sum(is_moe_layer(c, i) for i in range(c.num_hidden_layers))
+    layers = c.num_hidden_layers * attention + (c.num_hidden_layers - num_moe) * dense_mlp + num_moe * moe_mlp
+    params = rows * hidden + layers + hidden  # + the final norm
     return params * torch.empty(0, dtype=dtype).element_size()

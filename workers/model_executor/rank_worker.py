@@ -81,7 +81,7 @@ class RankWorker:
         if self.size > 1:
             d = self.distributed
             store = d.store or dist.TCPStore(d.host, d.port, self.size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
-            init_tp_group(self.rank, self.size, store, d.backend)
+            init_tp_group(self.rank, self.size, store, d.backend, args.enable_expert_parallel)
             self.store = store  # the group talks through it while it lives
 
     def load_model(self, max_model_len: int, loaded: LoadedModel | None = None) -> None:
@@ -100,7 +100,7 @@ class RankWorker:
         if self.device.type == "cuda":
             # Refuse a model too big for the card before allocating any of it.
             check_weights_fit(
-                estimate_weight_bytes(cfg, self.dtype, self.size),
+                estimate_weight_bytes(cfg, self.dtype, self.size, args.enable_expert_parallel),
                 torch.cuda.mem_get_info(self.device)[1],
                 args.gpu_memory_utilization,
             )

@@ -8,6 +8,8 @@ import os
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from shoal.workers.model_executor.chat_templates import fallback_chat_template
+
 
 class Tokenizer:
     """A thin wrapper over a `tokenizers.Tokenizer` with the special tokens
@@ -102,22 +104,31 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, md: dict) -> Tokenizer:
-        """Byte-level BPE ('gpt2' in GGUF: SmolLM, Llama 3, Qwen2)."""
+        """Byte-level BPE ('gpt2' in GGUF: SmolLM, Llama 3, Qwen2) or SentencePiece
+        ('llama': Gemma 3; gguf_sentencepiece.py). A Gemma 3 file without a chat
+        template gets Gemma's (chat_templates/)."""
         kind = md.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
         tokens = md["tokenizer.ggml.tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
-        # Control (3) and user-defined (4) tokens are matched whole, never split.
-        types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        backend.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-        )
-        backend.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == 4])
+        if kind == "llama":
+            from shoal.workers.model_executor.gguf_sentencepiece import sentencepiece_backend
+
+            backend = sentencepiece_backend(md)
+        elif kind == "gpt2":
+            vocab = {t: i for i, t in enumerate(tokens)}
+            merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+            backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            backend.decoder = decoders.ByteLevel()
+            # Control (3) and user-defined (4) tokens are matched whole, never split.
+            types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+            backend.add_special_tokens(
+                [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+            )
+            backend.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == 4])
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' or SentencePiece 'llama')"
+            )
 
         def tok(key):
             i = md.get(key)
@@ -127,6 +138,7 @@ class Tokenizer:
             backend,
             bos_token=tok("tokenizer.ggml.bos_token_id"),
             eos_token=tok("tokenizer.ggml.eos_token_id"),
-            add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=md.get("tokenizer.chat_template"),
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+            add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            chat_template=md.get("tokenizer.chat_template") or fallback_chat_template(md["general.architecture"]),
         )

@@ -26,3 +26,16 @@ class SiluAndMul(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.split(x.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(CustomOp):
+    """x = [gate | up] along the last dim -> gelu_tanh(gate) * up (Gemma's
+    GeGLU, transformers' gelu_pytorch_tanh). No kernel of its own: torch's
+    everywhere."""
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

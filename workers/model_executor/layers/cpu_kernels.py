@@ -19,6 +19,7 @@ import time
 from torch import nn
 
 from shoal.workers.model_executor.layers.custom_op import CustomOp
+from shoal.workers.model_executor.layers.fused_moe.layer import FusedMoE
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 # The layers that run on the kernels: each reads its `cpu_kernels` when called
 # (None: the torch path). The linear layers and the LM head multiply through
 # csrc/cpu_gemm.cpp; the CustomOps (RMSNorm, SiLU-and-multiply, rotary) call
-# csrc/cpu_ops.cpp.
-KERNEL_USERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, CustomOp)
+# csrc/cpu_ops.cpp; FusedMoE multiplies each expert's rows through cpu_gemm.cpp.
+KERNEL_USERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, CustomOp, FusedMoE)
 _kernel = None
 _tried = False
 _SOURCES = ("bindings.cpp", "paged_decode_cpu.cpp", "cpu_gemm.cpp", "cpu_ops.cpp", "cpu_decode_layers.cpp")

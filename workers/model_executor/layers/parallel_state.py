@@ -24,6 +24,9 @@ class TPGroup:
     size: int = 1
     device_group: object = None  # tensors: NCCL on GPUs, gloo on CPU
     cpu_group: object = None  # pickled step inputs: always gloo
+    # Mixture-of-experts layers split whole experts across the group (EP)
+    # instead of every expert's width; attention is tensor-parallel either way.
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -52,15 +55,16 @@ def get_tp_group() -> TPGroup:
     return _group
 
 
-def init_tp_group(rank: int, size: int, store: dist.Store, backend: str) -> TPGroup:
-    """Join the group (blocks until every rank has joined)."""
+def init_tp_group(rank: int, size: int, store: dist.Store, backend: str, expert_parallel: bool = False) -> TPGroup:
+    """Join the group (blocks until every rank has joined); expert_parallel
+    as EngineArgs.enable_expert_parallel."""
     global _group
     if _group.size > 1:
         raise RuntimeError("this process already belongs to a tensor-parallel group; shut that engine down first")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    _group = TPGroup(rank, size, world, cpu)
+    _group = TPGroup(rank, size, world, cpu, expert_parallel)
     return _group
 
 

@@ -14,6 +14,12 @@ merges the segments. Which launch, and every grid size, follows from tensor
 shapes and max_query_len alone, never from tensor values, so a decode step
 can be captured in a CUDA graph.
 
+A sliding window W (a layer's; NO_WINDOW, beyond any context, for none)
+lets the query at position p see keys p - W < k <= p. A program starts its
+walk at the block of the first key its first query sees, so a decode reads
+about W keys however long its context; the split-KV launch cuts only those
+blocks into segments, and its merge reckons them the same way.
+
 Triton decides at decoration time whether a kernel is compiled or
 interpreted, so TRITON_INTERPRET=1 must be set before this module is first
 imported for it to run on CPU tensors.
@@ -43,11 +49,14 @@ NUM_SEGMENTS = 16
 # would only add the partials' traffic and a second launch. (vLLM cuts at 128
 # programs; neither number is tuned on this engine yet.)
 SPLIT_KV_MAX_PROGRAMS = 4 * 132
+# The window the kernels take for full attention: wider than any context,
+# and small enough that positions minus it stay within int32.
+NO_WINDOW = 1 << 30
 
 
-# block_tables' row stride changes with the step's longest context: left
-# unspecialized so it does not cost a recompile.
-@triton.jit(do_not_specialize=["stride_bt"])
+# block_tables' row stride changes with the step's longest context, and
+# the window with the layer: left unspecialized so neither costs a recompile.
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_attention_kernel(
     out_ptr,
     part_m_ptr,
@@ -60,6 +69,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -94,28 +104,31 @@ def _paged_attention_kernel(
     # nested jit function.
     if NUM_SEGMENTS == 1:
         q_tile = tl.program_id(2)
-        first_block = 0
     else:
-        # Split KV: the one query token sees all seq_len keys; this program
-        # takes the segment-th run of per_segment of their blocks.
+        # Split KV: the one query token sees the keys of blocks [window_block,
+        # num_blocks); this program takes the segment-th run of per_segment of them.
         q_tile = 0
         segment = tl.program_id(2)
         num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-        per_segment = (num_blocks + NUM_SEGMENTS - 1) // NUM_SEGMENTS  # as _merge_segments_kernel reckons it
-        first_block = segment * per_segment
-        if first_block >= num_blocks:  # a short sequence's trailing segments: the merge skips them
+        window_block = tl.maximum(seq_len - window, 0) // BLOCK_SIZE
+        # as _merge_segments_kernel reckons it
+        per_segment = (num_blocks - window_block + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        split_block = window_block + segment * per_segment
+        if split_block >= num_blocks:  # a short sequence's trailing segments: the merge skips them
             return
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:  # the grid is sized for the step's longest chunk
         return
-    cached = seq_len - q_len  # keys before this chunk, all visible to it
-    # Keys the tile's last token sees. Every row sees key 0, so no row's
-    # running max stays -inf after the first block; a split segment starts
-    # later, but its one query token sees every key the loop reaches.
+    cached = seq_len - q_len  # keys before this chunk
+    # Keys the tile's last token sees.
     num_keys = tl.minimum(seq_len, cached + (q_tile + 1) * BLOCK_Q)
     end_block = (num_keys + BLOCK_SIZE - 1) // BLOCK_SIZE
-    if NUM_SEGMENTS > 1:
+    if NUM_SEGMENTS == 1:
+        # From the block of the first key the tile's first token sees.
+        first_block = tl.maximum(cached + q_tile * BLOCK_Q - window + 1, 0) // BLOCK_SIZE
+    else:
+        first_block = split_block
         end_block = tl.minimum(first_block + per_segment, end_block)
 
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -128,8 +141,10 @@ def _paged_attention_kernel(
     q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
 
-    # Causal: the token at chunk position p sees keys [0, cached + p].
+    # Causal, windowed: the token at chunk position p sees keys
+    # [cached + p - window + 1, cached + p].
     visible = cached + q_pos + 1
+    lowest = visible - window
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_Q * GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
@@ -141,10 +156,15 @@ def _paged_attention_kernel(
         k_off = block * stride_kb + offsets[None, :] * stride_ks + kv_head * stride_kh + dims[:, None]
         k = tl.load(k_cache_ptr + k_off, mask=dim_ok[:, None] & key_ok[None, :], other=0.0).to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [rows, BLOCK_SIZE]
-        s = tl.where(key_pos[None, :] < visible[:, None], s, float("-inf"))
+        seen = (key_pos[None, :] < visible[:, None]) & (key_pos[None, :] >= lowest[:, None])
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # A row that has seen no key yet (a later token of a windowed tile,
+        # whose window starts past this block) keeps m = -inf: subtract 0
+        # there, so its p and alpha are 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         v_off = block * stride_vb + offsets[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
         v = tl.load(v_cache_ptr + v_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -163,7 +183,7 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _merge_segments_kernel(
     out_ptr,
     part_m_ptr,
@@ -171,6 +191,7 @@ def _merge_segments_kernel(
     part_acc_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    window,
     stride_ot,
     stride_oh,
     QUERIES_PER_KV: tl.constexpr,
@@ -191,8 +212,10 @@ def _merge_segments_kernel(
     token = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == token:  # no query token
         return
-    # A query token makes seq_len >= 1, so per_segment >= 1.
-    num_blocks = (tl.load(seq_lens_ptr + seq) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    # A query token makes seq_len >= 1, so per_segment >= 1. Under a window
+    # the segments cut only the blocks from the window's first.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE - tl.maximum(seq_len - window, 0) // BLOCK_SIZE
     per_segment = (num_blocks + NUM_SEGMENTS - 1) // NUM_SEGMENTS
     num_written = (num_blocks + per_segment - 1) // per_segment
     rows = tl.arange(0, GROUP_PAD)
@@ -254,14 +277,16 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     *,
+    sliding_window: int | None = None,
     split_kv: bool | None = None,
 ) -> torch.Tensor:
     """q [T, heads, dim]; caches [num_blocks, block_size, kv_heads, dim];
     sequence i owns queries query_start_loc[i]:query_start_loc[i + 1], the
     last of its seq_lens[i] positions. Returns [T, heads, dim].
 
-    split_kv forces the launch (True needs max_query_len == 1); None picks it
-    by use_split_kv."""
+    sliding_window: the query at position p sees only keys p - sliding_window
+    < k <= p (None or 0: every k <= p). split_kv forces the launch (True
+    needs max_query_len == 1); None picks it by use_split_kv."""
     _check_runs_on(q.device)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -282,6 +307,7 @@ def paged_attention(
     # bfloat16 exactly, so upcasting there changes only the speed.
     dot_dtype = tl.float32 if interpreted and q.dtype == torch.bfloat16 else _TL_DTYPES[q.dtype]
     out = torch.empty_like(q)
+    window = sliding_window or NO_WINDOW
     if split_kv:
         num_segments = NUM_SEGMENTS
         grid = (num_seqs, num_kv_heads, num_segments)
@@ -305,6 +331,7 @@ def paged_attention(
         seq_lens,
         query_start_loc,
         scale,
+        window,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -336,6 +363,7 @@ def paged_attention(
             part_acc,
             seq_lens,
             query_start_loc,
+            window,
             out.stride(0),
             out.stride(1),
             QUERIES_PER_KV=queries_per_kv,

@@ -100,6 +100,9 @@ class ModelConfig:
         n_layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
         layer_types = d.get("layer_types")
+        if layer_types is None and d.get("sliding_window_pattern"):  # older Gemma 3 configs: every Nth layer global
+            pattern = d["sliding_window_pattern"]
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
         if window and layer_types:
             windows = [window if t == "sliding_attention" else None for t in layer_types]
         elif window and d.get("use_sliding_window", model_type in _WINDOW_ON_EVERY_LAYER):

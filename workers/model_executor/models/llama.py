@@ -10,7 +10,7 @@ rank 0 only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -117,6 +117,35 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def llama_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The Llama family's checkpoint: tensor names and full shapes."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    yield "model.embed_tokens.weight", (cfg.vocab_size, hidden)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (hidden,)
+        yield p + "post_attention_layernorm.weight", (hidden,)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield f"{p}self_attn.{name}.weight", (rows, hidden)
+            if cfg.qkv_bias:
+                yield f"{p}self_attn.{name}.bias", (rows,)
+        yield p + "self_attn.o_proj.weight", (hidden, q)
+        if cfg.o_bias:
+            yield p + "self_attn.o_proj.bias", (hidden,)
+        for name, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
+            yield f"{p}mlp.{name}.weight", shape
+            if cfg.mlp_bias:
+                yield f"{p}mlp.{name}.bias", shape[:1]
+    yield "model.norm.weight", (hidden,)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", (cfg.vocab_size, hidden)
+
+
 # checkpoint name piece -> (fused parameter piece, index of the shard)
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -141,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         quant_config: each layer's weight method by checkpoint name (None: unquantized)."""
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, fused_ops)
+        rotary = self.make_rotary(cfg, max_positions, fused_ops)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, "model.embed_tokens")
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(cfg, rotary, fused_ops, quant_config, f"model.layers.{i}", i)
@@ -151,6 +180,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one parameter, listed once
+
+    @staticmethod
+    def checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """The checkpoint's tensor names and full shapes (for --load-format dummy)."""
+        return llama_weight_shapes(cfg)
+
+    def make_rotary(self, cfg: ModelConfig, max_positions: int, fused_ops: bool) -> RotaryEmbedding:
+        """The rotary embedding every layer shares (a family with its own scaling overrides this)."""
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, fused_ops)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from shoal.workers.model_executor.dummy_weights import llama_weight_shapes
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
@@ -18,6 +17,7 @@ from shoal.workers.model_executor.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    llama_weight_shapes,
 )
 
 

@@ -7,14 +7,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_avx2") = false;  // only the decode attention kernel has a portable path
 #endif
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU, float32)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("sliding_window") = 0);
   m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows of x; float32 or bfloat16 weights");
+  m.def("grouped_small_m_linear", &grouped_small_m_linear, "each expert's rows of x @ its w.T (a MoE layer's experts)");
   m.def("rms_norm", &rms_norm, "RMSNorm; with a residual, the add in place first (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (float32)");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k in place (float32)");
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
-                    torch::Tensor, int64_t, int64_t, double, double>())
+                    torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>>())
       .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)")
       .def_readwrite("timing", &DecodeLayers::timing, "time each op of a layer (see op_seconds)")
       .def("op_seconds", [](DecodeLayers& d) {

@@ -37,15 +37,18 @@ void share(int64_t n, int64_t align, int tid, int nt, int64_t& begin, int64_t& e
 
 DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torch::Tensor> k_caches_,
                            std::vector<torch::Tensor> v_caches_, torch::Tensor cos_, torch::Tensor sin_,
-                           int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_)
+                           int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
+                           std::vector<int64_t> windows_)
     : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
-      cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
+      windows(std::move(windows_)), cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
       scale(scale_) {
 #ifndef __AVX2__
   TORCH_CHECK(false, "DecodeLayers: built without AVX2");
 #endif
   TORCH_CHECK(!k_caches.empty() && weights.size() == k_caches.size() * kPerLayer &&
-                  v_caches.size() == k_caches.size(), "DecodeLayers: ", kPerLayer, " tensors per layer and one cache each");
+                  v_caches.size() == k_caches.size() && windows.size() == k_caches.size(),
+              "DecodeLayers: ", kPerLayer, " tensors per layer, one cache and one window each");
+  for (int64_t w : windows) TORCH_CHECK(w >= 0, "DecodeLayers: sliding windows >= 0 (0: none)");
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
     const bool matrix = i % kPerLayer == 1 || i % kPerLayer == 3 || i % kPerLayer == 6 || i % kPerLayer == 8;
@@ -104,7 +107,7 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps);
   PagedAttn pa{qkvp, qkv_size, ap, q_size, nullptr, nullptr, tables_t.data_ptr<int64_t>(), tables_t.size(1),
-               lens_t.data_ptr<int64_t>(), num_heads, num_kv_heads, D, bs, static_cast<float>(scale)};
+               lens_t.data_ptr<int64_t>(), num_heads, num_kv_heads, D, bs, static_cast<float>(scale), 0};
 
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -160,6 +163,7 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
       mark(2);
       pa.k_cache = kc;
       pa.v_cache = vc;
+      pa.window = windows[l];
       // Shared out by query head, not by KV head: at batch 1 SmolLM2's 3 KV
       // heads left one of 2 threads twice the other's work; a thread's run of
       // heads in one KV group still reads that group's keys and values once.

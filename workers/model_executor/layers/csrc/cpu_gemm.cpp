@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <vector>
 
 #include "avx2_math.h"
 
@@ -155,6 +156,53 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   else
     gemm(xs.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+#endif
+}
+
+// The experts of a MoE layer: rows [offsets[e], offsets[e + 1]) of x times
+// w[e]^T, for every expert at once. x: [P, K] float32, its rows sorted by
+// expert; w: [E, N, K] float32 or bfloat16, K a multiple of 16; offsets:
+// [E + 1] int64 -> [P, N] float32. One parallel loop over every (expert,
+// 64 weight rows) with rows, so the threads meet once, not once per expert.
+torch::Tensor grouped_small_m_linear(torch::Tensor x, torch::Tensor w, torch::Tensor offsets) {
+#ifndef __AVX2__
+  TORCH_CHECK(false, "grouped_small_m_linear: built without AVX2");
+#else
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "grouped_small_m_linear: x [P, K], w [E, N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "grouped_small_m_linear: float32 activations only");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
+              "grouped_small_m_linear: float32 or bfloat16 weights");
+  TORCH_CHECK(w.is_contiguous() && x.size(1) % 16 == 0, "grouped_small_m_linear: contiguous weights, K % 16 == 0");
+  TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.numel() == w.size(0) + 1 && offsets.is_contiguous() &&
+                  offsets.device().is_cpu(),
+              "grouped_small_m_linear: offsets [E + 1] int64 on the CPU");
+  const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == P, "grouped_small_m_linear: offsets run from 0 to x's rows");
+  const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  torch::Tensor xs = bf16 ? x.reshape({P, K / 16, 8, 2}).transpose(2, 3).contiguous() : x.contiguous();
+  auto y = torch::empty({P, N}, x.options());
+  constexpr int64_t kRows = 64;
+  const int64_t chunks = (N + kRows - 1) / kRows;
+  std::vector<int64_t> items;  // e * chunks + chunk, for the experts that have rows
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(off[e + 1] >= off[e], "grouped_small_m_linear: offsets must not decrease");
+    if (off[e + 1] > off[e])
+      for (int64_t c = 0; c < chunks; ++c) items.push_back(e * chunks + c);
+  }
+  const float* xp = xs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = items[i] / chunks, n0 = items[i] % chunks * kRows, n1 = std::min(N, n0 + kRows);
+      const int64_t m0 = off[e], M = off[e + 1] - m0;
+      if (bf16)
+        gemm_rows(xp + m0 * K, w.data_ptr<at::BFloat16>() + e * N * K, yp + m0 * N, M, N, K, n0, n1);
+      else
+        gemm_rows(xp + m0 * K, w.data_ptr<float>() + e * N * K, yp + m0 * N, M, N, K, n0, n1);
+    }
+  });
   return y;
 #endif
 }

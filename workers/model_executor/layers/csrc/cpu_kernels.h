@@ -6,8 +6,10 @@
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor grouped_small_m_linear(torch::Tensor x, torch::Tensor w, torch::Tensor offsets);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
@@ -42,6 +44,7 @@ struct PagedAttn {
   const int64_t* lens;
   int64_t H, KVH, D, bs;
   float scale;
+  int64_t window;  // > 0: a query sees only its last `window` positions (itself included); 0: all
 };
 // Query heads [g0, g1) of the job's group (all G of them: 0, H / KVH).
 void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std::vector<float>& acc, int64_t g0,
@@ -49,15 +52,17 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
 
 // Every decoder layer of a Llama-family model for a step of decodes
 // (cpu_decode_layers.cpp). Built once per model and KV cache: the 10
-// tensors of each layer (an absent bias is an empty tensor) and its caches.
+// tensors of each layer (an absent bias is an empty tensor), its caches and
+// its sliding window (0: none).
 struct DecodeLayers {
   DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-               int64_t num_kv_heads, double eps, double scale);
+               int64_t num_kv_heads, double eps, double scale, std::vector<int64_t> windows);
   std::vector<torch::Tensor> forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                      torch::Tensor block_tables, torch::Tensor context_lens);
 
   std::vector<torch::Tensor> weights, k_caches, v_caches;
+  std::vector<int64_t> windows;
   torch::Tensor cos, sin;
   int64_t num_heads, num_kv_heads;
   double eps, scale;

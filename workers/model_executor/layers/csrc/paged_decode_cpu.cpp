@@ -20,9 +20,15 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
   const int64_t D = a.D, bs = a.bs, KVH = a.KVH, G = a.H / a.KVH, tok_stride = KVH * D;
   const float sc = a.scale;
   const int64_t s = job / KVH, h = job % KVH, L = a.lens[s];
-  scores.resize(G * L);
+  // Keys [lo, L): the whole context, or under a sliding window its last
+  // `window` positions (the query's own included). Score t belongs to key lo + t.
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0, n = L - lo;
+  scores.resize(G * n);
   const float* qh = a.q + s * a.q_row + h * G * D;
-  const int64_t nblk = (L + bs - 1) / bs;
+  const int64_t b_lo = lo / bs, nblk = (L + bs - 1) / bs;
+  // Block b holds keys b * bs + [first(b), last(b)) of the range.
+  auto first = [&](int64_t b) { return std::max<int64_t>(0, lo - b * bs); };
+  auto last = [&](int64_t b) { return std::min(bs, L - b * bs); };
   // At batch 1 the cache comes from memory (a step's weight reads push it
   // out of L3) in rows of D floats strided KVH * D apart, which the
   // hardware prefetcher does not run ahead of (measured at a 150-token
@@ -37,16 +43,17 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
   auto block = [&](const float* cache, int64_t b) {  // this head's rows in block b of the sequence
     return cache + (a.tables[s * a.max_blocks + b] * bs * KVH + h) * D;
   };
-  for (int64_t i = 0; i < std::min(bs, L); ++i) fetch(block(a.k_cache, 0) + i * tok_stride);
-  for (int64_t b = 0; b < nblk; ++b) {
-    const float* blk = block(a.k_cache, b);
-    const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+  for (int64_t i = first(b_lo); i < last(b_lo); ++i) fetch(block(a.k_cache, b_lo) + i * tok_stride);
+  for (int64_t b = b_lo; b < nblk; ++b) {
+    const int64_t i0 = first(b), tn = last(b);
+    const float* blk = block(a.k_cache, b) + i0 * tok_stride;  // from the block's first key in range
+    const int64_t t0 = b * bs + i0 - lo, m = tn - i0;            // its scores are t0 .. t0 + m
     {
       const float* vblk = block(a.v_cache, b);
       const float* next = b + 1 < nblk ? block(a.k_cache, b + 1) : nullptr;
-      const int64_t next_n = b + 1 < nblk ? std::min(bs, L - t0 - bs) : 0;
-      for (int64_t i = 0; i < tn; ++i) {
-        fetch(vblk + i * tok_stride);
+      const int64_t next_n = b + 1 < nblk ? last(b + 1) : 0;
+      for (int64_t i = 0; i < std::max(tn, next_n); ++i) {
+        if (i >= i0 && i < tn) fetch(vblk + i * tok_stride);
         if (i < next_n) fetch(next + i * tok_stride);
       }
     }
@@ -54,9 +61,9 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
     if (D % 8 == 0) {
       for (int64_t g = g0; g < g1; ++g) {
         const float* qg = qh + g * D;
-        float* srow = scores.data() + g * L + t0;
+        float* srow = scores.data() + g * n + t0;
         int64_t i = 0;
-        for (; i + 4 <= tn; i += 4) {
+        for (; i + 4 <= m; i += 4) {
           const float* k0 = blk + i * tok_stride;
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t d = 0; d < D; d += 8) {
@@ -71,7 +78,7 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
           srow[i + 2] = hsum256(a2) * sc;
           srow[i + 3] = hsum256(a3) * sc;
         }
-        for (; i < tn; ++i) {
+        for (; i < m; ++i) {
           const float* key = blk + i * tok_stride;
           __m256 a0 = _mm256_setzero_ps();
           for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d), a0);
@@ -81,40 +88,40 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
       continue;  // the scalar loop below is for other head sizes / CPUs
     }
 #endif
-    for (int64_t i = 0; i < tn; ++i) {
+    for (int64_t i = 0; i < m; ++i) {
       const float* key = blk + i * tok_stride;
       for (int64_t g = g0; g < g1; ++g) {
         const float* qg = qh + g * D;
         float a = 0.f;
 #pragma omp simd reduction(+ : a)
         for (int64_t d = 0; d < D; ++d) a += qg[d] * key[d];
-        scores[g * L + t0 + i] = a * sc;
+        scores[g * n + t0 + i] = a * sc;
       }
     }
   }
   for (int64_t g = g0; g < g1; ++g) {
-    float* row = scores.data() + g * L;
+    float* row = scores.data() + g * n;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, row[t]);
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, row[t]);
     float sum = 0.f;
     int64_t t = 0;
 #ifdef __AVX2__
     __m256 vsum = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m);
-    for (; t + 8 <= L; t += 8) {
+    for (; t + 8 <= n; t += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), vm));
       _mm256_storeu_ps(row + t, e);
       vsum = _mm256_add_ps(vsum, e);
     }
     sum = hsum256(vsum);
 #endif
-    for (; t < L; ++t) {
+    for (; t < n; ++t) {
       row[t] = std::exp(row[t] - m);
       sum += row[t];
     }
     const float inv = 1.f / sum;
 #pragma omp simd
-    for (int64_t u = 0; u < L; ++u) row[u] *= inv;
+    for (int64_t u = 0; u < n; ++u) row[u] *= inv;
   }
 #ifdef __AVX2__
   if (D % 8 == 0) {
@@ -126,11 +133,11 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
         const int64_t nv = std::min<int64_t>(64, D - d0) / 8;
         __m256 o[8];
         for (int64_t j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nblk; ++b) {
-          const float* blk = block(a.v_cache, b) + d0;
-          const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
-          const float* prow = scores.data() + g * L + t0;
-          for (int64_t i = 0; i < tn; ++i) {
+        for (int64_t b = b_lo; b < nblk; ++b) {
+          const int64_t i0 = first(b), m = last(b) - i0;
+          const float* blk = block(a.v_cache, b) + i0 * tok_stride + d0;
+          const float* prow = scores.data() + g * n + b * bs + i0 - lo;
+          for (int64_t i = 0; i < m; ++i) {
             const __m256 p = _mm256_set1_ps(prow[i]);
             const float* val = blk + i * tok_stride;
             for (int64_t j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + 8 * j), o[j]);
@@ -143,13 +150,13 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
   }
 #endif
   acc.assign(G * D, 0.f);
-  for (int64_t b = 0; b < nblk; ++b) {
-    const float* blk = block(a.v_cache, b);
-    const int64_t t0 = b * bs, tn = std::min(bs, L - t0);
+  for (int64_t b = b_lo; b < nblk; ++b) {
+    const int64_t i0 = first(b), m = last(b) - i0;
+    const float* blk = block(a.v_cache, b) + i0 * tok_stride;
     for (int64_t g = g0; g < g1; ++g) {
       float* a = acc.data() + g * D;
-      const float* prow = scores.data() + g * L + t0;
-      for (int64_t i = 0; i < tn; ++i) {
+      const float* prow = scores.data() + g * n + b * bs + i0 - lo;
+      for (int64_t i = 0; i < m; ++i) {
         const float p = prow[i];
         const float* val = blk + i * tok_stride;
 #pragma omp simd
@@ -162,14 +169,17 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
 }
 
 // q: [n, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D];
-// block_tables: [n, max_blocks] int64; context_lens: [n] int64 -> [n, H, D]
+// block_tables: [n, max_blocks] int64; context_lens: [n] int64 -> [n, H, D].
+// sliding_window > 0: each query attends to its last sliding_window positions only.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous caches only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: int64 block tables and lengths");
+  TORCH_CHECK(sliding_window >= 0, "paged_decode_attention: sliding_window >= 0 (0: none)");
   q = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -177,11 +187,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const PagedAttn a{q.data_ptr<float>(), H * D, out.data_ptr<float>(), H * D, k_cache.data_ptr<float>(),
                     v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
-                    H, KVH, D, k_cache.size(1), static_cast<float>(scale)};
+                    H, KVH, D, k_cache.size(1), static_cast<float>(scale), sliding_window};
   // Waking the other threads costs tens of microseconds: a step whose keys
   // and values fit in L2 (one short sequence, say) runs on this thread.
   int64_t total_len = 0;
-  for (int64_t s = 0; s < n; ++s) total_len += a.lens[s];
+  for (int64_t s = 0; s < n; ++s) total_len += sliding_window ? std::min(a.lens[s], sliding_window) : a.lens[s];
   const int64_t grain = 2 * total_len * KVH * D * static_cast<int64_t>(sizeof(float)) < (256 << 10) ? n * KVH : 1;
   at::parallel_for(0, n * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;

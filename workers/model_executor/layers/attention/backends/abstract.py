@@ -45,6 +45,8 @@ class AttentionLayer(Protocol):
     k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, dim]
     v_cache: torch.Tensor
     scale: float
+    # A query at position p attends to keys p - sliding_window < k <= p (None: all k <= p).
+    sliding_window: int | None
 
 
 class AttentionMetadataBuilder(Protocol):

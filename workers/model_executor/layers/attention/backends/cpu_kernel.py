@@ -1,8 +1,9 @@
 """The compiled CPU backend (layers/csrc/paged_decode_cpu.cpp), for float32
 engines on the CPU: decodes read the paged cache directly, each key and
 value once for all the query heads that share it, each context at its own
-length (no padding, so one group and no mask). Prefill chunks take the
-torch backend's path.
+length (no padding, so one group and no mask), from the block of its
+first key in the layer's sliding window where it has one. Prefill chunks
+take the torch backend's path.
 
 Choosing it also brings the compiled matmul and small ops to the other
 layers and the one-call decode step (model_executor/cpu_decode_step.py),
@@ -66,7 +67,13 @@ class CPUKernelImpl:
         g = metadata.decode
         if g is not None:
             out[g.start : g.end] = self.kernels.paged_decode_attention(
-                q[g.start : g.end], layer.k_cache, layer.v_cache, g.block_tables, g.context_lens, layer.scale
+                q[g.start : g.end],
+                layer.k_cache,
+                layer.v_cache,
+                g.block_tables,
+                g.context_lens,
+                layer.scale,
+                layer.sliding_window or 0,  # 0: no window
             )
         prefill_attention(self.workspace, layer, q, k, v, metadata.prefills, out)
         return out

@@ -11,7 +11,10 @@ flash_attn/flash_attn_interface.py and csrc/flash_attn/flash_api.cpp:
 - the paged cache's block size must be divisible by 256 (mha_varlen_fwd
   checks it), so an engine on this backend needs block_size 256 or a
   multiple;
-- q and the caches must be float16 or bfloat16, head_dim at most 256.
+- q and the caches must be float16 or bfloat16, head_dim at most 256;
+- window_size=(left, right) lets the query at (bottom-right aligned)
+  position i see keys [i - left, i + right]: a sliding window of W
+  positions, the query's own included, is (W - 1, 0); (-1, -1) is none.
 
 flash_attn is imported when the backend is validated or its impl built:
 this module imports without it.
@@ -52,6 +55,7 @@ class FlashAttentionImpl:
         # table's capacity bounds every sequence's keys without reading one.
         cu_seqlens_k = F.pad(m.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         max_seqlen_k = m.block_tables.shape[1] * layer.k_cache.shape[1]
+        window = getattr(layer, "sliding_window", None)  # a stand-in layer may lack it
         return self.flash_attn_varlen_func(
             q,
             layer.k_cache,
@@ -62,6 +66,7 @@ class FlashAttentionImpl:
             max_seqlen_k,
             softmax_scale=layer.scale,
             causal=True,
+            window_size=(window - 1, 0) if window else (-1, -1),
             block_table=m.block_tables,
         )
 

@@ -6,11 +6,18 @@ from the cache when context came before them. Decodes are split into groups
 of similar context length, each gathered block-wise into a reusable buffer
 and run as one masked SDPA call. The cpu_kernel backend shares the prefill
 half and the metadata's pieces.
+
+A layer with a sliding window W lets the query at position p see keys
+p - W < k <= p (transformers' sliding_window_overlay). Its masks add that
+bound, and only the blocks that hold such keys are gathered: a decode reads
+at most cdiv(W, block_size) + 1 blocks however long its context. The
+metadata is the step's, shared by every layer, so a window's decode groups
+are built by the first layer that has it and kept for the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +45,9 @@ class DecodeGroup:
 
     start: int
     end: int
-    block_tables: torch.Tensor  # [end - start, max_blocks], padded
+    # [end - start, max_blocks], padded; under a window, each row from the
+    # first block that holds a key in its window
+    block_tables: torch.Tensor
     context_lens: torch.Tensor  # [end - start]
     mask: torch.Tensor | None  # [end - start, 1, 1, max_blocks * block_size], True = attend (torch path)
 
@@ -48,6 +57,27 @@ class TorchSDPAMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new key/value goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # What windowed layers need: the step's host lists, and the decode groups
+    # cut to each window, built once per step by the first layer with it.
+    common: CommonAttentionMetadata | None = None
+    block_size: int = 0
+    windowed_decodes: dict[int, list[DecodeGroup]] = field(default_factory=dict)
+
+    def decodes_for(self, window: int | None) -> list[DecodeGroup]:
+        """The decode groups as a layer with this sliding window reads them."""
+        if not window or not self.decodes:
+            return self.decodes
+        lens = self.common.seq_lens_cpu
+        if all(max(lens[g.start : g.end]) <= window for g in self.decodes):
+            return self.decodes  # every key is in the window
+        groups = self.windowed_decodes.get(window)
+        if groups is None:
+            tables, device = self.common.block_tables_cpu, self.slot_mapping.device
+            groups = [
+                decode_group(lens, tables, g.start, g.end, self.block_size, device, True, window) for g in self.decodes
+            ]
+            self.windowed_decodes[window] = groups
+        return groups
 
 
 def prefill_chunks(common: CommonAttentionMetadata, block_size: int, device: torch.device) -> list[PrefillChunk]:
@@ -73,17 +103,32 @@ def decode_group(
     block_size: int,
     device: torch.device,
     masked: bool,
+    window: int | None = None,
 ) -> DecodeGroup:
     """Decodes [start, end): block tables padded with 0 to the longest, and
-    (masked) the mask that hides the padding."""
-    max_blocks = cdiv(max(seq_lens[start:end]), block_size)
-    rows = [t[:max_blocks] for t in tables[start:end]]
+    (masked) the mask that hides the padding. window: each row's table starts
+    at the block of its window's first key, and the mask hides the keys
+    before that key too."""
+    if window:
+        firsts = [max(0, n - window) // block_size for n in seq_lens[start:end]]
+    else:
+        firsts = [0] * (end - start)
+    ends = [cdiv(n, block_size) for n in seq_lens[start:end]]
+    max_blocks = max(e - f for f, e in zip(firsts, ends))
+    # Unwindowed rows keep any blocks past their end (masked): no slicing per row.
+    rows = [t[f : f + max_blocks] if window else t[:max_blocks] for t, f in zip(tables[start:end], firsts)]
     padded = [r + [0] * (max_blocks - len(r)) for r in rows]
     block_tables = torch.tensor(padded, dtype=torch.long, device=device)
     lens = torch.tensor(seq_lens[start:end], dtype=torch.long, device=device)
     mask = None
     if masked:
-        mask = (torch.arange(max_blocks * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None]
+        pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
+        if window:  # key j of a row's gathered blocks is at position first * block_size + j
+            pos = pos + torch.tensor(firsts, dtype=torch.long, device=device).unsqueeze(1) * block_size
+        mask = pos < lens.unsqueeze(1)
+        if window:
+            mask &= pos >= (lens - window).unsqueeze(1)
+        mask = mask[:, None, None]
     return DecodeGroup(start, end, block_tables, lens, mask)
 
 
@@ -97,7 +142,7 @@ class TorchSDPAMetadataBuilder:
 
     def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         chunks = prefill_chunks(common, self.block_size, self.device)
-        return TorchSDPAMetadata(common.slot_mapping, self._decode_groups(common), chunks)
+        return TorchSDPAMetadata(common.slot_mapping, self._decode_groups(common), chunks, common, self.block_size)
 
     def _decode_groups(self, common: CommonAttentionMetadata) -> list[DecodeGroup]:
         lens, tables = common.seq_lens_cpu, common.block_tables_cpu
@@ -149,21 +194,33 @@ def prefill_attention(
     prefills: list[PrefillChunk],
     out: torch.Tensor,
 ) -> None:
-    """Each chunk's queries attend causally over its context, into `out`."""
+    """Each chunk's queries attend causally over its context (under the
+    layer's sliding window, if any), into `out`."""
+    window = layer.sliding_window
     for p in prefills:
         n = p.end - p.start
+        w = window if window and window < p.context_len else None  # else every key is in every query's window
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        first = 0  # position of the first key attended to (a multiple of the block size)
         if p.block_table is None:
             ks, vs = k[p.start : p.end], v[p.start : p.end]
         else:
-            ks = workspace.gather(p.block_table[None], layer.k_cache, 0)[0, : p.context_len]
-            vs = workspace.gather(p.block_table[None], layer.v_cache, 1)[0, : p.context_len]
+            # The chunk's first query, at context_len - n, sees nothing before its window.
+            first_block = max(0, p.context_len - n - w + 1) // layer.k_cache.shape[1] if w else 0
+            table = p.block_table[first_block:][None]
+            first = first_block * layer.k_cache.shape[1]
+            ks = workspace.gather(table, layer.k_cache, 0)[0, : p.context_len - first]
+            vs = workspace.gather(table, layer.v_cache, 1)[0, : p.context_len - first]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-        if n == p.context_len:
+        if n == p.context_len and not w:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
-            # Queries are the last n positions of the context.
-            mask = torch.ones(n, p.context_len, dtype=torch.bool, device=q.device).tril(p.context_len - n)
+            # Query i is at position context_len - n + i, key j at first + j:
+            # j - i <= diag (causal) and, under a window, j - i > diag - w.
+            diag = p.context_len - n - first
+            mask = torch.ones(n, ks.shape[2], dtype=torch.bool, device=q.device).tril(diag)
+            if w:
+                mask = mask.triu(diag - w + 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=layer.scale, enable_gqa=True)
         out[p.start : p.end] = o[0].transpose(0, 1)
 
@@ -176,7 +233,7 @@ class TorchSDPAImpl:
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        for g in metadata.decodes:
+        for g in metadata.decodes_for(layer.sliding_window):
             # One batched call per group: gather each one's blocks (whole
             # blocks copy at memory speed) into a padded
             # [n, kv_heads, max_blocks * block_size, dim] and mask the padding.

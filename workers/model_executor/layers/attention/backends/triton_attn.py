@@ -26,7 +26,15 @@ class TritonAttentionImpl:
     ) -> torch.Tensor:
         m = metadata
         return self.paged_attention(
-            q, layer.k_cache, layer.v_cache, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len, layer.scale
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            m.block_tables,
+            m.seq_lens,
+            m.query_start_loc,
+            m.max_query_len,
+            layer.scale,
+            sliding_window=layer.sliding_window,
         )
 
 

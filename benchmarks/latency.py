@@ -172,10 +172,13 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
         handles += _time_module(module, hooked, part)
 
     experts = _moe_layers(model)
-    if experts:
-        hooked["experts"] = 0.0
+    attn_matrices = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+    if experts:  # and, to compare their read rate with in the same steps, the attention matrices
+        hooked["experts"] = hooked["attention matrices"] = 0.0
         for m in experts:
             handles += _time_module(m, hooked, "experts")
+        for m in attn_matrices:
+            handles += _time_module(m, hooked, "attention matrices")
     engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     engine.step()  # the prefill, not counted
     for k in hooked:
@@ -275,7 +278,9 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
                 print(f"    {name:14} x{len(layers):<3} {rate(name, best * 1e3)}")
     report["matrices"] = rates
     if experts:
-        report["experts"] = _report_experts(hooked["experts"], expert_bytes, steps, rates, len(experts))
+        attn_bytes = steps * sum(m.weight.numel() * m.weight.element_size() for m in attn_matrices)
+        attn = (hooked["attention matrices"], attn_bytes)
+        report["experts"] = _report_experts((hooked["experts"], expert_bytes), attn, steps, len(experts))
     return report
 
 
@@ -291,19 +296,30 @@ def _bytes_per_expert(m) -> int:
     return (w13[0].numel() * w13.element_size()) + (w2[0].numel() * w2.element_size())
 
 
-def _report_experts(seconds: float, nbytes: int, steps: int, rates: dict, num_layers: int) -> dict:
+def _report_experts(experts: tuple[float, int], dense: tuple[float, int], steps: int, num_layers: int) -> dict:
     """The expert GEMMs' read rate inside the decode steps (the picked experts'
     bytes over the time in the fused MoE layers, routing and sorting included)
-    beside the dense matrices' rate at one row."""
-    ms, mb = 1e3 * seconds / steps, nbytes / steps / 1e6
-    gb_s = mb / ms
-    dense = [r["gb_s"] for n, r in rates.items() if n != "lm_head"]
-    dense_gb_s = max(dense) if dense else float("nan")
-    print(
-        f"  experts ({num_layers} MoE layers, the picked experts' matrices each step): {mb:7.1f} MB {ms:7.2f} ms "
-        f"{gb_s:6.1f} GB/s = {100 * gb_s / dense_gb_s:.0f}% of the dense matrices' best ({dense_gb_s:.1f} GB/s)"
-    )
-    return {"mb_per_step": mb, "ms": ms, "gb_s": gb_s, "dense_gb_s": dense_gb_s, "ratio": gb_s / dense_gb_s}
+    beside the attention matrices' in the same steps; each (seconds, bytes)."""
+
+    def per_step(seconds: float, nbytes: int) -> tuple[float, float, float]:
+        ms, mb = 1e3 * seconds / steps, nbytes / steps / 1e6
+        return mb, ms, mb / ms
+
+    mb, ms, gb_s = per_step(*experts)
+    dense_mb, dense_ms, dense_gb_s = per_step(*dense)
+    print(f"  in the same steps, per step ({num_layers} MoE layers; experts: the picked ones' matrices):")
+    print(f"    {'experts':22} {mb:7.1f} MB {ms:7.2f} ms {gb_s:6.1f} GB/s")
+    print(f"    {'attention matrices':22} {dense_mb:7.1f} MB {dense_ms:7.2f} ms {dense_gb_s:6.1f} GB/s")
+    print(f"    the experts read at {100 * gb_s / dense_gb_s:.0f}% of the attention matrices' rate")
+    return {
+        "mb_per_step": mb,
+        "ms": ms,
+        "gb_s": gb_s,
+        "dense_mb_per_step": dense_mb,
+        "dense_ms": dense_ms,
+        "dense_gb_s": dense_gb_s,
+        "ratio": gb_s / dense_gb_s,
+    }
 
 
 def _time_module(module, totals: dict, part: str) -> list:

@@ -7,7 +7,7 @@ import json
 
 from shoal.benchmarks.latency import weight_bytes
 from shoal.cluster.cli import main
-from shoal.workers import LLMEngine
+from shoal.workers import LLM, LLMEngine
 
 
 def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_path, capsys):
@@ -80,3 +80,28 @@ def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_pa
     model = LLMEngine(model=tiny_model, num_kv_blocks=16).runner.model
     params = {id(p): p for p in model.parameters()}
     assert r["weight_bytes"] == weight_bytes(model) == sum(p.numel() * p.element_size() for p in params.values())
+
+
+def test_bench_latency_profiles_a_mixture_of_experts(tmp_path, capsys):
+    """An MoE model's profile reads the experts a step picked: their bytes per
+    step are the picked experts' matrices, and the floor counts top-k experts."""
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe")
+    out = tmp_path / "latency.json"
+    args = ["bench", "latency", "--model", path, "--input-len", "16", "--output-len", "6", "--num-iters", "2"]
+    assert main([*args, "--num-iters-warmup", "1", "--read-mib", "16", "--profile", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    experts = r["profile"]["experts"]
+    model = LLM(path, num_threads=1).engine.runner.model
+    layers = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
+    one_expert = sum(w[0].numel() * w.element_size() for w in (layers[0].w13_weight, layers[0].w2_weight))
+    # Batch 1: each layer's step reads at most top_k experts, at least one.
+    k = layers[0].top_k
+    assert len(layers) * one_expert <= experts["mb_per_step"] * 1e6 <= len(layers) * k * one_expert
+    # The floor's bytes leave out each layer's unpicked experts.
+    every_param = sum(p.numel() * p.element_size() for p in model.parameters())
+    unread = sum(m.w13_weight.shape[0] - k for m in layers) * one_expert
+    assert r["weight_bytes"] == weight_bytes(model) == every_param - unread
+    assert experts["gb_s"] > 0 and experts["dense_gb_s"] > 0
+    assert "the experts read at" in capsys.readouterr().out

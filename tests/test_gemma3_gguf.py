@@ -29,7 +29,7 @@ import pytest
 import torch
 from reference import check_tokens, hf_greedy
 from serving import http_client, make_frontend
-from tiny_gguf import add_tiny_tokenizer
+from tiny_gguf import ATTENTION_NAMES, add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
@@ -62,13 +62,7 @@ TINY = dict(
     },
 )
 _BLOCK = {  # Hugging Face piece -> llama.cpp's
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
+    **ATTENTION_NAMES,
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from reference import check_tokens, hf_greedy
-from tiny_gguf import add_tiny_tokenizer
+from tiny_gguf import ATTENTION_NAMES, add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
@@ -26,16 +26,7 @@ LAYOUTS = {
     "qwen3_moe": ("qwen3moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("llama", "block_sparse_moe", ("w1", "w3", "w2")),
 }
-BLOCK_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-}
+BLOCK_NAMES = {**ATTENTION_NAMES, "post_attention_layernorm": "ffn_norm"}
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -6,6 +6,18 @@ from __future__ import annotations
 import json
 import os
 
+# Hugging Face block pieces -> llama.cpp's, for the attention every architecture here shares (written
+# from llama.cpp's names, not from shoal's own table, so the tests check that table).
+ATTENTION_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
 
 def add_tiny_tokenizer(w, hf_dir: str, cfg: dict) -> None:
     """The folder's byte-level BPE tokenizer as GGUF's gpt2 vocabulary on

@@ -27,7 +27,8 @@ from shoal.workers.model_executor.layers.quantization.base_config import Quantiz
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, llama_weight_shapes
+from shoal.workers.model_executor.models.llama import LlamaForCausalLM, LlamaMLP, llama_weight_shapes
+from shoal.workers.model_executor.models.qwen3 import Qwen3Attention
 
 # transformers' Gemma3TextConfig defaults, for configs that leave them out
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
@@ -65,7 +66,9 @@ def rope_parameters(cfg: ModelConfig, layer_type: str) -> tuple[float, dict | No
     return float(theta), rope
 
 
-class Gemma3Attention(LlamaAttention):
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's QK-norm attention with Gemma's norms, its own q.k scale and this layer's window."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -80,14 +83,6 @@ class Gemma3Attention(LlamaAttention):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window=window)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
 
 
 class Gemma3MLP(LlamaMLP):

@@ -36,7 +36,7 @@ from shoal.workers.model_executor.layers.fused_moe import fused_experts, select_
 _ROTATE_BYTES = 400 << 20
 
 
-def _time_alternating(cases: dict[str, Callable[[int], object]], rounds: int) -> dict[str, float]:
+def time_alternating(cases: dict[str, Callable[[int], object]], rounds: int) -> dict[str, float]:
     """Median seconds per call of each case (called with the round's index), the cases taking
     turns round by round so that a busy machine slows them alike; after one warm-up round."""
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -99,9 +99,9 @@ def measure(
     rows = max(1, round(batch * top_k / hit))
     dense_inter = round(hit * inter / 16) * 16
     dense, dense_bytes = _dense_mlp(rows, hidden, dense_inter, weight_dtype, kernel, gen)
-    t = _time_alternating({"moe": moe, "dense": dense}, rounds)
+    t = time_alternating({"moe": moe, "dense": dense}, rounds)
     dense_batch, _ = _dense_mlp(batch, hidden, dense_inter, weight_dtype, kernel, gen)
-    t.update(_time_alternating({"dense_batch": dense_batch}, max(4, rounds // 8)))
+    t.update(time_alternating({"dense_batch": dense_batch}, max(4, rounds // 8)))
     return {
         "experts_hit": hit,
         "rows_per_expert": rows,

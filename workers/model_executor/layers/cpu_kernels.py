@@ -31,7 +31,14 @@ logger = logging.getLogger(__name__)
 KERNEL_USERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, CustomOp, FusedMoE)
 _kernel = None
 _tried = False
-_SOURCES = ("bindings.cpp", "paged_decode_cpu.cpp", "cpu_gemm.cpp", "cpu_ops.cpp", "cpu_decode_layers.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "paged_decode_cpu.cpp",
+    "cpu_gemm.cpp",
+    "cpu_ops.cpp",
+    "cpu_decode_layers.cpp",
+    "gguf_gemv.cpp",
+)
 
 
 def load():

@@ -12,9 +12,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("sliding_window") = 0);
   m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows of x; float32 or bfloat16 weights");
   m.def("grouped_small_m_linear", &grouped_small_m_linear, "each expert's rows of x @ its w.T (a MoE layer's experts)");
+  m.def("set_isa", &set_isa, "the matmul loops to run: 'avx2', 'avx512' or 'auto' (widest); returns the previous",
+        py::arg("name"));
+  m.def("get_isa", &get_isa, "the matmul loops that run: 'avx2' or 'avx512'");
+  m.def("small_m_linear_bf16dot", &small_m_linear_bf16dot,
+        "x @ w.T (+ bias), x rounded to bfloat16, bfloat16 weights (AVX512_BF16 vdpbf16ps; opt-in, not exact)");
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  m.attr("has_avx512_bf16") = true;
+#else
+  m.attr("has_avx512_bf16") = false;
+#endif
+#ifdef __AVX512F__
+  m.attr("has_avx512") = true;
+#else
+  m.attr("has_avx512") = false;
+#endif
   m.def("rms_norm", &rms_norm, "RMSNorm; with a residual, the add in place first (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (float32)");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k in place (float32)");
+  m.def("quantize_q8_activations", &quantize_q8_activations,
+        "rows of x (float32 [M, K]) as llama.cpp's block_q8_0 (q8_1: block_q8_1) -> uint8 [M, K / 32 * 34 or 36]",
+        py::arg("x"), py::arg("q8_1") = false, py::arg("force_scalar") = false);
+  m.def("gguf_linear", &gguf_linear,
+        "x @ W.T, W GGUF blocks uint8 [N, K / 32 * block bytes] of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)",
+        py::arg("x"), py::arg("w_blocks"), py::arg("ggml_type"), py::arg("force_scalar") = false);
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
                     torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>>())

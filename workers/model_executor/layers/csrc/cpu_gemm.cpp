@@ -8,15 +8,25 @@
 // once per 48 rows of x. float32 in, float32 accumulation and out; the
 // weights may be float32 or bfloat16 (the opt-in half-size store: a
 // bfloat16 is the top half of a float32, so widening it is a shift).
+//
+// Two builds of the same loops: AVX2 (8-float vectors) and, where the
+// compiler targets AVX-512F (-march=native on such a CPU), 16-float
+// vectors. Both take x in the same order (bfloat16: see prepare_x), and the
+// products are float32-exact in both; only the order of the sums differs,
+// so the two agree to the last bits. The widest compiled in is used unless
+// set_isa (or SHOAL_CPU_ISA=avx2|avx512, read at load) says otherwise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "avx2_math.h"
 
 #ifdef __AVX2__
-namespace {
+namespace avx2_k {
 
 // 16 weights from k as two float vectors (a, b); x is laid out to match (see prepare_x).
 inline void load16(const float* w, __m256& a, __m256& b) {
@@ -102,25 +112,216 @@ void gemm_rows(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
   }
 }
 
-template <typename W>
-void gemm(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  // Chunks of whole 4-row tiles (64 rows at least, so one row's chunks are not tiny).
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    gemm_rows(x, w, y, M, N, K, begin * 4, std::min(N, end * 4));
-  });
+}  // namespace avx2_k
+#endif
+
+#ifdef __AVX512F__
+namespace avx512_k {
+
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+// 16 bfloat16 in the lane order of the AVX2 loads, (k, k+2, ..., k+14) then
+// (k+1, ..., k+15), so that x is laid out the same for both: the 32 bytes in
+// both halves, the low half widened by a shift, the high one by a mask.
+inline __m512 load16(const at::BFloat16* w) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(
+      _mm512_mask_and_epi32(_mm512_slli_epi32(v, 16), 0xFF00, v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-}  // namespace
+template <typename W, int MR, int NR>
+inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[NR];
+    // prefetching ahead of each weight row: the 4 streams at a few rows of x are a read of the weights
+    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k) + 1024, _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) wv[j] = load16(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <typename W, int NR>
+inline void rows_of_x(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile<W, 3, NR>(x + m * K, w, y + m * N, K, N);
+  if (M - m == 2) tile<W, 2, NR>(x + m * K, w, y + m * N, K, N);
+  if (M - m == 1) tile<W, 1, NR>(x + m * K, w, y + m * N, K, N);
+}
+
+// As avx2_k::gemv_rows, 64 weights per step: bfloat16 prefetches both lines it reads.
+template <typename W>
+void gemv_rows(const float* x, const W* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t kAhead = sizeof(W) == 2 ? 1024 : 0;  // bytes
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* r = w + n * K;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      if (kAhead) {
+        _mm_prefetch(reinterpret_cast<const char*>(r + k) + kAhead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(r + k) + kAhead + 64, _MM_HINT_T0);
+      }
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(r + k), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16(r + k + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), load16(r + k + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 48), load16(r + k + 48), a3);
+    }
+    for (; k < K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(r + k), a0);  // K % 16 == 0
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+}
+
+template <typename W>
+void gemm_rows(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (M == 1) return gemv_rows(x, w, y, K, n0, n1);
+  constexpr int64_t kRowsInCache = 48;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsInCache) {
+    const int64_t mb = std::min(kRowsInCache, M - m0);
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_of_x<W, 4>(xm, w + n * K, ym + n, mb, N, K);
+    for (; n < n1; ++n) rows_of_x<W, 1>(xm, w + n * K, ym + n, mb, N, K);
+  }
+}
+
+}  // namespace avx512_k
 #endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The opt-in bfloat16 dot product (small_m_linear_bf16dot): x rounded to
+// bfloat16 too, and vdpbf16ps multiplies 32 pairs at a time with float32
+// sums. Not float32-exact (x loses its low 16 bits), so never the default.
+namespace bf16dot_k {
+
+inline __m512bh ld32(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh ld16(const at::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, p); }
+
+template <int MR, int NR>
+inline void tile(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t K, int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = ld32(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = ld32(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {  // 16 left (K % 16 == 0): the other half of the lanes loads zeros
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = ld16(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = ld16(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int NR>
+inline void rows_of_x(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile<3, NR>(x + m * K, w, y + m * N, K, N);
+  if (M - m == 2) tile<2, NR>(x + m * K, w, y + m * N, K, N);
+  if (M - m == 1) tile<1, NR>(x + m * K, w, y + m * N, K, N);
+}
+
+void gemm_rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+               int64_t n1) {
+  constexpr int64_t kRowsInCache = 48;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsInCache) {
+    const int64_t mb = std::min(kRowsInCache, M - m0);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_of_x<4>(x + m0 * K, w + n * K, y + m0 * N + n, mb, N, K);
+    for (; n < n1; ++n) rows_of_x<1>(x + m0 * K, w + n * K, y + m0 * N + n, mb, N, K);
+  }
+}
+
+}  // namespace bf16dot_k
+#endif
+
+namespace {
+
+enum Isa : int { kAvx2 = 0, kAvx512 = 1 };
+
+#ifdef __AVX512F__
+constexpr Isa kWidest = kAvx512;
+#else
+constexpr Isa kWidest = kAvx2;
+#endif
+
+Isa parse_isa(const std::string& name) {
+  if (name == "auto" || name.empty()) return kWidest;
+  if (name == "avx2") return kAvx2;
+  if (name == "avx512") {
+    TORCH_CHECK(kWidest == kAvx512, "set_isa: this build has no AVX-512 path (the CPU or compiler lacks AVX-512F)");
+    return kAvx512;
+  }
+  TORCH_CHECK(false, "set_isa: expected 'auto', 'avx2' or 'avx512', got '", name, "'");
+}
+
+Isa isa_from_env() {
+  const char* e = std::getenv("SHOAL_CPU_ISA");
+  if (!e) return kWidest;
+  const std::string name(e);
+  if (name == "avx2") return kAvx2;
+  return kWidest;  // "avx512" or "auto" (or anything else): the widest compiled in
+}
+
+std::atomic<int> g_isa{isa_from_env()};
+
+#ifdef __AVX2__
+template <typename W>
+void gemm_rows(Isa isa, const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+               int64_t n1) {
+#ifdef __AVX512F__
+  if (isa == kAvx512) return avx512_k::gemm_rows(x, w, y, M, N, K, n0, n1);
+#endif
+  avx2_k::gemm_rows(x, w, y, M, N, K, n0, n1);
+}
+
+template <typename W>
+void gemm(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const Isa isa = static_cast<Isa>(g_isa.load());
+  // Chunks of whole 4-row tiles (64 rows at least, so one row's chunks are not tiny).
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    gemm_rows(isa, x, w, y, M, N, K, begin * 4, std::min(N, end * 4));
+  });
+}
+#endif
+
+const char* isa_name(Isa isa) { return isa == kAvx512 ? "avx512" : "avx2"; }
+
+}  // namespace
+
+std::string set_isa(const std::string& name) {
+  const Isa old = static_cast<Isa>(g_isa.exchange(parse_isa(name)));
+  return isa_name(old);
+}
+
+std::string get_isa() { return isa_name(static_cast<Isa>(g_isa.load())); }
 
 #ifdef __AVX2__
 void linear_rows(const float* x, const torch::Tensor& w, const float* bias, float* y, int64_t M, int64_t n0,
                  int64_t n1) {
   const int64_t N = w.size(0), K = w.size(1);
+  const Isa isa = static_cast<Isa>(g_isa.load());
   if (w.scalar_type() == torch::kFloat32)
-    gemm_rows(x, w.data_ptr<float>(), y, M, N, K, n0, n1);
+    gemm_rows(isa, x, w.data_ptr<float>(), y, M, N, K, n0, n1);
   else
-    gemm_rows(x, w.data_ptr<at::BFloat16>(), y, M, N, K, n0, n1);
+    gemm_rows(isa, x, w.data_ptr<at::BFloat16>(), y, M, N, K, n0, n1);
   if (bias)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
@@ -193,16 +394,43 @@ torch::Tensor grouped_small_m_linear(torch::Tensor x, torch::Tensor w, torch::Te
   }
   const float* xp = xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const Isa isa = static_cast<Isa>(g_isa.load());
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = items[i] / chunks, n0 = items[i] % chunks * kRows, n1 = std::min(N, n0 + kRows);
       const int64_t m0 = off[e], M = off[e + 1] - m0;
       if (bf16)
-        gemm_rows(xp + m0 * K, w.data_ptr<at::BFloat16>() + e * N * K, yp + m0 * N, M, N, K, n0, n1);
+        gemm_rows(isa, xp + m0 * K, w.data_ptr<at::BFloat16>() + e * N * K, yp + m0 * N, M, N, K, n0, n1);
       else
-        gemm_rows(xp + m0 * K, w.data_ptr<float>() + e * N * K, yp + m0 * N, M, N, K, n0, n1);
+        gemm_rows(isa, xp + m0 * K, w.data_ptr<float>() + e * N * K, yp + m0 * N, M, N, K, n0, n1);
     }
   });
+  return y;
+#endif
+}
+
+// x: [M, K] float32, rounded to bfloat16 here; w: [N, K] bfloat16, K a
+// multiple of 16 -> [M, N] float32 (float32 sums of bfloat16 products). An
+// explicit opt-in for bfloat16 weights: small_m_linear keeps x in float32.
+torch::Tensor small_m_linear_bf16dot(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+  TORCH_CHECK(false, "small_m_linear_bf16dot: built without AVX512_BF16");
+#else
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_m_linear_bf16dot: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "small_m_linear_bf16dot: float32 activations only");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "small_m_linear_bf16dot: bfloat16 weights only");
+  TORCH_CHECK(w.is_contiguous() && x.size(1) % 16 == 0,
+              "small_m_linear_bf16dot: contiguous weights, K a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    bf16dot_k::gemm_rows(xp, wp, yp, M, N, K, begin * 4, std::min(N, end * 4));
+  });
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
 #endif
 }

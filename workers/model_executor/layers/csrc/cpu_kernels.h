@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <array>
+#include <string>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -10,9 +11,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      int64_t sliding_window);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor grouped_small_m_linear(torch::Tensor x, torch::Tensor w, torch::Tensor offsets);
+// Which build of small_m_linear's loops runs: "avx2", "avx512" or "auto"
+// (the widest compiled in; also SHOAL_CPU_ISA at load). Returns the previous one.
+std::string set_isa(const std::string& name);
+std::string get_isa();
+// x @ w.T (+ bias) with x rounded to bfloat16 and vdpbf16ps (AVX512_BF16):
+// bfloat16 weights only, an explicit opt-in (not float32-exact).
+torch::Tensor small_m_linear_bf16dot(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+// GGUF block weights (csrc/gguf_gemv.cpp): 8-bit activations as llama.cpp
+// (block_q8_0, or block_q8_1 for Q4_1), integer block dot products.
+torch::Tensor quantize_q8_activations(torch::Tensor x, bool q8_1, bool force_scalar);
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_type, bool force_scalar);
 
 // Serial pieces of the kernels above, for the one-call decode step, which
 // splits them across its threads itself.

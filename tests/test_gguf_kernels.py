@@ -1,0 +1,181 @@
+"""The GGUF block kernels (csrc/gguf_gemv.cpp): weights in llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks
+made by gguf's own quantizer, activations quantized per 32 to 8 bits as llama.cpp does
+(block_q8_0, block_q8_1 for Q4_1), integer block dot products.
+
+Three references, each for what it can check:
+- numpy's block_q8_0/_1 of x (the same float32 steps): the kernel's activation blocks byte for byte;
+- the same quantized x times the weights' own integers and fp16 scales, in float64: the kernel's
+  result to float32 accumulation error (1e-5 of sum |x| |w|), which is all that is left;
+- gguf's dequantized weights times the float x in float64 (no activation quantization): the
+  kernel's result within the error the 8-bit activations imply, stated below, and visibly
+  different from it (the first two references would not tell a kernel that skipped the
+  activation quantization from one that did it).
+The scalar path (force_scalar) does the AVX2 path's float operations in the same order: equal bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from shoal.workers.model_executor.layers import cpu_kernels
+
+TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+QK = 32
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_kernels.load()
+    assert k is not None, "the CPU kernels did not build (is a C++ compiler installed? a compiler error in the log?)"
+    return k
+
+
+def _x(M: int, K: int, seed: int) -> np.ndarray:
+    """Activations with a spread of block magnitudes, one all-zero block (scale 0) and a few outliers."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)).astype(np.float32) * rng.uniform(0.1, 4.0, (M, K // QK, 1)).repeat(QK, 1).reshape(
+        M, K
+    ).astype(np.float32)
+    x[0, :QK] = 0.0
+    x[M - 1, -1] = 30.0
+    return x
+
+
+def _weights(N: int, K: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((N, K)) * 0.05 + rng.uniform(-0.02, 0.02, (N, 1))).astype(np.float32)
+    return quantize(w, qtype)
+
+
+def _q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's x86 quantize_row_q8_0/_1 in numpy, float32 throughout: per block of 32,
+    d = amax / 127, q = round-half-even(x * (127 / amax)), s = d * sum(q). Returns (d as float32,
+    q int8 [M, nb, 32], s as fp16) with d not yet rounded to fp16."""
+    M, K = x.shape
+    b = x.reshape(M, K // QK, QK)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv).astype(np.int8)
+    s = (d[..., 0] * q.astype(np.int32).sum(-1).astype(np.float32)).astype(np.float16)
+    return d[..., 0], q, s
+
+
+def _q8_bytes(x: np.ndarray, q8_1: bool) -> np.ndarray:
+    d, q, s = _q8_ref(x)
+    parts = [d.astype(np.float16)[..., None].view(np.uint8)]
+    if q8_1:
+        parts.append(s[..., None].view(np.uint8))
+    parts.append(q.view(np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(x.shape[0], -1)
+
+
+def _weight_ints(blocks: np.ndarray, qtype: GGMLQuantizationType, K: int):
+    """(integers [N, nb, 32] int64 with value = q * d (+ m), d [N, nb], m [N, nb] or None) of GGUF blocks."""
+    N = blocks.shape[0]
+    b = blocks.reshape(N, K // QK, GGML_QUANT_SIZES[qtype][1])
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if qtype == GGMLQuantizationType.Q8_0:
+        return b[..., 2:].view(np.int8).astype(np.int64), d, None
+    off = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
+    nib = b[..., off:].astype(np.int64)
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)
+    if qtype == GGMLQuantizationType.Q4_0:
+        return q - 8, d, None
+    return q, d, b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def _same_quantization_ref(x: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """What the kernel computes, in float64 from the same integers: per block pair
+    d_w * d_x * sum(q_w q_x) (+ m_w * s_x for Q4_1), summed over blocks."""
+    K = x.shape[1]
+    qw, dw, mw = _weight_ints(blocks, qtype, K)
+    dx, qx, sx = _q8_ref(x)
+    dx16 = dx.astype(np.float16).astype(np.float64)
+    isum = np.einsum("nbi,mbi->mnb", qw, qx.astype(np.int64))
+    y = np.einsum("mnb,nb,mb->mn", isum.astype(np.float64), dw, dx16)
+    if mw is not None:
+        y += sx.astype(np.float64) @ mw.T
+    return y
+
+
+def _activation_error_bound(x: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A bound on |kernel - dequant(w) @ x| [M, N] from the 8-bit activations alone.
+
+    Per element, x is replaced by fp16(d) * q with q = round(x / d), d = amax / 127: the error is
+    at most d / 2 (the rounding) + |d - fp16(d)| * |q| (the fp16 store of the scale, a relative 2^-11,
+    which the plain d / 2 bound leaves out). Times |w| and summed: sum_k |w_k| e_k. Q4_1 takes the
+    min's term from s = fp16(d * sum q) in place of fp16(d) * sum q: another |m| |s - fp16(d) sum q|
+    per block. The float32 accumulation adds at most 1e-5 of sum |x| |w| (checked on its own)."""
+    M, K = x.shape
+    N = blocks.shape[0]
+    w = dequantize(blocks, qtype).astype(np.float64).reshape(N, K // QK, QK)
+    d, q, s = _q8_ref(x)
+    d64 = d.astype(np.float64)
+    d16 = d.astype(np.float16).astype(np.float64)
+    e = d64[..., None] / 2 + np.abs(d64 - d16)[..., None] * np.abs(q.astype(np.float64))  # [M, nb, 32]
+    bound = np.einsum("mbi,nbi->mn", e, np.abs(w))
+    _, _, mw = _weight_ints(blocks, qtype, K)
+    if mw is not None:
+        s_err = np.abs(s.astype(np.float64) - d16 * q.astype(np.int64).sum(-1))  # [M, nb]
+        bound += s_err @ np.abs(mw).T
+    slack = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w.reshape(N, K)).T)
+    return bound + slack
+
+
+@pytest.mark.parametrize("q8_1", [False, True])
+@pytest.mark.parametrize("force_scalar", [False, True])
+def test_activation_blocks_match_llama_cpp_layout(kernel, q8_1, force_scalar):
+    x = _x(5, 576, seed=1)
+    got = kernel.quantize_q8_activations(torch.from_numpy(x), q8_1, force_scalar).numpy()
+    assert got.shape == (5, 576 // QK * (36 if q8_1 else 34))
+    np.testing.assert_array_equal(got, _q8_bytes(x, q8_1))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("K", [64, 576])
+@pytest.mark.parametrize("M", [1, 3, 7])
+def test_gguf_linear_matches_llama_cpp_arithmetic(kernel, qtype, K, M):
+    N = 37
+    x = _x(M, K, seed=M * 1000 + K)
+    blocks = _weights(N, K, qtype, seed=K + int(qtype))
+    assert blocks.shape == (N, K // QK * GGML_QUANT_SIZES[qtype][1])
+    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
+
+    y = kernel.gguf_linear(xt, wt, int(qtype), False)
+    y_scalar = kernel.gguf_linear(xt, wt, int(qtype), True)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert torch.equal(y, y_scalar), "the scalar path does the SIMD path's float operations in the same order"
+    got = y.numpy().astype(np.float64)
+
+    w = dequantize(blocks, qtype).astype(np.float64)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w).T  # sum |x| |w|: the size of the float32 rounding
+    # 1. The same 8-bit activations and the weights' integers in float64: only float32 accumulation differs.
+    same = _same_quantization_ref(x, blocks, qtype)
+    tight = np.abs(got - same) / scale
+    assert tight.max() < 1e-5, tight.max()
+    # 2. The float x (no activation quantization) in float64: within the bound the 8-bit activations imply...
+    exact = x.astype(np.float64) @ w.T
+    err = np.abs(got - exact)
+    bound = _activation_error_bound(x, blocks, qtype)
+    assert (err <= bound).all(), (err - bound).max()
+    # ...and visibly off it: the activations were quantized (the error is not float32 rounding, which
+    # reference 1 bounds), while the bound is not loose by orders of magnitude.
+    assert (err / scale).max() > 100 * max(tight.max(), 1e-7)
+    assert err.max() > 0.02 * bound.max()
+
+
+def test_gguf_linear_rejects_bad_input(kernel):
+    x = torch.randn(2, 64)
+    blocks = torch.from_numpy(_weights(4, 64, GGMLQuantizationType.Q4_0, seed=0))
+    with pytest.raises(RuntimeError, match="ggml_type"):
+        kernel.gguf_linear(x, blocks, int(GGMLQuantizationType.Q4_K), False)
+    with pytest.raises(RuntimeError, match="w_blocks"):
+        kernel.gguf_linear(x, blocks, int(GGMLQuantizationType.Q8_0), False)  # Q4_0 bytes read as Q8_0
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.gguf_linear(torch.randn(2, 48), blocks, int(GGMLQuantizationType.Q4_0), False)

@@ -69,16 +69,22 @@ def _greedy(llm: LLM, prompt: str, max_tokens: int) -> tuple[list[int], float]:
     return out.token_ids, time.perf_counter() - t0
 
 
-def long_tokens_lasting(llm: LLM, seconds: float) -> int:
-    """How many tokens one sequence alone takes `seconds` to generate here.
-    A step's cost grows with the context (attention), so two timed runs fit
-    t(n) = a n + b n^2, the inverse of which sizes the run."""
-    n1, n2 = 2048, 4096
-    t1, t2 = _greedy(llm, LONG[0], n1)[1], _greedy(llm, LONG[0], n2)[1]
-    b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
-    a = max(1e-6, t1 / n1 - b * n1)
-    n = seconds / a if b == 0 else (-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b)
-    return min(HOLD_CONTEXT - 64, max(n2, int(n)))
+def long_reply_lasting(llm: LLM, prompt: str, seconds: float) -> list[int]:
+    """The greedy reply to `prompt` that takes `seconds` or more alone here
+    (and at most about 2.6x that). Each try is timed and the next at most
+    doubles the length: a step's cost grows with the context, so a length
+    fitted from short runs can miss by far (it missed by 7x on a fast
+    machine, and on a loaded one the fit itself was noise); doubling at
+    most, the last try takes at most (1.3 / r)^2 r of `seconds` for the
+    previous try's share r < 1."""
+    cap = HOLD_CONTEXT - 64
+    n = 2048
+    while True:
+        ids, took = _greedy(llm, prompt, n)
+        print(f"\nlong stream: {n} tokens, {took:.1f} s alone here (sized for {seconds:g} s)")
+        if took >= seconds or n == cap:
+            return ids
+        n = min(cap, max(n + 1, int(n * min(2.0, 1.3 * seconds / took))))
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +96,9 @@ def reference(model) -> dict[str, list[int]]:
     outs = llm.generate(BURST, SamplingParams(temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True))
     ref = {p: o.token_ids for p, o in zip(BURST, outs)}
     llm = LLM(model=model, num_kv_blocks=HOLD_CONTEXT // 16, num_threads=1, max_num_seqs=1)
-    n = long_tokens_lasting(llm, LONG_S)
-    for p in LONG:
-        ref[p], took = _greedy(llm, p, n)
-        print(f"\nlong stream: {n} tokens, {took:.1f} s alone here (sized for {LONG_S:g} s)")
+    ref[LONG[0]] = long_reply_lasting(llm, LONG[0], LONG_S)
+    ref[LONG[1]], took = _greedy(llm, LONG[1], len(ref[LONG[0]]))
+    print(f"long stream: {len(ref[LONG[1]])} tokens, {took:.1f} s alone here")
     return ref
 
 

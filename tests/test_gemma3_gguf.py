@@ -29,7 +29,7 @@ import pytest
 import torch
 from reference import check_tokens, hf_greedy
 from serving import http_client, make_frontend
-from tiny_gguf import ATTENTION_NAMES, add_tiny_tokenizer
+from tiny_gguf import ATTENTION_NAMES, add_shape, add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
@@ -80,13 +80,7 @@ def _write_gguf(hf_dir: str, path: str) -> str:
         c = json.load(f)
     full = c["rope_parameters"]["full_attention"]
     w = gguf.GGUFWriter(path, "gemma3")
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    add_shape(w, c)
     w.add_key_length(c["head_dim"])
     w.add_value_length(c["head_dim"])
     w.add_rope_freq_base(full["rope_theta"])

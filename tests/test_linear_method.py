@@ -183,8 +183,8 @@ def test_a_quantization_config_plugs_a_method_into_every_layer_of_the_model():
     assert CPUDecodeStep.create(plain, kernels) is not None and CPUDecodeStep.create(model, kernels) is None
 
 
-def test_the_registry_knows_none_and_refuses_other_names():
-    assert QUANTIZATION_METHODS == ("none",)
+def test_the_registry_knows_its_methods_and_refuses_other_names():
+    assert QUANTIZATION_METHODS == ("none", "gguf")
     assert get_quantization_config(None) is None and get_quantization_config("none") is None
-    with pytest.raises(ValueError, match="unknown quantization method 'int8'; shoal knows none"):
-        get_quantization_config("int8")
+    with pytest.raises(ValueError, match="unknown quantization method 'int4'; shoal knows none, gguf"):
+        get_quantization_config("int4")

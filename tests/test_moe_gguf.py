@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from reference import check_tokens, hf_greedy
-from tiny_gguf import ATTENTION_NAMES, add_tiny_tokenizer
+from tiny_gguf import ATTENTION_NAMES, add_shape, add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
@@ -44,16 +44,10 @@ def write_gguf(folder: str, kind: str, path: str) -> None:
     sd = {k: v.numpy() for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
     w = gguf.GGUFWriter(path, arch)
     n_experts = c.get("num_experts") or c["num_local_experts"]
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
+    add_shape(w, c)
     if c.get("head_dim"):
         w.add_key_length(c["head_dim"])
         w.add_value_length(c["head_dim"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
     w.add_expert_count(n_experts)
     w.add_expert_used_count(c["num_experts_per_tok"])

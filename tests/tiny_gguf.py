@@ -34,3 +34,75 @@ def add_tiny_tokenizer(w, hf_dir: str, cfg: dict) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+
+
+def add_shape(w, c: dict) -> None:
+    """The model's shape from config.json `c`, as every architecture's file has it."""
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+
+
+LLAMA_NAMES = {
+    **ATTENTION_NAMES,
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _permute(w, n_heads: int):
+    """llama.cpp's q/k row order (convert_hf_to_gguf's LlamaModel.permute): dims i and i + head_dim/2 adjacent."""
+    shape = w.shape
+    return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def write_llama_gguf(hf_dir: str, path: str, types: dict[str, int] | None = None) -> str:
+    """A tiny Llama folder as llama.cpp's converter writes it, each matrix in
+    the ggml type `types` gives its llama.cpp name piece ("attn_q",
+    "token_embd", ...; quantized by gguf's own quantizer), F32 otherwise."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    types = types or {}
+    w = gguf.GGUFWriter(path, "llama")
+    add_shape(w, c)
+    w.add_rope_freq_base(c.get("rope_theta", 10000.0))
+    add_tiny_tokenizer(w, hf_dir, c)
+    sd = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+
+    def add(name: str, a) -> None:
+        qtype = types.get(name.split(".")[-2])
+        if qtype is None:
+            w.add_tensor(name, a)
+            return
+        qtype = gguf.GGMLQuantizationType(qtype)
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if "lm_head.weight" in sd:
+        add("output.weight", sd["lm_head.weight"])
+    for i in range(c["num_hidden_layers"]):
+        for hf, ours in LLAMA_NAMES.items():
+            if f"model.layers.{i}.{hf}.weight" not in sd:  # the QK norms of later families
+                continue
+            a = sd[f"model.layers.{i}.{hf}.weight"]
+            if ours == "attn_q":
+                a = _permute(a, c["num_attention_heads"])
+            elif ours == "attn_k":
+                a = _permute(a, c["num_key_value_heads"])
+            add(f"blk.{i}.{ours}.weight", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

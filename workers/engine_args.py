@@ -11,6 +11,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.workers.model_executor.layers.quantization import QUANTIZATION_METHODS
+
 if typing.TYPE_CHECKING:
     import torch
 
@@ -82,6 +84,15 @@ class EngineArgs:
         "accumulates in float32: half the bytes a decode step reads, on the CPU "
         "with its compiled kernels",
         choices=("auto", "bfloat16"),
+    )
+    quantization: str = cli_field(
+        "none",
+        "how the weights are stored and multiplied: none = expanded to the "
+        "model's dtype; gguf = a .gguf file's own blocks (Q4_0, Q4_1, Q8_0, "
+        "Q4_K, Q5_K, Q6_K), multiplied on the CPU with 8-bit activations and "
+        "integer dot products as llama.cpp does; auto = the checkpoint's own "
+        "(gguf for a quantized .gguf on the CPU)",
+        choices=("auto", *QUANTIZATION_METHODS),
     )
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")

@@ -36,13 +36,13 @@ class CPUDecodeStep:
             return None
         if model.layers[0].mlp.down_proj.tp.size != 1:
             return None
-        a, m = model.layers[0].self_attn, model.layers[0].mlp
-        if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
-            return None
         # The C++ layers read each matrix's weight as it is: a quantized or wrapped method computes otherwise.
         linears = [x for layer in model.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
         linears += [x for layer in model.layers for x in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if any(type(x.quant_method) is not UnquantizedLinearMethod for x in linears):
+            return None
+        a, m = model.layers[0].self_attn, model.layers[0].mlp
+        if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
             return None
         return cls(model, kernels)
 

@@ -107,3 +107,17 @@ class GGUFFile:
             return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
         rows = raw.reshape(-1, t.shape[-1] // block * type_size)
         return dequantize(rows, qtype).reshape(t.shape)
+
+    def is_float(self, name: str) -> bool:
+        return self.tensors[name].ggml_type in (0, 1, 30)  # F32, F16, BF16
+
+    def load_blocks(self, name: str) -> np.ndarray:
+        """The tensor's blocks as they are in the file: uint8 [*rows, bytes a
+        row], a read-only view of the mapped file."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        t = self.tensors[name]
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        row = t.shape[-1] // block * type_size
+        n = int(np.prod(t.shape[:-1]))
+        return self._buf[t.offset : t.offset + n * row].reshape(*t.shape[:-1], row)

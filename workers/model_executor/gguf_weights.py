@@ -6,6 +6,7 @@ changed the values too, a function to `ARCH_TRANSFORMS`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -94,6 +95,15 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+@dataclass
+class RawBlocks:
+    """A block-quantized tensor as the file holds it: uint8 [rows, bytes a row]."""
+
+    data: np.ndarray
+    ggml_type: int
+    cols: int
+
+
 def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face name of a GGUF tensor; None for tensors the model
     recomputes (rope_freqs) or has no use for."""
@@ -108,18 +118,27 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     return None if top is None else f"{top}.{parts[-1]}"
 
 
-def gguf_weights(g, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of GGUFFile `g` as (Hugging Face name, float array)."""
+def gguf_weights(
+    g, cfg: ModelConfig, keep_blocks: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, np.ndarray | RawBlocks]]:
+    """Every tensor of GGUFFile `g` as (Hugging Face name, float array);
+    the block-quantized ones `keep_blocks` names come as their blocks
+    (g.load_blocks, uint8 [rows, bytes a row]: the row order is undone on
+    whole rows), as RawBlocks."""
     arch = g.metadata["general.architecture"]
     transform = ARCH_TRANSFORMS.get(arch)
     for gname in g.tensors:
         name = hf_name(gname, arch)
         if name is None:
             continue
-        w = g.load(gname)
+        blocks = keep_blocks is not None and not g.is_float(gname) and keep_blocks(name)
+        w = g.load_blocks(gname) if blocks else g.load(gname)
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, cfg.num_attention_heads)
         elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_key_value_heads)
+        if blocks:  # transforms touch norms and experts only, never kept as blocks
+            yield name, RawBlocks(w, g.tensors[gname].ggml_type, g.tensors[gname].shape[-1])
+            continue
         pairs = transform(name, w, cfg) if transform is not None else [(name, w)]
         yield from pairs

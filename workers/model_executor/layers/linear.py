@@ -81,8 +81,12 @@ class ColumnParallelLinear(LinearBase):
         shard_id = shard_id or 0
         full, local, start = self.shards[shard_id]
         check_shape(f"shard {shard_id}", tensor.shape[:1], (full,))
+        part = tensor.narrow(0, start, local)
+        if hasattr(param, "store_part"):  # a method that keeps its own storage (GGUF blocks)
+            param.store_part(shard_id, part)
+            return
         offset = sum(n for _, n, _ in self.shards[:shard_id])
-        param.data.narrow(0, offset, local).copy_(tensor.narrow(0, start, local))
+        param.data.narrow(0, offset, local).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -129,7 +133,7 @@ class RowParallelLinear(LinearBase):
     ):
         super().__init__(quant_config, prefix)
         self.tp = get_tp_group()
-        self.input_full = input_size
+        self.input_full, self.output_size = input_size, output_size
         local = input_size // self.tp.size
         self.input_start = self.tp.rank * local
         self.quant_method.create_weights(
@@ -147,8 +151,12 @@ class RowParallelLinear(LinearBase):
             self.bias.weight_loader = default_weight_loader
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
-        check_shape("row-parallel weight", tensor.shape, (param.shape[0], self.input_full))
-        param.data.copy_(tensor.narrow(1, self.input_start, param.shape[1]))
+        check_shape("row-parallel weight", tensor.shape, (self.output_size, self.input_full))
+        part = tensor.narrow(1, self.input_start, self.input_full // self.tp.size)
+        if hasattr(param, "store_part"):
+            param.store_part(shard_id, part)
+            return
+        param.data.copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         self.tp = get_tp_group()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.rows = cdiv(vocab_size, self.tp.size)  # per rank, padded
         self.start = self.tp.rank * self.rows
         self.end = min(self.start + self.rows, vocab_size)  # real rows end here
@@ -39,7 +39,10 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None = None) -> None:
-        check_shape("vocabulary weight", tensor.shape, (self.vocab_size, param.shape[1]))
+        check_shape("vocabulary weight", tensor.shape, (self.vocab_size, self.hidden_size))
+        if hasattr(param, "store_part"):  # a method that keeps its own storage (GGUF blocks), padded the same
+            param.store_part(None, tensor[self.start : self.end], self.rows)
+            return
         param.data.zero_()
         param.data[: self.end - self.start].copy_(tensor[self.start : self.end])
 

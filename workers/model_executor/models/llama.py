@@ -20,6 +20,7 @@ from shoal.workers.model_executor.layers.attention import PagedAttention
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
+from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.workers.model_executor.layers.weight_utils import default_weight_loader
@@ -200,7 +201,10 @@ class LlamaForCausalLM(nn.Module):
         `dtype`; norms, activations and the KV cache keep the model's dtype.
         Each matmul widens the weights it reads (layers/cpu_linear.py)."""
         for m in self.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            # A quantized method's weights are its own (GGUF blocks): only unquantized ones narrow.
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and isinstance(
+                m.quant_method, UnquantizedLinearMethod
+            ):
                 m.weight.data = m.weight.data.to(dtype)  # a tied head shares the embedding's: cast once
 
     def attention_layers(self) -> list[PagedAttention]:

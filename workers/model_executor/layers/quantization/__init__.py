@@ -1,18 +1,21 @@
 """Quantization configs by name (vLLM's get_quantization_config).
 
-Only "none" so far: every layer takes UnquantizedLinearMethod. A format
-adds its QuantizationConfig subclass to _CONFIGS. No torch here, so options
-can list the names without loading the engine."""
+No config (None, "none"): every layer takes UnquantizedLinearMethod. A
+format registers its QuantizationConfig here by module path, imported only
+when asked for: options list the names without loading torch."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
 
-# name -> config class; GGUF, INT8 and FP8 register theirs here
-_CONFIGS: dict[str, type[QuantizationConfig]] = {}
+# name -> "module:class" of its config
+_CONFIGS: dict[str, str] = {
+    "gguf": "shoal.workers.model_executor.layers.quantization.gguf:GGUFConfig",
+}
 QUANTIZATION_METHODS = ("none", *_CONFIGS)
 
 
@@ -22,4 +25,5 @@ def get_quantization_config(name: str | None) -> type[QuantizationConfig] | None
         return None
     if name not in _CONFIGS:
         raise ValueError(f"unknown quantization method {name!r}; shoal knows {', '.join(QUANTIZATION_METHODS)}")
-    return _CONFIGS[name]
+    module, cls = _CONFIGS[name].split(":")
+    return getattr(importlib.import_module(module), cls)

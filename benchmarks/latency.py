@@ -5,6 +5,9 @@ the memory floor of a decode step: the model's weight bytes over the read
 bandwidth this bench measures on this machine (a large tensor's sum on the
 engine's threads, best of several). A decode step at batch 1 reads every
 weight once, so it cannot beat that floor; the ratio says how far off it is.
+Peer (--peers): llama.cpp through llama-cpp-python (llamacpp_peer.py) on the
+same .gguf file, prompts, output length and threads, one stream, where the
+package is installed; otherwise a line says so and the bench carries on.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import statistics
 import time
 
 from shoal.workers.engine_args import EngineArgs
+
+PEERS = ("llamacpp",)
 
 
 def add_parser(sub) -> None:
@@ -29,6 +34,12 @@ def add_parser(sub) -> None:
         "--profile",
         action="store_true",
         help="then profile one more request's decode steps (torch.profiler) and print where a step goes",
+    )
+    p.add_argument(
+        "--peers",
+        default="llamacpp",
+        help="comma list of: llamacpp (or none): llama.cpp on the same .gguf file, threads and prompts, "
+        "where llama-cpp-python is installed",
     )
     p.add_argument("--output", default="bench_results/latency.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the prompts
@@ -89,6 +100,7 @@ def measure(engine, prompt: list[int], output_len: int) -> tuple[float, list[flo
 def run(ns) -> int:
     from shoal.workers import LLMEngine
 
+    peers = chosen_peers(ns)  # checked before the engine starts
     args = EngineArgs.from_cli_args(ns)
     engine = LLMEngine(args)
     runner = engine.runner
@@ -139,6 +151,10 @@ def run(ns) -> int:
         f"  memory floor          {floor * 1e3:8.2f} ms   ({nbytes / 1e6:.0f} MB of weights / {bw / 1e9:.1f} GB/s read)"
     )
     print(f"  per-token time / floor {tpot50 / floor:.2f}x")
+    if "llamacpp" in peers:
+        peer = run_llamacpp(args.model, prompts, ns, report["threads"])
+        if peer:
+            report["peers"] = {"llama.cpp": peer}
     if ns.profile:
         report["profile"] = profile(engine, prompts[-1], ns.output_len)
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
@@ -147,6 +163,32 @@ def run(ns) -> int:
     print(f"wrote {ns.output}")
     engine.shutdown()
     return 0
+
+
+def chosen_peers(ns) -> list[str]:
+    peers = [p for p in ns.peers.split(",") if p and p != "none"]
+    if set(peers) - set(PEERS):
+        raise ValueError(f"--peers takes {', '.join(PEERS)} or none; got {ns.peers!r}")
+    return peers
+
+
+def run_llamacpp(model: str | None, prompts: list[list[int]], ns, threads: int) -> dict | None:
+    """llama.cpp on the same prompts, output length and threads, one stream;
+    prints its figures under shoal's (or why it did not run)."""
+    from shoal.benchmarks import llamacpp_peer
+    from shoal.workers.model_executor.model_loader import resolve_model
+
+    r = llamacpp_peer.run_latency(resolve_model(model), prompts, ns.output_len, threads, ns.num_iters_warmup)
+    if r is None:
+        return None
+    s = llamacpp_peer.summarize(r, _pct)
+    print(f"llama.cpp {s['version']} (llama-cpp-python), same file, prompts and {threads} threads:")
+    print(f"  time to first token   p50 {s['ttft_ms']['p50']:8.1f} ms   p99 {s['ttft_ms']['p99']:8.1f} ms")
+    print(
+        f"  time per output token p50 {s['tpot_ms']['p50']:8.2f} ms   p99 {s['tpot_ms']['p99']:8.2f} ms"
+        f"   ({s['decode_tok_s']:.1f} tok/s)"
+    )
+    return s
 
 
 def profile(engine, prompt: list[int], output_len: int) -> dict:

@@ -10,7 +10,9 @@ Three references, each for what it can check:
   kernel's result within the error the 8-bit activations imply, stated below, and visibly
   different from it (the first two references would not tell a kernel that skipped the
   activation quantization from one that did it).
-The scalar path (force_scalar) does the AVX2 path's float operations in the same order: equal bits.
+The scalar path (force_scalar) does the SIMD paths' float operations in the same order: equal bits,
+and so do the GEMV (one row of x) and the GEMM's register tiles (prefill rows) on both ISA paths
+(AVX2's vpmaddubsw, AVX-512 VNNI's vpdpbusd: the same integers).
 """
 
 from __future__ import annotations
@@ -128,31 +130,27 @@ def _activation_error_bound(x: np.ndarray, blocks: np.ndarray, qtype: GGMLQuanti
     return bound + slack
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(kernel, request):
+    """Each ISA path of the kernels (set_isa): AVX2's vpmaddubsw, or AVX-512 VNNI's vpdpbusd where built."""
+    if request.param == "avx512" and not kernel.has_avx512:
+        pytest.skip("this build has no AVX-512 path")
+    old = kernel.set_isa(request.param)
+    yield request.param
+    kernel.set_isa(old)
+
+
 @pytest.mark.parametrize("q8_1", [False, True])
 @pytest.mark.parametrize("force_scalar", [False, True])
-def test_activation_blocks_match_llama_cpp_layout(kernel, q8_1, force_scalar):
-    x = _x(5, 576, seed=1)
+@pytest.mark.parametrize("M", [5, 300])  # 300 rows: quantized by both threads
+def test_activation_blocks_match_llama_cpp_layout(kernel, q8_1, force_scalar, M):
+    x = _x(M, 576, seed=1)
     got = kernel.quantize_q8_activations(torch.from_numpy(x), q8_1, force_scalar).numpy()
-    assert got.shape == (5, 576 // QK * (36 if q8_1 else 34))
+    assert got.shape == (M, 576 // QK * (36 if q8_1 else 34))
     np.testing.assert_array_equal(got, _q8_bytes(x, q8_1))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("K", [64, 576])
-@pytest.mark.parametrize("M", [1, 3, 7])
-def test_gguf_linear_matches_llama_cpp_arithmetic(kernel, qtype, K, M):
-    N = 37
-    x = _x(M, K, seed=M * 1000 + K)
-    blocks = _weights(N, K, qtype, seed=K + int(qtype))
-    assert blocks.shape == (N, K // QK * GGML_QUANT_SIZES[qtype][1])
-    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
-
-    y = kernel.gguf_linear(xt, wt, int(qtype), False)
-    y_scalar = kernel.gguf_linear(xt, wt, int(qtype), True)
-    assert y.shape == (M, N) and y.dtype == torch.float32
-    assert torch.equal(y, y_scalar), "the scalar path does the SIMD path's float operations in the same order"
-    got = y.numpy().astype(np.float64)
-
+def _check_against_references(got: np.ndarray, x: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationType):
     w = dequantize(blocks, qtype).astype(np.float64)
     scale = np.abs(x.astype(np.float64)) @ np.abs(w).T  # sum |x| |w|: the size of the float32 rounding
     # 1. The same 8-bit activations and the weights' integers in float64: only float32 accumulation differs.
@@ -168,6 +166,55 @@ def test_gguf_linear_matches_llama_cpp_arithmetic(kernel, qtype, K, M):
     # reference 1 bounds), while the bound is not loose by orders of magnitude.
     assert (err / scale).max() > 100 * max(tight.max(), 1e-7)
     assert err.max() > 0.02 * bound.max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("K", [64, 576])
+@pytest.mark.parametrize("M", [1, 3, 7])  # 1: the GEMV; 3 and 7: the GEMM's 4-row tiles and its 3-row tail
+def test_gguf_linear_matches_llama_cpp_arithmetic(kernel, isa, qtype, K, M):
+    N = 37
+    x = _x(M, K, seed=M * 1000 + K)
+    blocks = _weights(N, K, qtype, seed=K + int(qtype))
+    assert blocks.shape == (N, K // QK * GGML_QUANT_SIZES[qtype][1])
+    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
+
+    y = kernel.gguf_linear(xt, wt, int(qtype), False)
+    y_scalar = kernel.gguf_linear(xt, wt, int(qtype), True)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert torch.equal(y, y_scalar), "the scalar path does the SIMD path's float operations in the same order"
+    _check_against_references(y.numpy().astype(np.float64), x, blocks, qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [17, 64, 200, 512])
+def test_gguf_gemm_is_the_gemv_bit_for_bit(kernel, isa, qtype, M):
+    """Prefill rows: the GEMM's 4x4 register tiles (and their 1-3 row tails, the odd N's last
+    weight row, x in chunks of 64 rows, weight rows split over the threads) give the GEMV's bits,
+    the scalar path's and the other ISA path's, and the references' values."""
+    N, K = 133, 576  # 33 tiles of 4 weight rows and one row
+    x = _x(M, K, seed=M)
+    blocks = _weights(N, K, qtype, seed=M + int(qtype))
+    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
+    y = kernel.gguf_linear(xt, wt, int(qtype), False)
+    old = kernel.set_gguf_gemm_min_rows(1 << 30)
+    try:
+        y_gemv = kernel.gguf_linear(xt, wt, int(qtype), False)
+    finally:
+        kernel.set_gguf_gemm_min_rows(old)
+    assert old <= M
+    assert torch.equal(y, y_gemv), "every (weight row, x row) pair does the GEMV's float operations in its order"
+    assert torch.equal(y, kernel.gguf_linear(xt, wt, int(qtype), True)), "and the scalar path's"
+    other = "avx512" if isa == "avx2" else "avx2"
+    if other == "avx2" or kernel.has_avx512:
+        kernel.set_isa(other)
+        try:
+            assert torch.equal(y, kernel.gguf_linear(xt, wt, int(qtype), False)), "the same integers on either ISA"
+        finally:
+            kernel.set_isa(isa)
+    # One row at a time (the GEMV, M = 1) for a few rows: each row's result depends on that row alone.
+    for m in (0, M // 2, M - 1):
+        assert torch.equal(y[m : m + 1], kernel.gguf_linear(xt[m : m + 1], wt, int(qtype), False))
+    _check_against_references(y.numpy().astype(np.float64), x, blocks, qtype)
 
 
 def test_gguf_linear_rejects_bad_input(kernel):

@@ -10,6 +10,13 @@ builds one where it applies (the cpu_kernel backend with AVX2, a float32
 Llama-family model on one rank, every matmul's inner size a multiple of the
 kernel's 16) and runs it for every step whose rows are all decodes, as it
 replays a CUDA graph for those on CUDA.
+
+Under --quantization gguf a matrix held as Q4_0, Q4_1 or Q8_0 blocks goes
+to the C++ layers as its blocks and is multiplied there by gguf_linear's
+own pieces (the same activation blocks and tiles: the same bits as the
+per-layer path). A fused layer whose parts come in different types, and
+the K-quants (no per-thread pieces of their kernel yet), keep the model on
+the per-layer path.
 """
 
 from __future__ import annotations
@@ -17,9 +24,26 @@ from __future__ import annotations
 import torch
 
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelMetadata
+from shoal.workers.model_executor.layers.quantization.gguf import GGUFLinearMethod
 from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 from shoal.workers.profiling import step_range
+
+_GGUF_TYPES = (0, 2, 3, 8)  # float (kept so by the file), Q4_0, Q4_1, Q8_0
+
+
+def _matrix(linear) -> tuple[torch.Tensor, int, int] | None:
+    """(what the C++ layers read, its ggml type, 0 for float; input features)
+    of a linear layer's weight, None where they cannot compute it."""
+    method = type(linear.quant_method)
+    if method is UnquantizedLinearMethod:
+        return linear.weight, 0, linear.weight.shape[1]
+    if method is GGUFLinearMethod:
+        groups = linear.weight.gguf_groups
+        if len(groups) == 1 and groups[0][0] in _GGUF_TYPES:
+            t, data, cols = groups[0]
+            return data, t, cols
+    return None  # another quantized or wrapped method computes otherwise
 
 
 class CPUDecodeStep:
@@ -36,13 +60,10 @@ class CPUDecodeStep:
             return None
         if model.layers[0].mlp.down_proj.tp.size != 1:
             return None
-        # The C++ layers read each matrix's weight as it is: a quantized or wrapped method computes otherwise.
         linears = [x for layer in model.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
         linears += [x for layer in model.layers for x in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(type(x.quant_method) is not UnquantizedLinearMethod for x in linears):
-            return None
-        a, m = model.layers[0].self_attn, model.layers[0].mlp
-        if any(layer.weight.shape[1] % 16 for layer in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+        matrices = [_matrix(x) for x in linears]
+        if any(m is None or (m[1] == 0 and m[2] % 16) for m in matrices):
             return None
         return cls(model, kernels)
 
@@ -69,22 +90,24 @@ class CPUDecodeStep:
         key = (self.kernels, a0.attn.k_cache.data_ptr(), a0.qkv_proj.weight.data_ptr())
         if self._bound is None or self._bound[0] != key:
             none = torch.empty(0)
-            weights, k_caches, v_caches = [], [], []
+            weights, types, k_caches, v_caches = [], [], [], []
             for layer in model.layers:
                 a, m = layer.self_attn, layer.mlp
                 for w in (
                     layer.input_layernorm.weight,
-                    a.qkv_proj.weight,
+                    a.qkv_proj,
                     a.qkv_proj.bias,
-                    a.o_proj.weight,
+                    a.o_proj,
                     a.o_proj.bias,
                     layer.post_attention_layernorm.weight,
-                    m.gate_up_proj.weight,
+                    m.gate_up_proj,
                     m.gate_up_proj.bias,
-                    m.down_proj.weight,
+                    m.down_proj,
                     m.down_proj.bias,
                 ):
+                    w, t, _ = _matrix(w) if isinstance(w, torch.nn.Module) else (w, 0, 0)
                     weights.append(none if w is None else w)
+                    types.append(t)
                 k_caches.append(a.attn.k_cache)
                 v_caches.append(a.attn.v_cache)
             layers = self.kernels.DecodeLayers(
@@ -98,6 +121,7 @@ class CPUDecodeStep:
                 model.config.rms_norm_eps,
                 a0.attn.scale,
                 [layer.self_attn.attn.sliding_window or 0 for layer in model.layers],  # 0: full attention
+                types,  # 2, 3, 8: GGUF blocks
             )
             self._bound = (key, layers)
         return self._bound[1]

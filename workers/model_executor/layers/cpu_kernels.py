@@ -38,6 +38,7 @@ _SOURCES = (
     "cpu_ops.cpp",
     "cpu_decode_layers.cpp",
     "gguf_gemv.cpp",
+    "gguf_kquants.cpp",
 )
 
 

@@ -36,9 +36,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear,
         "x @ W.T, W GGUF blocks uint8 [N, K / 32 * block bytes] of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)",
         py::arg("x"), py::arg("w_blocks"), py::arg("ggml_type"), py::arg("force_scalar") = false);
+  m.def("set_gguf_gemm_min_rows", &set_gguf_gemm_min_rows,
+        "gguf_linear takes its GEMM tiles from this many rows of x (fewer: the GEMV); returns the previous",
+        py::arg("rows"));
+  m.def("quantize_q8_k_activations", &quantize_q8_k_activations,
+        "rows of x (float32 [M, K]) as llama.cpp's block_q8_K -> uint8 [M, K / 256 * 292]", py::arg("x"),
+        py::arg("force_scalar") = false);
+  m.def("gguf_linear_k", &gguf_linear_k,
+        "x @ W.T, W GGUF K-quant super-blocks uint8 [N, K / 256 * block bytes] of ggml_type 12 (Q4_K), 13 (Q5_K) "
+        "or 14 (Q6_K)",
+        py::arg("x"), py::arg("w_blocks"), py::arg("ggml_type"), py::arg("force_scalar") = false);
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
                     torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>>())
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
+                    torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>, std::vector<int64_t>>(),
+           "... windows, types: each tensor's ggml_type (2, 3, 8: GGUF blocks; 0: float)")
       .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)")
       .def_readwrite("timing", &DecodeLayers::timing, "time each op of a layer (see op_seconds)")
       .def("op_seconds", [](DecodeLayers& d) {

@@ -38,9 +38,9 @@ void share(int64_t n, int64_t align, int tid, int nt, int64_t& begin, int64_t& e
 DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torch::Tensor> k_caches_,
                            std::vector<torch::Tensor> v_caches_, torch::Tensor cos_, torch::Tensor sin_,
                            int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
-                           std::vector<int64_t> windows_)
+                           std::vector<int64_t> windows_, std::vector<int64_t> types_)
     : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
-      windows(std::move(windows_)), cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
+      windows(std::move(windows_)), types(std::move(types_)), cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
       scale(scale_) {
 #ifndef __AVX2__
   TORCH_CHECK(false, "DecodeLayers: built without AVX2");
@@ -49,10 +49,18 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torc
                   v_caches.size() == k_caches.size() && windows.size() == k_caches.size(),
               "DecodeLayers: ", kPerLayer, " tensors per layer, one cache and one window each");
   for (int64_t w : windows) TORCH_CHECK(w >= 0, "DecodeLayers: sliding windows >= 0 (0: none)");
+  if (types.empty()) types.assign(weights.size(), 0);
+  TORCH_CHECK(types.size() == weights.size(), "DecodeLayers: one type per tensor");
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
     const bool matrix = i % kPerLayer == 1 || i % kPerLayer == 3 || i % kPerLayer == 6 || i % kPerLayer == 8;
-    if (matrix) {
+    TORCH_CHECK(matrix || types[i] == 0, "DecodeLayers: only weight matrices come as GGUF blocks");
+    if (types[i] != 0) {
+      const int64_t bb = gguf_weight_block_bytes(types[i]);
+      TORCH_CHECK(bb > 0, "DecodeLayers: GGUF blocks of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", types[i]);
+      TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) % bb == 0,
+                  "DecodeLayers: GGUF weight matrices contiguous uint8 [rows, whole blocks]");
+    } else if (matrix) {
       TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0 &&
                       (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
                   "DecodeLayers: weight matrices contiguous, float32 or bfloat16, inner size a multiple of 16");
@@ -66,6 +74,11 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torc
                     k_caches[l].scalar_type() == torch::kFloat32, "DecodeLayers: contiguous float32 caches");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
                   cos.size(1) == k_caches[0].size(3), "DecodeLayers: float32 rotary tables [max_pos, head_dim]");
+}
+
+int64_t DecodeLayers::cols(size_t i) const {
+  const auto& w = weights[i];
+  return types[i] ? w.size(1) / gguf_weight_block_bytes(types[i]) * 32 : w.size(1);
 }
 
 // h: [T, hidden] embeddings -> {mlp output, residual} of the last layer (the
@@ -91,10 +104,9 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
   const int64_t D = k_caches[0].size(3), bs = k_caches[0].size(1);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
   const int64_t G = num_heads / num_kv_heads;  // query heads per KV head
-  const int64_t inter = weights[8].size(1);
-  TORCH_CHECK(weights[1].size(0) == qkv_size && weights[1].size(1) == hidden && weights[3].size(1) == q_size &&
+  const int64_t inter = cols(8);
+  TORCH_CHECK(weights[1].size(0) == qkv_size && cols(1) == hidden && cols(3) == q_size &&
                   weights[6].size(0) == 2 * inter, "decode_layers: weights of another model shape");
-  const bool bf16 = weights[1].scalar_type() == torch::kBFloat16;
   auto opts = h.options();
   torch::Tensor residual = h;  // h is this step's own embeddings: the sum may start in it
   auto x = torch::empty({T, hidden}, opts), qkv = torch::empty({T, qkv_size}, opts);
@@ -104,6 +116,9 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
   float *rp = residual.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *ap = attn.data_ptr<float>(), *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
   float* ip = interleaved.data_ptr<float>();
+  // A GGUF linear's input rows as 8-bit activation blocks (36 bytes a block at most).
+  auto xq = torch::empty({T * std::max({hidden, q_size, inter}) / 32 * 36}, opts.dtype(torch::kUInt8));
+  uint8_t* xqp = xq.data_ptr<uint8_t>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps);
   PagedAttn pa{qkvp, qkv_size, ap, q_size, nullptr, nullptr, tables_t.data_ptr<int64_t>(), tables_t.size(1),
@@ -125,19 +140,38 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
     share(T, 1, tid, nt, r0, r1);
     std::vector<float> scores, acc;
     // y = in w^T + b over this thread's weight rows; in's rows are K wide.
-    auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, const torch::Tensor& b, float* y) {
-      if (bf16) {
+    // GGUF blocks (type != 0): in's rows quantized once into xqp, split by
+    // rows (quantized: already done by the op that wrote them, which saves a
+    // barrier), then the tiles over this thread's weight rows, as gguf_linear
+    // and then + b.
+    auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, const torch::Tensor& b, int64_t type,
+                      float* y, bool quantized) {
+      int64_t n0, n1;
+      const int64_t N = w.size(0);
+      share(N, 4, tid, nt, n0, n1);
+      if (type != 0) {
+        if (!quantized) {
+          gguf_quantize_rows(in, xqp, K, type, r0, r1);
+#pragma omp barrier
+        }
+        gguf_linear_rows(xqp, w.data_ptr<uint8_t>(), type, y, T, N, K, n0, n1);
+        if (const float* bp = data_or_null(b))
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t n = n0; n < n1; ++n) y[t * N + n] += bp[n];
+#pragma omp barrier
+        return;
+      }
+      if (w.scalar_type() == torch::kBFloat16) {
         for (int64_t t = r0; t < r1; ++t) interleave_for_bf16(in + t * K, ip + t * K, K);
         in = ip;
 #pragma omp barrier
       }
-      int64_t n0, n1;
-      share(w.size(0), 4, tid, nt, n0, n1);
       linear_rows(in, w, data_or_null(b), y, T, n0, n1);
 #pragma omp barrier
     };
     for (int64_t l = 0; l < L; ++l) {
       const torch::Tensor* w = weights.data() + l * kPerLayer;
+      const int64_t* ty = types.data() + l * kPerLayer;
       const float* in_norm = w[0].data_ptr<float>();
       for (int64_t t = r0; t < r1; ++t) {
         float* r = rp + t * hidden;
@@ -145,10 +179,11 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
         if (l > 0)  // the first layer's norm has no pending output to add (see LlamaDecoderLayer)
           for (int64_t j = 0; j < hidden; ++j) r[j] += xr[j];
         norm_row(r, in_norm, xr, hidden, e);
+        if (ty[1]) gguf_quantize_rows(xp, xqp, hidden, ty[1], t, t + 1);
       }
 #pragma omp barrier
       mark(0);
-      linear(xp, hidden, w[1], w[2], qkvp);
+      linear(xp, hidden, w[1], w[2], ty[1], qkvp, true);
       mark(1);
       float* kc = k_caches[l].data_ptr<float>();
       float* vc = v_caches[l].data_ptr<float>();
@@ -176,7 +211,7 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
       }
 #pragma omp barrier
       mark(3);
-      linear(ap, q_size, w[3], w[4], xp);
+      linear(ap, q_size, w[3], w[4], ty[3], xp, false);  // attention's rows are split by head
       mark(4);
       const float* post_norm = w[5].data_ptr<float>();
       for (int64_t t = r0; t < r1; ++t) {
@@ -184,15 +219,19 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
         float* xr = xp + t * hidden;
         for (int64_t j = 0; j < hidden; ++j) r[j] += xr[j];
         norm_row(r, post_norm, xr, hidden, e);
+        if (ty[6]) gguf_quantize_rows(xp, xqp, hidden, ty[6], t, t + 1);
       }
 #pragma omp barrier
       mark(5);
-      linear(xp, hidden, w[6], w[7], gup);
+      linear(xp, hidden, w[6], w[7], ty[6], gup, true);
       mark(6);
-      for (int64_t t = r0; t < r1; ++t) silu_mul_row(gup + t * 2 * inter, actp + t * inter, inter);
+      for (int64_t t = r0; t < r1; ++t) {
+        silu_mul_row(gup + t * 2 * inter, actp + t * inter, inter);
+        if (ty[8]) gguf_quantize_rows(actp, xqp, inter, ty[8], t, t + 1);
+      }
 #pragma omp barrier
       mark(7);
-      linear(actp, inter, w[8], w[9], xp);
+      linear(actp, inter, w[8], w[9], ty[8], xp, true);
       mark(8);
     }
   }

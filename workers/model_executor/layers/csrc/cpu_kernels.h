@@ -25,6 +25,12 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 // (block_q8_0, or block_q8_1 for Q4_1), integer block dot products.
 torch::Tensor quantize_q8_activations(torch::Tensor x, bool q8_1, bool force_scalar);
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_type, bool force_scalar);
+// GGUF K-quant weights (csrc/gguf_kquants.cpp): Q4_K / Q5_K / Q6_K super-blocks against
+// block_q8_K activations, as llama.cpp.
+torch::Tensor quantize_q8_k_activations(torch::Tensor x, bool force_scalar);
+torch::Tensor gguf_linear_k(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_type, bool force_scalar);
+// gguf_linear's GEMM tiles run from this many rows of x (the GEMV below); returns the previous.
+int64_t set_gguf_gemm_min_rows(int64_t rows);
 
 // Serial pieces of the kernels above, for the one-call decode step, which
 // splits them across its threads itself.
@@ -33,6 +39,14 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_
 // bfloat16 [N, K]; for bfloat16 weights, x rows through interleave_for_bf16.
 void linear_rows(const float* x, const torch::Tensor& w, const float* bias, float* y, int64_t M, int64_t n0,
                  int64_t n1);
+// GGUF blocks (gguf_gemv.cpp) in gguf_linear's pieces, with its bits:
+// rows [m0, m1) of x [M, K] to activation blocks (gguf_act_row_bytes a row),
+// then weight rows [n0, n1) of y [M, N] from them. ggml_type 2, 3 or 8.
+int64_t gguf_weight_block_bytes(int64_t ggml_type);  // 0: not one of the three
+int64_t gguf_act_row_bytes(int64_t ggml_type, int64_t K);
+void gguf_quantize_rows(const float* x, uint8_t* out, int64_t K, int64_t ggml_type, int64_t m0, int64_t m1);
+void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t M, int64_t N,
+                      int64_t K, int64_t n0, int64_t n1);
 // One row of x in the lane order of the bfloat16 weight loads.
 void interleave_for_bf16(const float* x, float* out, int64_t K);
 // out = w * r / rms(r).
@@ -65,16 +79,20 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
 // Every decoder layer of a Llama-family model for a step of decodes
 // (cpu_decode_layers.cpp). Built once per model and KV cache: the 10
 // tensors of each layer (an absent bias is an empty tensor), its caches and
-// its sliding window (0: none).
+// its sliding window (0: none). types: one per tensor, the ggml_type of a
+// weight matrix given as uint8 GGUF blocks (2, 3 or 8), 0 for float
+// (empty: all float).
 struct DecodeLayers {
   DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-               int64_t num_kv_heads, double eps, double scale, std::vector<int64_t> windows);
+               int64_t num_kv_heads, double eps, double scale, std::vector<int64_t> windows,
+               std::vector<int64_t> types = {});
   std::vector<torch::Tensor> forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                      torch::Tensor block_tables, torch::Tensor context_lens);
+  int64_t cols(size_t i) const;  // the input features of weight matrix i
 
   std::vector<torch::Tensor> weights, k_caches, v_caches;
-  std::vector<int64_t> windows;
+  std::vector<int64_t> windows, types;
   torch::Tensor cos, sin;
   int64_t num_heads, num_kv_heads;
   double eps, scale;

@@ -1,0 +1,147 @@
+"""The one-call CPU decode step (cpu_decode_step.py, csrc/cpu_decode_layers.cpp)
+on GGUF blocks under --quantization gguf.
+
+The C++ layers multiply Q4_0 / Q4_1 / Q8_0 blocks with gguf_linear's own
+pieces (the same activation blocks, the same tiles, threads splitting the
+weight rows instead of at::parallel_for), so every decode step's logits are
+the per-layer path's bit for bit: checked on tiny Llamas whose fused layers
+each hold one type (all three types on every kind of matrix between the two
+files), at 1 and 2 threads, on the AVX2 path and, where the CPU has it,
+the AVX-512 (VNNI) one. A fused layer in mixed types, and the K-quants, keep
+the per-layer path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_gguf_quantization import TYPES
+from tiny_gguf import write_llama_gguf
+from tiny_models import make_tiny_model
+
+from shoal.workers import LLM, SamplingParams
+from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.workers.model_executor.layers.attention import set_forward_context
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# Each fused layer (q, k, v; gate, up) in one type; between the two files
+# every kind of matrix is in each of the three types at least once, or twice.
+UNIFORM = {
+    "a": {"qkv": Q.Q4_0, "attn_output": Q.Q4_1, "ffn": Q.Q8_0, "ffn_down": Q.Q4_1},
+    "b": {"qkv": Q.Q8_0, "attn_output": Q.Q4_0, "ffn": Q.Q4_1, "ffn_down": Q.Q8_0},
+}
+# q, k and v in three types, gate and up in two: the one-call step stands aside.
+MIXED = TYPES
+
+
+def _types(u: dict[str, int]) -> dict[str, int]:
+    return {
+        "token_embd": Q.Q8_0,
+        "output": Q.Q8_0,
+        **{k: u["qkv"] for k in ("attn_q", "attn_k", "attn_v")},
+        "attn_output": u["attn_output"],
+        "ffn_gate": u["ffn"],
+        "ffn_up": u["ffn"],
+        "ffn_down": u["ffn_down"],
+    }
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    if k is None or not k.has_avx2:
+        pytest.skip("the one-call decode step needs the compiled kernels with AVX2")
+    return k
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("gguf-step")
+    hf = make_tiny_model(str(d / "hf"))
+    out = {name: write_llama_gguf(hf, str(d / f"{name}.gguf"), _types(u)) for name, u in UNIFORM.items()}
+    out["mixed"] = write_llama_gguf(hf, str(d / "mixed.gguf"), {"token_embd": Q.Q8_0, **MIXED})
+    wide = make_tiny_model(str(d / "hf-wide"), intermediate_size=256)  # ffn_down: one Q4_K block a row
+    out["q4_k"] = write_llama_gguf(wide, str(d / "q4_k.gguf"), {"ffn_down": Q.Q4_K})
+    return out
+
+
+def _llm(path: str, threads: int) -> LLM:
+    return LLM(path, quantization="gguf", num_threads=threads, num_kv_blocks=64, enable_prefix_caching=False)
+
+
+class _BothPaths:
+    """Each decode-only step twice on the same inputs: first the model's
+    per-layer forward (the GGUF kernels layer by layer), then the one-call
+    step; records both logits. Both write the step's keys and values into
+    the same cache slots (the same values where the two agree)."""
+
+    def __init__(self, runner, monkeypatch):
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        model, step = runner.model, runner.cpu_decode_step
+        step_forward = step.forward
+
+        def both(input_ids, positions, logits_indices, meta):
+            with set_forward_context(meta):  # the layers' attention reads it
+                ref = model.forward(input_ids, positions, logits_indices)
+            out = step_forward(input_ids, positions, logits_indices, meta)
+            self.records.append((ref.clone(), out.clone()))
+            return out
+
+        monkeypatch.setattr(step, "forward", both)
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def _isas(kernels) -> list[str]:
+    return ["avx2", "avx512"] if kernels.has_avx512 else ["avx2"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("which", sorted(UNIFORM))
+def test_decode_steps_on_blocks_equal_the_per_layer_path_bit_for_bit(kernels, files, monkeypatch, which, threads):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = _prompts(7, (1, 9, 40))
+    with _llm(files[which], threads) as llm:
+        runner = llm.engine.runner
+        assert runner.cpu_decode_step is not None, "the one-call step refused uniform Q4_0 / Q4_1 / Q8_0 layers"
+        for isa in _isas(kernels):
+            previous = kernels.set_isa(isa)
+            try:
+                with monkeypatch.context() as m:
+                    both = _BothPaths(runner, m)
+                    llm.generate(prompts, params)  # 3-row decodes, then one alone
+                    llm.generate(prompts[1:2], params)  # 1-row decodes
+            finally:
+                kernels.set_isa(previous)
+            assert len(both.records) == 2 * (params.max_tokens - 1), len(both.records)
+            for i, (ref, out) in enumerate(both.records):
+                assert torch.equal(out, ref), f"{isa}, decode step {i}: max |diff| {(out - ref).abs().max().item()}"
+
+
+def test_greedy_tokens_equal_the_per_layer_path(kernels, files, monkeypatch):
+    """Generation as the runner runs it, the one-call step against a runner without one."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(8, (1, 5, 23, 60))
+    with _llm(files["a"], 2) as llm:
+        assert llm.engine.runner.cpu_decode_step is not None
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.engine.runner.cpu_decode_step = None  # every step on the per-layer path
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+
+
+@pytest.mark.parametrize("which", ["mixed", "q4_k"])
+def test_mixed_types_and_k_quants_keep_the_per_layer_path(kernels, files, which):
+    """Parts of one fused layer in different types come as groups, one
+    matmul each; the K-quants' kernel has no per-thread pieces yet."""
+    with _llm(files[which], 1) as llm:
+        assert llm.engine.runner.cpu_decode_step is None
+        out = llm.generate(_prompts(9, (4,)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(out[0].token_ids) == 3

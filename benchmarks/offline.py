@@ -136,18 +136,57 @@ def chosen_peers(ns, num_workloads: int) -> list[str]:
     return peers
 
 
+def _best_rate(step, ops: float, seconds: float, windows: int = 3) -> float:
+    """ops / s of `step`, the best of `windows` timed windows: on a shared
+    machine a single window swung the float32 peak from 109 to 177 GFLOP/s."""
+    step()
+    best = 0.0
+    for _ in range(windows):
+        iters, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / windows:
+            step()
+            iters += 1
+        best = max(best, ops * iters / (time.perf_counter() - t0))
+    return best
+
+
 def measure_matmul_flops(seconds: float = 2.0) -> float:
     """This machine's float32 matmul rate (FLOP/s) on a large square matmul."""
     import torch
 
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    iters, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        iters += 1
-    return 2 * n**3 * iters / (time.perf_counter() - t0)
+    return _best_rate(lambda: a @ b, 2 * n**3, seconds)
+
+
+def measure_int8_dot_ops(seconds: float = 2.0) -> float | None:
+    """This machine's integer dot-product rate (2 ops a multiply-add) through
+    the GGUF kernel on Q8_0 blocks, 256 rows by a 2048 x 2048 matrix: the
+    roofline of --quantization gguf, as measure_matmul_flops is float32's.
+    None without the compiled kernels."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from shoal.workers.model_executor.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return None
+    m, n = 256, 2048
+    w = quantize(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    w, x = torch.from_numpy(w), torch.randn(m, n)
+    return _best_rate(lambda: kernels.gguf_linear(x, w, GGMLQuantizationType.Q8_0, False), 2 * m * n * n, seconds)
+
+
+def model_params(model) -> int:
+    """The model's weights, counted as numbers (a GGUF matrix's blocks hold rows x columns of them)."""
+    n = 0
+    for p in model.parameters():
+        groups = getattr(p, "gguf_groups", None)
+        n += sum(d.shape[0] * cols for _, d, cols in groups) if groups else p.numel()
+    return n
 
 
 def run_shoal(args: EngineArgs, work) -> dict:
@@ -169,7 +208,7 @@ def run_shoal(args: EngineArgs, work) -> dict:
     stats = eng.stats()
     steps = eng.num_steps - steps0
     # Parameters of the whole model (each rank holds 1/K of most of them).
-    params = sum(p.numel() for p in eng.runner.model.parameters()) if args.tensor_parallel_size == 1 else None
+    params = model_params(eng.runner.model) if args.tensor_parallel_size == 1 else None
     result = {
         "seconds": dt,
         "preemptions": stats.num_preemptions,
@@ -179,6 +218,7 @@ def run_shoal(args: EngineArgs, work) -> dict:
         "params": params,
         "tensor_parallel_size": eng.args.tensor_parallel_size,
         "outputs": [o.token_ids for o in outs],
+        "quantization": "gguf" if any(hasattr(p, "gguf_groups") for p in model.parameters()) else "none",
     }
     if moe:
         # Rank 0 routes every token (the router is replicated), so its counts are the group's.
@@ -294,6 +334,7 @@ class Bench:
     peak: float  # the matmul rate, measured once per run
     peers: list[str]
     generate_batch: int
+    int8_peak: float | None = None  # the integer dot-product rate, measured under --quantization gguf
 
     @functools.cached_property
     def peer_model(self):
@@ -335,6 +376,19 @@ class Bench:
             f"\nroofline: 2 x {params / 1e6:.1f}M {'active ' if 'active_params' in first else ''}params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
             f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s"
         )
+        if self.int8_peak:  # --quantization gguf: shoal's matmuls are integer dot products
+            for r in results.values():
+                if r.get("quantization") == "gguf":
+                    r["int8_roofline_fraction"] = flops / r["seconds"] / self.int8_peak
+            print(
+                f"integer roofline: the same ops at {self.int8_peak / 1e9:.1f} GOP/s (Q8_0 kernel) = "
+                f"{flops / self.int8_peak:.1f} s; --quantization gguf reached "
+                + ", ".join(
+                    f"{100 * r['int8_roofline_fraction']:.1f}%"
+                    for r in results.values()
+                    if "int8_roofline_fraction" in r
+                )
+            )
         shape = dataclasses.asdict(w) | {"seed": args.seed, "prompt_tokens": n_in, "output_tokens": n_out}
         report = {"workload": shape, "params": params, "results": results}
         if CB in results:
@@ -433,12 +487,17 @@ def run(ns) -> int:
     cfg.check_tp_size(args.tensor_parallel_size, args.enable_expert_parallel)  # before anything runs
     peak = measure_matmul_flops()
     print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    bench = Bench(args, cfg.vocab_size, peak, peers, ns.generate_batch)
+    int8_peak = None
+    if args.quantization != "none":
+        int8_peak = measure_int8_dot_ops()
+        if int8_peak:
+            print(f"int8 dot-product rate on this machine: {int8_peak / 1e9:.1f} GOP/s (Q8_0 kernel)")
+    bench = Bench(args, cfg.vocab_size, peak, peers, ns.generate_batch, int8_peak)
     reports = {w.name: bench.run_workload(w) for w in workloads}
     if len(reports) > 1:
         print_summary(reports)
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
-        json.dump({"matmul_flops": peak, "workloads": reports}, f, indent=2)
+        json.dump({"matmul_flops": peak, "int8_dot_ops": int8_peak, "workloads": reports}, f, indent=2)
     print(f"wrote {ns.output}")
     return 0

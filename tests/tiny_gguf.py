@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 # Hugging Face block pieces -> llama.cpp's, for the attention every architecture here shares (written
 # from llama.cpp's names, not from shoal's own table, so the tests check that table).
@@ -65,11 +66,13 @@ def _permute(w, n_heads: int):
 def write_llama_gguf(hf_dir: str, path: str, types: dict[str, int] | None = None) -> str:
     """A tiny Llama folder as llama.cpp's converter writes it, each matrix in
     the ggml type `types` gives its llama.cpp name piece ("attn_q",
-    "token_embd", ...; quantized by gguf's own quantizer), F32 otherwise."""
+    "token_embd", ...; quantized by gguf's own quantizer, or for the
+    K-quants, which it cannot make, random blocks), F32 otherwise."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
 
+    Q = gguf.GGMLQuantizationType
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
     types = types or {}
@@ -85,6 +88,11 @@ def write_llama_gguf(hf_dir: str, path: str, types: dict[str, int] | None = None
             w.add_tensor(name, a)
             return
         qtype = gguf.GGMLQuantizationType(qtype)
+        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # gguf cannot quantize these: random blocks in their place
+            from test_gguf_kquant_kernels import _blocks
+
+            w.add_tensor(name, _blocks(a.shape[0], a.shape[1], qtype, zlib.crc32(name.encode())), raw_dtype=qtype)
+            return
         w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])

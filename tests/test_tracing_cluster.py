@@ -83,30 +83,36 @@ def _check_trace(col: OtlpCollector, trace_id: str, client_span: str | None, got
 
 
 def test_http_and_grpc_requests_each_make_one_connected_trace(tiny_model, monkeypatch):
-    with OtlpCollector() as col:
-        # `shoal serve` hands the OTEL_* of its environment to every replica.
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", col.endpoint)
-        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export within a fraction of a second
-        with local_cluster_app("shoal-traces", model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256) as (
+    # The collector's port is bound now, its gRPC server started only once Ray is up: ray.init forks,
+    # and a fork while this process's gRPC threads are busy ("skipping fork() handlers") left Ray's
+    # GCS never starting, twice in full slow-tier runs (the test passed alone).
+    col = OtlpCollector()
+    # `shoal serve` hands the OTEL_* of its environment to every replica.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", col.endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export within a fraction of a second
+    with (
+        local_cluster_app("shoal-traces", model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256) as (
             base,
             addr,
-        ):
-            wait_for_workers(addr, 2, 120)
-            t_http, c_http = secrets.token_hex(16), secrets.token_hex(8)
-            got_http = _http(base, f"00-{t_http}-{c_http}-01")
-            t_grpc, c_grpc = secrets.token_hex(16), secrets.token_hex(8)
-            got_grpc = _grpc(addr, f"00-{t_grpc}-{c_grpc}-01")
-            got_root = _http(base, None)
-            _check_trace(col, t_http, c_http, got_http, "text_completion")
-            _check_trace(col, t_grpc, c_grpc, got_grpc, "text_completion")
-            grpc_attrs = col.wait_for(
-                lambda s: s.trace_id == t_grpc and s.kind == "SERVER" and s.service_name == "shoal-router"
-            ).attributes
-            assert (grpc_attrs["gen_ai.request.temperature"], grpc_attrs["gen_ai.request.seed"]) == (
-                pytest.approx(0.7),
-                5,
-            )
-            # Without a traceparent the router's span is the root of a trace of its own.
-            root = col.wait_for(lambda s: s.attributes.get("gen_ai.response.id") == got_root["id"], timeout=30)
-            assert root.trace_id not in (t_http, t_grpc)
-            _check_trace(col, root.trace_id, None, got_root, "text_completion")
+        ),
+        col,
+    ):
+        wait_for_workers(addr, 2, 120)
+        t_http, c_http = secrets.token_hex(16), secrets.token_hex(8)
+        got_http = _http(base, f"00-{t_http}-{c_http}-01")
+        t_grpc, c_grpc = secrets.token_hex(16), secrets.token_hex(8)
+        got_grpc = _grpc(addr, f"00-{t_grpc}-{c_grpc}-01")
+        got_root = _http(base, None)
+        _check_trace(col, t_http, c_http, got_http, "text_completion")
+        _check_trace(col, t_grpc, c_grpc, got_grpc, "text_completion")
+        grpc_attrs = col.wait_for(
+            lambda s: s.trace_id == t_grpc and s.kind == "SERVER" and s.service_name == "shoal-router"
+        ).attributes
+        assert (grpc_attrs["gen_ai.request.temperature"], grpc_attrs["gen_ai.request.seed"]) == (
+            pytest.approx(0.7),
+            5,
+        )
+        # Without a traceparent the router's span is the root of a trace of its own.
+        root = col.wait_for(lambda s: s.attributes.get("gen_ai.response.id") == got_root["id"], timeout=30)
+        assert root.trace_id not in (t_http, t_grpc)
+        _check_trace(col, root.trace_id, None, got_root, "text_completion")

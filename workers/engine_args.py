@@ -90,12 +90,26 @@ class EngineArgs:
         "how the weights are stored and multiplied: none = expanded to the "
         "model's dtype; gguf = a .gguf file's own blocks (Q4_0, Q4_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K), multiplied on the CPU with 8-bit activations and "
-        "integer dot products as llama.cpp does; auto = the checkpoint's own "
-        "(gguf for a quantized .gguf on the CPU)",
+        "integer dot products as llama.cpp does; int8 = a float checkpoint's "
+        "linear layers quantized at load to int8 per output channel, with "
+        "8-bit activations per token (CPU integer kernels, Triton on GPU); "
+        "fp8 = the same in float8_e4m3 with a per-tensor weight scale "
+        "(torch._scaled_mm on Hopper); compressed-tensors = an llm-compressor "
+        "checkpoint as stored (W8A8 int8/fp8, W4A16); auto = the checkpoint's "
+        "own (gguf for a quantized .gguf on the CPU, a folder's "
+        "quantization_config)",
         choices=("auto", *QUANTIZATION_METHODS),
     )
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")
     block_size: int = cli_field(16, "tokens per KV block")
+    kv_cache_dtype: str = cli_field(
+        "auto",
+        "the KV cache's storage: auto = the model's dtype; fp8 (= fp8_e4m3) = float8_e4m3fn "
+        "with a per-tensor scale per layer (1.0): one byte an "
+        "element, so the same budget holds 2x the blocks of bfloat16, 4x of float32; needs "
+        "attention backend torch or triton (auto picks one)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     kv_cache_memory_bytes: int | None = cli_field(
         None, "KV budget in bytes (default: 2 GiB on CPU; on GPU what --gpu-memory-utilization leaves)"
     )

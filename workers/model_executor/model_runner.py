@@ -30,6 +30,7 @@ from shoal.workers.model_executor.cpu_memory import release_free_heap
 from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.layers.attention import set_forward_context
 from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
+from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.attention.selector import get_attn_backend
 from shoal.workers.model_executor.layers.cpu_kernels import bind as bind_cpu_kernels
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
@@ -70,12 +71,15 @@ class ModelRunner:
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         cpu_kernels: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
-        """Call initialize_kv_cache before the first step; cpu_kernels as EngineArgs.cpu_kernels."""
+        """Call initialize_kv_cache before the first step; cpu_kernels and
+        kv_cache_dtype as EngineArgs has them."""
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # banned before min_tokens
         self.device, self.dtype = next(model.parameters()).device, model.dtype
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.max_num_seqs = max_num_seqs
         self.enforce_eager = enforce_eager
@@ -85,11 +89,14 @@ class ModelRunner:
         self.staging = StagingBuffer(self.device)
         self.sampler = Sampler()
         self.fault_plan = FaultPlan.from_env()  # None unless a test asks for faults
-        self.attn_backend = get_attn_backend(attention_backend, self.device, self.dtype, block_size, cpu_kernels)
+        self.attn_backend = get_attn_backend(
+            attention_backend, self.device, self.dtype, block_size, cpu_kernels, self.kv_cache_dtype
+        )
         self.attn_metadata_builder = self.attn_backend.builder_cls(block_size, self.device)
         # The compiled kernels reach the other layers here, once (layers/cpu_kernels.py), and with
         # them the one-call decode step where it applies.
         bound = bind_cpu_kernels(model, self.attn_backend.cpu_kernels)
+        self.sampler.cpu_kernels = bound
         self.cpu_decode_step = CPUDecodeStep.create(model, bound)
 
     @property
@@ -110,7 +117,7 @@ class ModelRunner:
         self.pad_block = num_blocks if self.varlen else None
         total = num_blocks + (1 if self.varlen else 0)
         shape = (2, cfg.num_hidden_layers, total, self.block_size, kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         impl = self.attn_backend.impl_cls()  # one for all layers
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -128,7 +135,7 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-        """One block's keys and values on one rank."""
+        """One block's keys and values on one rank; dtype: the cache's (one byte for fp8)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         kv_heads = num_local_kv_heads(cfg.num_key_value_heads, tp_size)
         return 2 * cfg.num_hidden_layers * block_size * kv_heads * cfg.head_dim * itemsize

@@ -26,6 +26,7 @@ from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEnco
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.model_executor.cuda_graph import CaptureStats
+from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
 from shoal.workers.model_executor.memory_profiler import (
@@ -84,6 +85,7 @@ class RankWorker:
             torch.set_num_threads(args.num_threads)
         self.dtype = args.resolved_dtype(self.device)
         self.weight_dtype = args.resolved_weight_dtype(self.device)  # refuses a bad pairing before loading anything
+        self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # sizes the KV blocks
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         if self.size > 1:
@@ -136,6 +138,7 @@ class RankWorker:
             # No CUDA graphs under tensor parallelism: every rank runs every step eagerly.
             enforce_eager=args.enforce_eager or self.size > 1,
             cpu_kernels=args.cpu_kernels,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
 
     def determine_num_blocks(self) -> int:
@@ -145,7 +148,7 @@ class RankWorker:
         ModelRunner.kv_budget_bytes. Each rank holds only its own heads: the
         same bytes hold about `size` times the blocks."""
         args, device = self.args, self.device
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, args.block_size, self.dtype, self.size)
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, args.block_size, self.kv_cache_dtype, self.size)
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks
         elif args.kv_cache_memory_bytes is not None or device.type != "cuda" or self.size > 1:
@@ -176,7 +179,9 @@ class RankWorker:
         """Allocate this rank's KV cache (and bind its attention kernel)."""
         self.runner.initialize_kv_cache(num_blocks)
         if isinstance(self.runner, ModelRunner):
-            per_block = ModelRunner.kv_bytes_per_block(self.model_config, self.args.block_size, self.dtype, self.size)
+            per_block = ModelRunner.kv_bytes_per_block(
+                self.model_config, self.args.block_size, self.kv_cache_dtype, self.size
+            )
             logger.info(
                 "memory of rank %d: weights %.1f MiB, KV cache %.1f MiB (%d blocks of %d tokens)",
                 self.rank,

@@ -14,6 +14,10 @@ merges the segments. Which launch, and every grid size, follows from tensor
 shapes and max_query_len alone, never from tensor values, so a decode step
 can be captured in a CUDA graph.
 
+An fp8 cache (float8_e4m3fn, layers/attention/kv_cache.py) is read as
+vLLM's Triton kernels read it: each key and value widened to float32, times
+its cache's per-tensor scale, then cast to the dot's dtype.
+
 A sliding window W (a layer's; NO_WINDOW, beyond any context, for none)
 lets the query at position p see keys p - W < k <= p. A program starts its
 walk at the block of the first key its first query sees, so a decode reads
@@ -69,6 +73,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale,
+    k_scale,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -90,6 +96,7 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """NUM_SEGMENTS == 1: the grid's third axis tiles each chunk's queries and
     the program writes its rows of `out`. Otherwise (split KV, one query token
@@ -154,7 +161,10 @@ def _paged_attention_kernel(
         key_pos = j * BLOCK_SIZE + offsets
         key_ok = key_pos < num_keys
         k_off = block * stride_kb + offsets[None, :] * stride_ks + kv_head * stride_kh + dims[:, None]
-        k = tl.load(k_cache_ptr + k_off, mask=dim_ok[:, None] & key_ok[None, :], other=0.0).to(DOT_DTYPE)
+        k = tl.load(k_cache_ptr + k_off, mask=dim_ok[:, None] & key_ok[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(tl.float32) * k_scale
+        k = k.to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [rows, BLOCK_SIZE]
         seen = (key_pos[None, :] < visible[:, None]) & (key_pos[None, :] >= lowest[:, None])
         s = tl.where(seen, s, float("-inf"))
@@ -166,7 +176,10 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         v_off = block * stride_vb + offsets[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
-        v = tl.load(v_cache_ptr + v_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_cache_ptr + v_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(tl.float32) * v_scale
+        v = v.to(DOT_DTYPE)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -279,6 +292,8 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     split_kv: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, heads, dim]; caches [num_blocks, block_size, kv_heads, dim];
     sequence i owns queries query_start_loc[i]:query_start_loc[i + 1], the
@@ -286,12 +301,17 @@ def paged_attention(
 
     sliding_window: the query at position p sees only keys p - sliding_window
     < k <= p (None or 0: every k <= p). split_kv forces the launch (True
-    needs max_query_len == 1); None picks it by use_split_kv."""
+    needs max_query_len == 1); None picks it by use_split_kv. k_scale,
+    v_scale: an fp8 cache's per-tensor scales (stored = k / k_scale); a
+    cache of q's dtype ignores them."""
     _check_runs_on(q.device)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     _check_block_size(block_size)
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if k_cache.dtype != v_cache.dtype or not (kv_fp8 or k_cache.dtype == q.dtype):
+        raise ValueError(f"the KV cache must be float8_e4m3fn or q's {q.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
     inner_strides = (q.stride(2), k_cache.stride(3), v_cache.stride(3), block_tables.stride(1))
     assert inner_strides == (1, 1, 1, 1), "head_dim and block tables must be contiguous"
     num_seqs = seq_lens.shape[0]
@@ -331,6 +351,8 @@ def paged_attention(
         seq_lens,
         query_start_loc,
         scale,
+        float(k_scale),
+        float(v_scale),
         window,
         q.stride(0),
         q.stride(1),
@@ -354,6 +376,7 @@ def paged_attention(
         # default for 16-bit inputs, where the precision setting does not apply.
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        KV_FP8=kv_fp8,
     )
     if split_kv:
         _merge_segments_kernel[(num_seqs, num_kv_heads)](

@@ -45,6 +45,9 @@ class AttentionLayer(Protocol):
     k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, dim]
     v_cache: torch.Tensor
     scale: float
+    # An fp8 cache's per-tensor scales: stored = k / k_scale (1.0 otherwise, unread).
+    k_scale: float
+    v_scale: float
     # A query at position p attends to keys p - sliding_window < k <= p (None: all k <= p).
     sliding_window: int | None
 
@@ -84,6 +87,9 @@ class AttentionBackend(Protocol):
     # which the linear layers, small ops and the one-call decode step then
     # share; None for every backend but cpu_kernel.
     cpu_kernels: Any
+    # Reads and writes a float8_e4m3fn cache with per-tensor scales
+    # (--kv-cache-dtype fp8, attention/kv_cache.py).
+    supports_fp8_kv_cache: bool
     metadata_cls: type  # what its builder builds
     builder_cls: type[AttentionMetadataBuilder]
     impl_cls: type[AttentionImpl]

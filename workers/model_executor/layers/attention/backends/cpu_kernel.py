@@ -82,6 +82,7 @@ class CPUKernelImpl:
 class CPUKernelBackend:
     name = "cpu_kernel"
     varlen = False
+    supports_fp8_kv_cache = False  # the compiled decode kernel reads float32 caches
     metadata_cls = CPUKernelMetadata
     builder_cls = CPUKernelMetadataBuilder
     impl_cls = CPUKernelImpl

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionLayer, CommonAttentionMetadata
+from shoal.workers.model_executor.layers.attention.kv_cache import dequantize_fp8, fp8_round_trip, is_fp8, layer_scales
 from shoal.workers.utils import cdiv
 
 
@@ -184,6 +185,11 @@ class GatherWorkspace:
         torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
         return out.view(n, m * block_shape[0], *block_shape[1:])
 
+    def read(self, block_tables: torch.Tensor, cache: torch.Tensor, slot: int, scale: float, dtype: torch.dtype):
+        """gather, widened to `dtype` where the cache is fp8 (times its scale)."""
+        out = self.gather(block_tables, cache, slot)
+        return dequantize_fp8(out, scale, dtype) if is_fp8(cache) else out
+
 
 def prefill_attention(
     workspace: GatherWorkspace,
@@ -197,6 +203,7 @@ def prefill_attention(
     """Each chunk's queries attend causally over its context (under the
     layer's sliding window, if any), into `out`."""
     window = layer.sliding_window
+    k_scale, v_scale = layer_scales(layer)
     for p in prefills:
         n = p.end - p.start
         w = window if window and window < p.context_len else None  # else every key is in every query's window
@@ -204,13 +211,15 @@ def prefill_attention(
         first = 0  # position of the first key attended to (a multiple of the block size)
         if p.block_table is None:
             ks, vs = k[p.start : p.end], v[p.start : p.end]
+            if is_fp8(layer.k_cache):  # see what the cache holds, as every other read does
+                ks, vs = fp8_round_trip(ks, k_scale), fp8_round_trip(vs, v_scale)
         else:
             # The chunk's first query, at context_len - n, sees nothing before its window.
             first_block = max(0, p.context_len - n - w + 1) // layer.k_cache.shape[1] if w else 0
             table = p.block_table[first_block:][None]
             first = first_block * layer.k_cache.shape[1]
-            ks = workspace.gather(table, layer.k_cache, 0)[0, : p.context_len - first]
-            vs = workspace.gather(table, layer.v_cache, 1)[0, : p.context_len - first]
+            ks = workspace.read(table, layer.k_cache, 0, k_scale, q.dtype)[0, : p.context_len - first]
+            vs = workspace.read(table, layer.v_cache, 1, v_scale, q.dtype)[0, : p.context_len - first]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         if n == p.context_len and not w:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=layer.scale, enable_gqa=True)
@@ -233,12 +242,13 @@ class TorchSDPAImpl:
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
     ) -> torch.Tensor:
         out = torch.empty_like(q)
+        k_scale, v_scale = layer_scales(layer)
         for g in metadata.decodes_for(layer.sliding_window):
             # One batched call per group: gather each one's blocks (whole
             # blocks copy at memory speed) into a padded
             # [n, kv_heads, max_blocks * block_size, dim] and mask the padding.
-            kd = self.workspace.gather(g.block_tables, layer.k_cache, 0).transpose(1, 2)
-            vd = self.workspace.gather(g.block_tables, layer.v_cache, 1).transpose(1, 2)
+            kd = self.workspace.read(g.block_tables, layer.k_cache, 0, k_scale, q.dtype).transpose(1, 2)
+            vd = self.workspace.read(g.block_tables, layer.v_cache, 1, v_scale, q.dtype).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[g.start : g.end].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=layer.scale, enable_gqa=True
             )
@@ -251,6 +261,7 @@ class TorchSDPABackend:
     name = "torch"
     varlen = False
     cpu_kernels = None
+    supports_fp8_kv_cache = True
     metadata_cls = TorchSDPAMetadata
     builder_cls = TorchSDPAMetadataBuilder
     impl_cls = TorchSDPAImpl

@@ -13,6 +13,7 @@ import torch
 
 from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionLayer
 from shoal.workers.model_executor.layers.attention.backends.varlen import VarlenBackend, VarlenMetadata
+from shoal.workers.model_executor.layers.attention.kv_cache import layer_scales
 
 
 class TritonAttentionImpl:
@@ -25,6 +26,7 @@ class TritonAttentionImpl:
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: VarlenMetadata
     ) -> torch.Tensor:
         m = metadata
+        k_scale, v_scale = layer_scales(layer)
         return self.paged_attention(
             q,
             layer.k_cache,
@@ -35,11 +37,14 @@ class TritonAttentionImpl:
             m.max_query_len,
             layer.scale,
             sliding_window=layer.sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
 class TritonAttentionBackend(VarlenBackend):
     name = "triton"
+    supports_fp8_kv_cache = True
     impl_cls = TritonAttentionImpl
 
     def validate(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:

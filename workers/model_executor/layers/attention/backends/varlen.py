@@ -44,5 +44,6 @@ class VarlenBackend:
 
     varlen = True
     cpu_kernels = None
+    supports_fp8_kv_cache = False  # flash-attn 2 reads 16-bit caches only
     metadata_cls = VarlenMetadata
     builder_cls = VarlenMetadataBuilder

@@ -111,6 +111,8 @@ def test_decode_steps_on_blocks_equal_the_per_layer_path_bit_for_bit(kernels, fi
     with _llm(files[which], threads) as llm:
         runner = llm.engine.runner
         assert runner.cpu_decode_step is not None, "the one-call step refused uniform Q4_0 / Q4_1 / Q8_0 layers"
+        assert runner.cpu_decode_step.head_in_call, "the Q8_0 LM head stayed in Python"
+        assert runner.cpu_decode_step.embedding_in_kernel, "the Q8_0 embedding stayed in Python"
         for isa in _isas(kernels):
             previous = kernels.set_isa(isa)
             try:
@@ -145,3 +147,72 @@ def test_mixed_types_and_k_quants_keep_the_per_layer_path(kernels, files, which)
         assert llm.engine.runner.cpu_decode_step is None
         out = llm.generate(_prompts(9, (4,)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert len(out[0].token_ids) == 3
+
+
+def test_head_at_some_rows_and_while_timed_equals_compute_logits(kernels, files, monkeypatch):
+    """The C++ final norm and LM head at a subset of the rows (a row not due
+    a token), and the Python head the step falls back to while its ops are
+    timed (bench latency --profile), against the model's compute_logits."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with _llm(files["b"], 2) as llm:
+        runner = llm.engine.runner
+        step = runner.cpu_decode_step
+        assert step.head_in_call
+        seen = []
+        forward = step.forward
+
+        def check(input_ids, positions, logits_indices, meta):
+            g = meta.decode
+            layers = step.bound_layers()
+            args = (positions, meta.slot_mapping, g.block_tables, g.context_lens)
+            h = runner.model.get_input_embeddings(input_ids)
+            x, residual = layers(h.clone(), *args)
+            for rows in (logits_indices, logits_indices[-1:], logits_indices.flip(0)):
+                want = runner.model.compute_logits(x, residual.clone(), rows)
+                assert torch.equal(layers.logits(h.clone(), *args, rows), want)
+            layers.timing = True  # the Python head
+            try:
+                timed = forward(input_ids, positions, logits_indices, meta)
+            finally:
+                layers.timing = False
+                layers.op_seconds()
+            out = forward(input_ids, positions, logits_indices, meta)
+            assert torch.equal(timed, out)
+            seen.append(len(logits_indices))
+            return out
+
+        monkeypatch.setattr(step, "forward", check)
+        llm.generate(_prompts(10, (3, 17, 30)), params)
+    assert seen and max(seen) == 3
+
+
+def test_argmax_rows_is_torch_argmax(kernels):
+    """The greedy sampler's argmax: the first of equal maxima, the first NaN, all -inf."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 16, 17, 33, 1000):
+        for case in range(5):
+            x = torch.randn(3, n, generator=g)
+            if case == 1:
+                x = x.round()  # ties
+            elif case == 2:
+                x[1, torch.randint(0, n, (2,), generator=g)] = float("nan")
+            elif case == 3:
+                x[:] = float("-inf")
+            elif case == 4:
+                x = torch.zeros(3, n)
+                x[:, n // 2 :] = -0.0
+            assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1)), (n, case)
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_0])
+def test_gguf_embedding_is_dequantize(kernels, ggml_type):
+    """The step's lookup against gguf.py's dequantize of the same rows."""
+    from shoal.workers.model_executor.layers.quantization.gguf import dequantize
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)).numpy()
+    blocks = torch.from_numpy(gguf.quants.quantize(w, ggml_type))
+    ids = torch.tensor([3, 0, 39, 3])
+    want = dequantize(blocks.index_select(0, ids), int(ggml_type), 96)
+    assert torch.equal(kernels.gguf_embedding(ids, blocks, int(ggml_type)), want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gguf_embedding(torch.tensor([40]), blocks, int(ggml_type))

@@ -5,7 +5,8 @@ At batch 1 the per-layer Python and op dispatch had been a third of a
 float32 decode step on the CPU. The C++ layers are bound once to the
 model's weights and KV cache and run the same kernels the layers do
 (few-row matmul, norms, rotary, paged decode attention); Python sees the
-embedding, one call, and the final norm with the LM head. The model runner
+embedding and one call, which ends with the final norm and the LM head
+where the head is GGUF blocks (else Python runs those). The model runner
 builds one where it applies (the cpu_kernel backend with AVX2, a float32
 Llama-family model on one rank, every matmul's inner size a multiple of the
 kernel's 16) and runs it for every step whose rows are all decodes, as it
@@ -72,11 +73,35 @@ class CPUDecodeStep:
     ) -> torch.Tensor:
         """The model's forward for a step whose rows are all decodes (meta.decode_only)."""
         g = meta.decode
-        h = self.model.get_input_embeddings(input_ids)
+        layers = self.bound_layers()
+        embed = self._bound[3]
+        if embed is not None:  # the rows dequantized in one call, gguf.py's bits
+            h = self.kernels.gguf_embedding(input_ids.reshape(-1), *embed)
+        else:
+            h = self.model.get_input_embeddings(input_ids)
+        args = (h, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+        # The final norm and LM head in the same call where the head is GGUF
+        # blocks, except while the layers time their ops (bench latency
+        # --profile times the head through its module).
+        if self._bound[2] and not layers.timing:
+            with step_range("decoder_layers"):
+                return layers.logits(*args, logits_indices)
         with step_range("decoder_layers"):
-            h, residual = self.bound_layers()(h, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+            h, residual = layers(*args)
         with step_range("compute_logits"):
             return self.model.compute_logits(h, residual, logits_indices)
+
+    @property
+    def head_in_call(self) -> bool:
+        """Whether the final norm and the LM head run in the C++ call too."""
+        self.bound_layers()
+        return self._bound[2]
+
+    @property
+    def embedding_in_kernel(self) -> bool:
+        """Whether the embedding's rows are looked up by gguf_embedding."""
+        self.bound_layers()
+        return self._bound[3] is not None
 
     def unbind(self) -> None:
         """Drops the C++ layers' hold on the KV cache (the runner frees or replaces it)."""
@@ -87,7 +112,8 @@ class CPUDecodeStep:
         again when either is replaced (a new cache, weights cast on load)."""
         model = self.model
         a0 = model.layers[0].self_attn
-        key = (self.kernels, a0.attn.k_cache.data_ptr(), a0.qkv_proj.weight.data_ptr())
+        heads = (model.lm_head.weight.data_ptr(), model.embed_tokens.weight.data_ptr())
+        key = (self.kernels, a0.attn.k_cache.data_ptr(), a0.qkv_proj.weight.data_ptr(), heads)
         if self._bound is None or self._bound[0] != key:
             none = torch.empty(0)
             weights, types, k_caches, v_caches = [], [], [], []
@@ -123,5 +149,36 @@ class CPUDecodeStep:
                 [layer.self_attn.attn.sliding_window or 0 for layer in model.layers],  # 0: full attention
                 types,  # 2, 3, 8: GGUF blocks
             )
-            self._bound = (key, layers)
+            head = _head(model)
+            if head is not None:
+                layers.set_head(model.norm.weight, *head)
+            self._bound = (key, layers, head is not None, _embedding(model))
         return self._bound[1]
+
+
+def _embedding(model: LlamaForCausalLM) -> tuple[torch.Tensor, int] | None:
+    """(blocks, ggml type) of an embedding gguf_embedding can look up: Q8_0 or Q4_0 on one rank."""
+    embed = model.embed_tokens
+    groups = getattr(embed.weight, "gguf_groups", None)
+    if not isinstance(embed.quant_method, GGUFLinearMethod) or groups is None or len(groups) != 1:
+        return None
+    t, data, _ = groups[0]
+    if t not in (2, 8) or embed.tp.size != 1 or not data.is_contiguous():
+        return None
+    return data, t
+
+
+def _head(model: LlamaForCausalLM) -> tuple[torch.Tensor, int] | None:
+    """(blocks, ggml type) of an LM head the C++ layers can finish the step
+    with, as compute_logits would: Q4_0 / Q4_1 / Q8_0 blocks on one rank,
+    multiplied and normed by the compiled kernels."""
+    head, norm = model.lm_head, model.norm
+    groups = getattr(head.weight, "gguf_groups", None)
+    if not isinstance(head.quant_method, GGUFLinearMethod) or groups is None or len(groups) != 1:
+        return None
+    t, data, _ = groups[0]
+    if t not in _GGUF_TYPES[1:] or head.tp.size != 1 or head.cpu_kernels is None or norm.cpu_kernels is None:
+        return None
+    if getattr(norm, "use_fused", False) or not data.is_contiguous():
+        return None
+    return data, t

@@ -39,6 +39,7 @@ _SOURCES = (
     "cpu_decode_layers.cpp",
     "gguf_gemv.cpp",
     "gguf_kquants.cpp",
+    "int8_gemm.cpp",
 )
 
 

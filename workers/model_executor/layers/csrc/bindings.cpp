@@ -46,6 +46,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T, W GGUF K-quant super-blocks uint8 [N, K / 256 * block bytes] of ggml_type 12 (Q4_K), 13 (Q5_K) "
         "or 14 (Q6_K)",
         py::arg("x"), py::arg("w_blocks"), py::arg("ggml_type"), py::arg("force_scalar") = false);
+  m.def("quantize_int8_per_token", &quantize_int8_per_token,
+        "rows of x (float32 [M, K]) -> (q int8 [M, K], s float32 [M]): s = max|x row| / 127, q = round(x / s)",
+        py::arg("x"), py::arg("force_scalar") = false);
+  m.def("int8_linear", &int8_linear,
+        "x @ (w * w_scale[:, None]).T (+ bias) with x quantized per token: w int8 [N, K], w_scale float32 [N]",
+        py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("force_scalar") = false);
+  m.def("gguf_embedding", &gguf_embedding, "rows ids of Q8_0 (8) or Q4_0 (2) blocks as float32 [n, cols]",
+        py::arg("ids"), py::arg("w_blocks"), py::arg("ggml_type"));
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax's index) of float32 [rows, n]");
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
                     torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>>())
@@ -53,6 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>, std::vector<int64_t>>(),
            "... windows, types: each tensor's ggml_type (2, 3, 8: GGUF blocks; 0: float)")
       .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)")
+      .def("set_head", &DecodeLayers::set_head, "the final norm's weight and the LM head's GGUF blocks, for logits",
+           py::arg("norm_weight"), py::arg("head_blocks"), py::arg("head_type"))
+      .def("logits", &DecodeLayers::logits,
+           "h, positions, slot_mapping, block_tables, context_lens, logits_indices -> float32 logits (set_head's head)")
       .def_readwrite("timing", &DecodeLayers::timing, "time each op of a layer (see op_seconds)")
       .def("op_seconds", [](DecodeLayers& d) {
         py::dict out;  // then zeroed

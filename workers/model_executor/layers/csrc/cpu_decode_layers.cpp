@@ -8,6 +8,8 @@
 // one (so the math is theirs), inside one parallel region: each op's work
 // is split across the threads, which meet at a barrier between ops instead
 // of being woken for every matmul. The weights and cache are bound once.
+// Under GGUF the region can end with the final norm and the LM head
+// (logits): the largest matrix of a small model, and a dozen torch ops less.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -15,7 +17,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <immintrin.h>
 
 const char* const DecodeLayers::kOpNames[DecodeLayers::kOps] = {
     "input norm", "qkv_proj", "RoPE and KV write", "attention", "o_proj",
@@ -81,10 +85,42 @@ int64_t DecodeLayers::cols(size_t i) const {
   return types[i] ? w.size(1) / gguf_weight_block_bytes(types[i]) * 32 : w.size(1);
 }
 
+void DecodeLayers::set_head(torch::Tensor norm_weight, torch::Tensor head_blocks, int64_t head_type_) {
+  const int64_t hidden = weights[0].numel();
+  const int64_t bb = gguf_weight_block_bytes(head_type_);
+  TORCH_CHECK(bb > 0, "set_head: GGUF blocks of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", head_type_);
+  TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.scalar_type() == torch::kFloat32 &&
+                  norm_weight.numel() == hidden, "set_head: a float32 norm weight of the hidden size");
+  TORCH_CHECK(head_blocks.dim() == 2 && head_blocks.is_contiguous() && head_blocks.scalar_type() == torch::kUInt8 &&
+                  head_blocks.size(1) == hidden / 32 * bb && hidden % 32 == 0,
+              "set_head: LM head contiguous uint8 [rows, hidden / 32 blocks]");
+  head_norm = std::move(norm_weight);
+  head = std::move(head_blocks);
+  head_type = head_type_;
+}
+
 // h: [T, hidden] embeddings -> {mlp output, residual} of the last layer (the
 // model's final norm adds them, as after any layer).
 std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                                  torch::Tensor block_tables, torch::Tensor context_lens) {
+  return run(h, positions, slot_mapping, block_tables, context_lens, nullptr);
+}
+
+// The same, then the final norm (of the two added) and the LM head at
+// logits_indices' rows: the model's compute_logits, its bits (the norm's
+// kernel, gguf_linear's pieces), without a return to Python.
+torch::Tensor DecodeLayers::logits(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
+                                   torch::Tensor block_tables, torch::Tensor context_lens,
+                                   torch::Tensor logits_indices) {
+  TORCH_CHECK(head.defined(), "decode_layers.logits: no head (set_head)");
+  TORCH_CHECK(logits_indices.dim() == 1 && logits_indices.scalar_type() == torch::kInt64,
+              "decode_layers.logits: int64 logits_indices");
+  return run(h, positions, slot_mapping, block_tables, context_lens, &logits_indices)[0];
+}
+
+std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
+                                             torch::Tensor block_tables, torch::Tensor context_lens,
+                                             const torch::Tensor* li) {
   TORCH_CHECK(h.scalar_type() == torch::kFloat32 && h.dim() == 2 && h.is_contiguous(), "decode_layers: float32 h");
   const int64_t T = h.size(0), hidden = h.size(1);
   TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T && block_tables.size(0) == T &&
@@ -121,6 +157,22 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
   uint8_t* xqp = xq.data_ptr<uint8_t>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps);
+  // The head's rows (logits only): checked here, outside the parallel region.
+  torch::Tensor li_t, normed, logits;
+  const int64_t* lip = nullptr;
+  int64_t R = 0, V = 0;
+  float *np = nullptr, *lp = nullptr;
+  if (li != nullptr) {
+    li_t = li->contiguous();
+    lip = li_t.data_ptr<int64_t>();
+    R = li_t.numel();
+    for (int64_t i = 0; i < R; ++i) TORCH_CHECK(lip[i] >= 0 && lip[i] < T, "decode_layers: logits index out of range");
+    V = head.size(0);
+    normed = torch::empty({R, hidden}, opts);
+    logits = torch::empty({R, V}, opts);
+    np = normed.data_ptr<float>();
+    lp = logits.data_ptr<float>();
+  }
   PagedAttn pa{qkvp, qkv_size, ap, q_size, nullptr, nullptr, tables_t.data_ptr<int64_t>(), tables_t.size(1),
                lens_t.data_ptr<int64_t>(), num_heads, num_kv_heads, D, bs, static_cast<float>(scale), 0};
 
@@ -234,6 +286,66 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
       linear(actp, inter, w[8], w[9], ty[8], xp, true);
       mark(8);
     }
+    if (lip != nullptr) {
+      // compute_logits: norm(residual + x) at each index's row, as rms_norm
+      // does it (the sum in place, then norm_row), into a row of its own.
+      int64_t i0, i1;
+      share(R, 1, tid, nt, i0, i1);
+      const float* fw = head_norm.data_ptr<float>();
+      for (int64_t i = i0; i < i1; ++i) {
+        float* s = np + i * hidden;
+        const float *r = rp + lip[i] * hidden, *xr = xp + lip[i] * hidden;
+        for (int64_t j = 0; j < hidden; ++j) s[j] = r[j] + xr[j];
+        norm_row(s, fw, s, hidden, e);
+        gguf_quantize_rows(np, xqp, hidden, head_type, i, i + 1);
+      }
+#pragma omp barrier
+      int64_t n0, n1;
+      share(V, 4, tid, nt, n0, n1);
+      gguf_linear_rows(xqp, head.data_ptr<uint8_t>(), head_type, lp, R, V, hidden, n0, n1);
+    }
   }
+  if (lip != nullptr) return {logits};
   return {x, residual};
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0, "argmax_rows: float32 [rows, n > 0]");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), n = xc.size(1);
+  auto out = torch::empty({M}, xc.options().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* v = xc.data_ptr<float>() + m * n;
+    // One pass for the maximum and any NaN, then the first index that holds it.
+    float best = v[0];
+    bool nan = std::isnan(v[0]);
+    int64_t i = 1;
+#ifdef __AVX2__
+    if (n >= 16) {
+      __m256 mx = _mm256_loadu_ps(v), un = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+      for (i = 8; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_loadu_ps(v + i);
+        mx = _mm256_max_ps(mx, a);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, mx);
+      for (float l : lanes) best = std::max(best, l);
+      nan = nan || _mm256_movemask_ps(un) != 0;
+    }
+#endif
+    for (; i < n; ++i) {
+      nan = nan || std::isnan(v[i]);
+      best = std::max(best, v[i]);
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (!std::isnan(v[at])) ++at;
+    } else {
+      while (v[at] != best) ++at;
+    }
+    op[m] = at;
+  }
+  return out;
 }

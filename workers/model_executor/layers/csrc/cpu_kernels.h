@@ -29,8 +29,15 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_
 // block_q8_K activations, as llama.cpp.
 torch::Tensor quantize_q8_k_activations(torch::Tensor x, bool force_scalar);
 torch::Tensor gguf_linear_k(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_type, bool force_scalar);
+// Rows ids of Q8_0 or Q4_0 blocks, dequantized (the decode step's embedding lookup).
+torch::Tensor gguf_embedding(torch::Tensor ids, torch::Tensor w_blocks, int64_t ggml_type);
 // gguf_linear's GEMM tiles run from this many rows of x (the GEMV below); returns the previous.
 int64_t set_gguf_gemm_min_rows(int64_t rows);
+// INT8 W8A8 (csrc/int8_gemm.cpp): x quantized per token (symmetric, max|x| / 127),
+// int8 [N, K] weights with per-row float32 scales, exact int32 dot products.
+std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x, bool force_scalar);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, c10::optional<torch::Tensor> bias,
+                          bool force_scalar);
 
 // Serial pieces of the kernels above, for the one-call decode step, which
 // splits them across its threads itself.
@@ -89,10 +96,18 @@ struct DecodeLayers {
                std::vector<int64_t> types = {});
   std::vector<torch::Tensor> forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                      torch::Tensor block_tables, torch::Tensor context_lens);
+  // The model's final norm and its LM head as GGUF blocks (ggml_type 2, 3
+  // or 8), for `logits`: the layers, then both at logits_indices' rows, in
+  // the one parallel region -> float32 logits [rows, head rows].
+  void set_head(torch::Tensor norm_weight, torch::Tensor head_blocks, int64_t head_type);
+  torch::Tensor logits(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
+                       torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor logits_indices);
   int64_t cols(size_t i) const;  // the input features of weight matrix i
 
   std::vector<torch::Tensor> weights, k_caches, v_caches;
   std::vector<int64_t> windows, types;
+  torch::Tensor head_norm, head;  // set_head's (undefined until then)
+  int64_t head_type = 0;
   torch::Tensor cos, sin;
   int64_t num_heads, num_kv_heads;
   double eps, scale;
@@ -105,4 +120,13 @@ struct DecodeLayers {
   static const char* const kOpNames[kOps];
   bool timing = false;
   std::array<double, kOps> op_seconds{};
+
+ private:
+  // forward and logits: the layers, then, with li (logits_indices), the final norm and the head: {logits}.
+  std::vector<torch::Tensor> run(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
+                                 torch::Tensor block_tables, torch::Tensor context_lens, const torch::Tensor* li);
 };
+// Each row's argmax (the first of equal maxima, the first NaN where there is
+// one: torch.argmax's), of float32 [rows, n] -> int64 [rows]; the greedy
+// sampler's, about 10x torch's at a vocabulary row.
+torch::Tensor argmax_rows(torch::Tensor x);

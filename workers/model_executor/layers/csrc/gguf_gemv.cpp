@@ -480,3 +480,38 @@ void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, fl
 }
 
 int64_t gguf_weight_block_bytes(int64_t ggml_type) { return weight_block_bytes(ggml_type); }
+
+// Rows `ids` of a Q8_0 or Q4_0 matrix as float32: gguf.py's dequantize of
+// the rows an embedding lookup reads (d * q, d * (q - 8): one rounding, so
+// its bits), without its dozen torch ops a decode step.
+torch::Tensor gguf_embedding(torch::Tensor ids, torch::Tensor w_blocks, int64_t ggml_type) {
+  TORCH_CHECK(ggml_type == kQ8_0 || ggml_type == kQ4_0, "gguf_embedding: ggml_type 8 (Q8_0) or 2 (Q4_0), not ",
+              ggml_type);
+  const int64_t bb = weight_block_bytes(ggml_type);
+  TORCH_CHECK(w_blocks.dim() == 2 && w_blocks.is_contiguous() && w_blocks.scalar_type() == torch::kUInt8 &&
+                  w_blocks.size(1) % bb == 0, "gguf_embedding: w_blocks contiguous uint8 [rows, whole blocks]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "gguf_embedding: int64 ids [n]");
+  const torch::Tensor ic = ids.contiguous();
+  const int64_t n = ic.numel(), rows = w_blocks.size(0), nb = w_blocks.size(1) / bb;
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "gguf_embedding: id out of range");
+  auto out = torch::empty({n, nb * kQK}, ids.options().dtype(torch::kFloat32));
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = w_blocks.data_ptr<uint8_t>() + ip[i] * w_blocks.size(1);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bb;
+      const float d = fp16_load(blk);
+      float* o = op + (i * nb + b) * kQK;
+      if (ggml_type == kQ8_0) {
+        for (int j = 0; j < kQK; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          o[j] = d * static_cast<float>((blk[2 + j] & 0x0F) - 8);
+          o[j + 16] = d * static_cast<float>((blk[2 + j] >> 4) - 8);
+        }
+      }
+    }
+  }
+  return out;
+}

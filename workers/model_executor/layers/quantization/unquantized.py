@@ -11,11 +11,10 @@ from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.quantization.base_config import LinearMethodBase, set_weight_attrs
 
 
-class UnquantizedLinearMethod(LinearMethodBase):
-    """One weight [local rows, local inputs] in the model's dtype (or the
-    narrower one store_matrices_in casts it to), multiplied by
-    cpu_linear.linear: the compiled few-row kernel where the model runner has
-    bound the layer's `cpu_kernels`, torch's F.linear otherwise."""
+class FloatWeightMethod(LinearMethodBase):
+    """One float weight [local rows, local inputs] that the layers' loaders
+    fill: the unquantized method's storage, and what a method that
+    quantizes at load (int8, fp8) starts from."""
 
     def create_weights(
         self,
@@ -31,6 +30,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
+
+
+class UnquantizedLinearMethod(FloatWeightMethod):
+    """One weight [local rows, local inputs] in the model's dtype (or the
+    narrower one store_matrices_in casts it to), multiplied by
+    cpu_linear.linear: the compiled few-row kernel where the model runner has
+    bound the layer's `cpu_kernels`, torch's F.linear otherwise."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, layer.weight, bias, layer.cpu_kernels)

@@ -7,8 +7,12 @@
 3. offline: the workload of `shoal bench offline` against transformers'
    continuous batching on the same card.
 Parts 2 and 3 run on each --shapes shape (gpu_shapes.py) with dummy
-weights. A part that fails prints its error and the others still run; the
-exit code is 1 only when a greedy token differs beyond a near-tie.
+weights. With --quantization fp8 (or int8) they run twice on each shape,
+unquantized and quantized at load, and a speedup row gives the quantized
+run's ratios (fp8's goal: decode >= 1.6x at batch 1, offline >= 1.5x); the
+token check stays unquantized (its reference is float32). A part that
+fails prints its error and the others still run; the exit code is 1 only
+when a greedy token differs beyond a near-tie.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 from shoal.workers.engine_args import EngineArgs
 
 PARTS = ("tokens", "decode", "offline")
+# What --quantization's speed-up is measured against, per shape: batch-1 decode and offline throughput.
+GOALS = {"fp8": {"decode": 1.6, "offline": 1.5}}
 
 
 def add_parser(sub) -> None:
@@ -100,7 +106,7 @@ def run_tokens(ns, table: Table) -> dict:
     from shoal.benchmarks.gpu_tokens import check_regimes
     from shoal.workers.model_executor.model_loader import load_model_files
 
-    args = EngineArgs.from_cli_args(ns)
+    args = unquantized(EngineArgs.from_cli_args(ns))
     name = str(args.model or "default model")
 
     def report(regime: str, r: dict) -> None:
@@ -156,8 +162,9 @@ def run_decode(args: EngineArgs, ns, batches: list[int], rate: float, name: str,
     return out
 
 
-def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table) -> dict:
-    """shoal, then transformers' continuous batching built from the same config (random init)."""
+def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table, baseline: bool = True) -> dict:
+    """shoal, then (with `baseline`) transformers' continuous batching built
+    from the same config (random init)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -176,6 +183,12 @@ def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table) -> d
     except Exception as e:
         out["shoal"] = _error(e)
     _free(args.resolved_device())
+    if not baseline:
+        r = out["shoal"]
+        table.add(
+            "offline", name, case, f"shoal {r['error']}" if "error" in r else f"shoal {r['output_tok_s']:.0f} tok/s"
+        )
+        return out
     try:
         device = args.resolved_device()
         with torch.device(device):  # random init on the card, not on the CPU first
@@ -197,6 +210,45 @@ def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table) -> d
     return out
 
 
+def unquantized(args: EngineArgs) -> EngineArgs:
+    """The same engine with its weights in the model's dtype: a float
+    checkpoint quantized at load (fp8, int8) compares against this."""
+    from shoal.workers.model_executor.layers.quantization import ONLINE_METHODS
+
+    return dataclasses.replace(args, quantization="none") if args.quantization in ONLINE_METHODS else args
+
+
+def modes(base: EngineArgs, dtype: str) -> list[tuple[str, EngineArgs]]:
+    """(label, args) of each run of the shapes: one as asked, or under an
+    online --quantization the unquantized dtype first, then the quantized."""
+    plain = unquantized(base)
+    if plain is base:
+        return [("", base)]
+    return [(dtype, plain), (base.quantization, base)]
+
+
+def speedups(got: dict, label: str) -> dict:
+    """Quantized over unquantized: decode ms/step (per batch) and offline tok/s."""
+    out: dict = {}
+    fast, slow = got.get(f"decode_{label}", {}).get("batches", {}), got.get("decode", {}).get("batches", {})
+    for b, r in fast.items():
+        if "ms" in r and "ms" in slow.get(b, {}):
+            out[f"decode batch {b}"] = slow[b]["ms"] / r["ms"]
+    fast, slow = got.get(f"offline_{label}", {}).get("shoal", {}), got.get("offline", {}).get("shoal", {})
+    if "output_tok_s" in fast and "output_tok_s" in slow:
+        out["offline"] = fast["output_tok_s"] / slow["output_tok_s"]
+    return out
+
+
+def report_speedups(ratios: dict, label: str, dtype: str, name: str, table: Table) -> None:
+    goals = GOALS.get(label, {})
+    parts = []
+    for case, x in ratios.items():
+        goal = goals.get({"offline": "offline", "decode batch 1": "decode"}.get(case, ""))
+        parts.append(f"{case} {x:.2f}x" + ("" if goal is None else f" ({'ok' if x >= goal else 'below'} {goal}x)"))
+    table.add("speedup", name, f"{label} vs {dtype}", "; ".join(parts) or "nothing to compare")
+
+
 def run(ns) -> int:
     from shoal.benchmarks.gpu_shapes import shape_folders
 
@@ -214,22 +266,31 @@ def run(ns) -> int:
     if "tokens" not in skip:
         report["tokens"] = run_tokens(ns, table)
         _free(device)
+    runs = modes(base, dtype)
     for name, (shape, folder) in shapes.items():
-        args = dataclasses.replace(
-            base, model=folder, load_format="dummy", max_model_len=base.max_model_len or shape.max_model_len
-        )
         got = report["shapes"][name] = {}
-        if "decode" not in skip:
-            batches = [int(b) for b in ns.batch_sizes.split(",")] if ns.batch_sizes else list(shape.batch_sizes)
-            try:
-                got["decode"] = run_decode(args, ns, batches, rate, name, table)
-            except Exception as e:
-                got["decode"] = _error(e)
-                table.add("decode", name, "load", got["decode"]["error"])
-            _free(device)
-        if "offline" not in skip and shape.offline:
-            got["offline"] = run_offline(args, ns, folder, name, table)
-            _free(device)
+        for label, mode in runs:
+            args = dataclasses.replace(
+                mode, model=folder, load_format="dummy", max_model_len=base.max_model_len or shape.max_model_len
+            )
+            # the first run keeps the plain keys and names; a quantized one is suffixed
+            first = label == runs[0][0]
+            key, shown = ("", name) if first else (f"_{label}", f"{name} {label}")
+            if "decode" not in skip:
+                batches = [int(b) for b in ns.batch_sizes.split(",")] if ns.batch_sizes else list(shape.batch_sizes)
+                try:
+                    got["decode" + key] = run_decode(args, ns, batches, rate, shown, table)
+                except Exception as e:
+                    got["decode" + key] = _error(e)
+                    table.add("decode", shown, "load", got["decode" + key]["error"])
+                _free(device)
+            if "offline" not in skip and shape.offline:
+                got["offline" + key] = run_offline(args, ns, folder, shown, table, baseline=first)
+                _free(device)
+        if len(runs) > 1:
+            label = runs[1][0]
+            got[f"{label}_vs_{dtype}"] = speedups(got, label)
+            report_speedups(got[f"{label}_vs_{dtype}"], label, dtype, name, table)
     tokens = report.get("tokens", {})
     report["ok"] = all(r.get("ok", True) for r in tokens.values())  # an error is not a failed check
     table.print()

@@ -124,3 +124,35 @@ def test_a_changed_token_is_found_with_the_reference_gap(tiny_model):
     ours = ref[:3] + [(ref[3] + 1) % 512] + ref[4:]
     i, gap = first_difference(hf, prompt, ours, ref)
     assert i == 3 and gap > 0
+
+
+def test_quantization_reaches_the_engine_args_and_runs_beside_the_unquantized_dtype():
+    from shoal.benchmarks.gpu import modes, unquantized
+    from shoal.cluster.cli import build_parser
+    from shoal.workers.engine_args import EngineArgs
+
+    ns = build_parser().parse_args(["bench", "gpu", "--device", "cpu", "--quantization", "fp8"])
+    args = EngineArgs.from_cli_args(ns)
+    assert args.quantization == "fp8"
+    (plain_label, plain), (label, quant) = modes(args, "bfloat16")
+    assert (plain_label, plain.quantization) == ("bfloat16", "none") and (label, quant) == ("fp8", args)
+    assert unquantized(args).quantization == "none"  # the token check's engine
+    none = EngineArgs.from_cli_args(build_parser().parse_args(["bench", "gpu"]))
+    assert modes(none, "bfloat16") == [("", none)]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "gpu", "--quantization", "int3"])
+
+
+def test_fp8_decode_is_timed_beside_float_with_its_speedup(tiny_model, tmp_path, capsys):
+    from shoal.cluster.cli import main
+
+    out = tmp_path / "gpu.json"
+    argv = ["bench", "gpu", "--device", "cpu", "--shapes", "tiny", "--quantization", "fp8", "--skip", "tokens,offline"]
+    argv += ["--output", str(out), "--batch-sizes", "1", "--decode-steps", "2", "--prompt-len", "16"]
+    argv += ["--num-threads", "1", "--kv-cache-memory-bytes", str(16 << 20), "--no-cpu-kernels"]
+    assert main(argv) == 0, capsys.readouterr().out[-3000:]
+    tiny = json.loads(out.read_text())["shapes"]["tiny"]
+    assert tiny["decode"]["weight_bytes"] > tiny["decode_fp8"]["weight_bytes"]  # fp8 weights: 1 byte each
+    assert tiny["decode_fp8"]["batches"]["1"]["ms"] > 0
+    assert tiny["fp8_vs_float32"]["decode batch 1"] > 0
+    assert "fp8 vs float32: decode batch 1 " in capsys.readouterr().out

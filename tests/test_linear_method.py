@@ -184,7 +184,10 @@ def test_a_quantization_config_plugs_a_method_into_every_layer_of_the_model():
 
 
 def test_the_registry_knows_its_methods_and_refuses_other_names():
-    assert QUANTIZATION_METHODS == ("none", "gguf")
+    assert QUANTIZATION_METHODS == ("none", "gguf", "int8", "fp8", "compressed-tensors")
     assert get_quantization_config(None) is None and get_quantization_config("none") is None
-    with pytest.raises(ValueError, match="unknown quantization method 'int4'; shoal knows none, gguf"):
+    for name in ("gguf", "int8", "fp8"):  # each module imports, and its config answers to its name
+        assert get_quantization_config(name).from_config({}).get_name() == name
+    assert get_quantization_config("compressed-tensors").__name__ == "CompressedTensorsConfig"
+    with pytest.raises(ValueError, match="unknown quantization method 'int4'; shoal knows none, gguf, int8, fp8"):
         get_quantization_config("int4")

@@ -74,6 +74,18 @@ def test_k2_gguf_blocks_equal_k1(ray_cluster, tp_models, name, tmp_path):
     compare_with_k1(f"{name}, gguf, kernels", path, 2, prompts, 20, dict(ENGINE, quantization="gguf"))
 
 
+def test_k2_compressed_tensors_w4a16_equals_k1(ray_cluster, tp_models, tmp_path):
+    """A W4A16 checkpoint in groups of 32: each rank takes whole rows of the
+    column-parallel layers and whole packed words and scale groups of the
+    row-parallel ones (64 input features of down_proj's 128 on each)."""
+    from ct_checkpoints import write_checkpoints
+
+    path = str(tmp_path / "w4a16")
+    write_checkpoints(tp_models["4 heads, 2 KV, untied"], path, str(tmp_path / "expanded"), "w4a16", group_size=32)
+    diff, _, _ = compare_with_k1("w4a16", path, 2, tp_prompts(500, n=10), 20, ENGINE)
+    assert diff < 1e-3
+
+
 def test_k2_guided_sampling_equals_k1(ray_cluster, tp_models):
     """Rank 0 alone builds and applies the grammar's mask: the sharded engine's
     guided, seeded replies equal the single rank's (a padded vocabulary too)."""

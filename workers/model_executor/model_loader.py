@@ -126,14 +126,25 @@ def load_model_files(model: str | None) -> LoadedModel:
 def resolve_quantization(requested: str, loaded: LoadedModel, device_type: str, load_format: str) -> str | None:
     """The method the weights are served with (None: unquantized, expanded
     to the model's dtype), from --quantization and the checkpoint: "auto"
-    takes a GGUF file's own block types on the CPU."""
+    takes a GGUF file's own block types on the CPU; a folder with a
+    quantization_config is served as stored under auto and none alike;
+    int8 and fp8 quantize a float checkpoint at load."""
+    from shoal.workers.model_executor.layers.quantization import ONLINE_METHODS, get_quantization_config
+
     quant_cfg = loaded.config.hf_config.get("quantization_config")
-    if quant_cfg is not None:  # a quantized folder (compressed-tensors, fp8, awq, ...)
+    if quant_cfg is not None and load_format == "auto":  # a quantized folder: its own method or nothing
         method = quant_cfg.get("quant_method") if isinstance(quant_cfg, dict) else None
-        raise ValueError(
-            f"{loaded.name}: config.json's quantization_config (quant_method {method!r}) is not one shoal loads; "
-            "serve a GGUF file or an unquantized checkpoint"
-        )
+        if method != "compressed-tensors":
+            raise ValueError(
+                f"{loaded.name}: config.json's quantization_config (quant_method {method!r}) is not one shoal "
+                "loads; shoal loads compressed-tensors checkpoints (llm-compressor's), GGUF files and float ones"
+            )
+        if requested not in ("auto", "none", method):  # none: the stored weights are not expanded
+            raise ValueError(
+                f"{loaded.name} is a {method} checkpoint: its weights are stored quantized, so "
+                f"--quantization {requested} does not apply (use auto or {method})"
+            )
+        return method
     if requested in (None, "none"):
         return None
     g = loaded.gguf_file
@@ -148,10 +159,10 @@ def resolve_quantization(requested: str, loaded: LoadedModel, device_type: str, 
         if load_format != "auto":
             raise ValueError(f"--quantization gguf multiplies the file's blocks: --load-format {load_format} has none")
         return "gguf"
-    from shoal.workers.model_executor.layers.quantization import get_quantization_config
-
     get_quantization_config(requested)  # the error naming the known methods, if unknown
-    raise ValueError(f"--quantization {requested} does not apply to {loaded.name}")
+    if requested in ONLINE_METHODS:
+        return requested
+    raise ValueError(f"--quantization {requested} does not apply to {loaded.name}: it has no quantization_config")
 
 
 def model_weights(

@@ -15,7 +15,12 @@ if TYPE_CHECKING:
 # name -> "module:class" of its config
 _CONFIGS: dict[str, str] = {
     "gguf": "shoal.workers.model_executor.layers.quantization.gguf:GGUFConfig",
+    "int8": "shoal.workers.model_executor.layers.quantization.int8:Int8Config",
+    "fp8": "shoal.workers.model_executor.layers.quantization.fp8:Fp8Config",
+    "compressed-tensors": "shoal.workers.model_executor.layers.quantization.compressed_tensors:CompressedTensorsConfig",
 }
+# Quantized at load from a float checkpoint (a checkpoint's own method is read from its config).
+ONLINE_METHODS = ("int8", "fp8")
 QUANTIZATION_METHODS = ("none", *_CONFIGS)
 
 

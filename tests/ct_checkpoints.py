@@ -17,8 +17,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shoal.workers.model_executor.layers.quantization.triton_quant import pack_int4
-
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # llm-compressor's presets (compressed_tensors.quantization.quant_scheme), as config groups
@@ -60,6 +58,8 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int = 128) -> tuple[dict[
         if scheme == "fp8_tensor":
             out["input_scale"] = torch.tensor([0.05])
         return out, q.float() * (s if scheme == "fp8_channel" else s[0])
+    from shoal.workers.model_executor.layers.quantization.triton_quant import pack_int4  # imports Triton: late
+
     g = group_size
     n, k = w.shape
     groups = w.reshape(n, k // g, g)

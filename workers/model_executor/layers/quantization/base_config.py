@@ -78,24 +78,3 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for `layer`, named `prefix` as in the checkpoint
         ("model.layers.0.self_attn.qkv_proj"); None leaves it unquantized."""
-
-
-class LinearLayersConfig(QuantizationConfig):
-    """A config quantizing every linear layer at load and nothing else (the
-    embedding, the LM head and the norms stay in the model's dtype, as vLLM
-    keeps them): a subclass names itself and its method."""
-
-    name: str
-    method_cls: type[LinearMethodBase]
-
-    def get_name(self) -> str:
-        return self.name
-
-    @classmethod
-    def from_config(cls, config: dict) -> LinearLayersConfig:
-        return cls()
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from shoal.workers.model_executor.layers.linear import LinearBase
-
-        return self.method_cls() if isinstance(layer, LinearBase) else None

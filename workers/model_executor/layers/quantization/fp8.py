@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.workers.model_executor.layers.quantization.base_config import LinearLayersConfig
-from shoal.workers.model_executor.layers.quantization.triton_quant import fp8_w8a8_mm, quantize_weight_fp8
+from shoal.workers.model_executor.layers.quantization.online import LinearLayersConfig
 from shoal.workers.model_executor.layers.quantization.unquantized import FloatWeightMethod
 
 
@@ -25,12 +24,18 @@ class Fp8LinearMethod(FloatWeightMethod):
     """A float weight while loading, e4m3 and its scale after."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from shoal.workers.model_executor.layers.quantization.triton_quant import quantize_weight_fp8
+
         # One scale for the whole tensor (the fused q, k, v share it), broadcast to a row each.
         q, s = quantize_weight_fp8(layer.weight.data, per_channel=False)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(s.expand(q.shape[0]).contiguous(), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # triton_quant imports Triton: only once a model computes in fp8 (tests set
+        # TRITON_INTERPRET before the first import)
+        from shoal.workers.model_executor.layers.quantization.triton_quant import fp8_w8a8_mm
+
         return fp8_w8a8_mm(x, layer.weight, layer.weight_scale, bias, out_dtype=x.dtype)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.workers.model_executor.layers.quantization.base_config import LinearLayersConfig
+from shoal.workers.model_executor.layers.quantization.online import LinearLayersConfig
 from shoal.workers.model_executor.layers.quantization.unquantized import FloatWeightMethod
 
 QMAX = 127  # symmetric: -128 is never used, so |q| <= 127 on both operands

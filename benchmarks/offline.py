@@ -29,6 +29,7 @@ from shoal.workers.engine_args import EngineArgs
 
 PEERS = ("cb", "generate")
 CB = "transformers continuous batching"
+INTEGER_METHODS = ("gguf", "int8")  # whose matmuls are integer dot products on the CPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,17 @@ def measure_matmul_flops(seconds: float = 2.0) -> float:
     return _best_rate(lambda: a @ b, 2 * n**3, seconds)
 
 
+def served_quantization(model) -> str:
+    """The --quantization the model's linear layers were built with: the
+    module of their method (gguf, int8, fp8, compressed_tensors), or none."""
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        kind = type(method).__module__.rsplit(".", 1)[-1] if method is not None else "unquantized"
+        if kind != "unquantized":
+            return kind.replace("_", "-")
+    return "none"
+
+
 def measure_int8_dot_ops(seconds: float = 2.0) -> float | None:
     """This machine's integer dot-product rate (2 ops a multiply-add) through
     the GGUF kernel on Q8_0 blocks, 256 rows by a 2048 x 2048 matrix: the
@@ -218,7 +230,7 @@ def run_shoal(args: EngineArgs, work) -> dict:
         "params": params,
         "tensor_parallel_size": eng.args.tensor_parallel_size,
         "outputs": [o.token_ids for o in outs],
-        "quantization": "gguf" if any(hasattr(p, "gguf_groups") for p in model.parameters()) else "none",
+        "quantization": served_quantization(model),
     }
     if moe:
         # Rank 0 routes every token (the router is replicated), so its counts are the group's.
@@ -376,15 +388,15 @@ class Bench:
             f"\nroofline: 2 x {params / 1e6:.1f}M {'active ' if 'active_params' in first else ''}params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
             f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s"
         )
-        if self.int8_peak:  # --quantization gguf: shoal's matmuls are integer dot products
+        if self.int8_peak:  # gguf, int8: shoal's matmuls are integer dot products
             for r in results.values():
-                if r.get("quantization") == "gguf":
+                if r.get("quantization") in INTEGER_METHODS:
                     r["int8_roofline_fraction"] = flops / r["seconds"] / self.int8_peak
             print(
                 f"integer roofline: the same ops at {self.int8_peak / 1e9:.1f} GOP/s (Q8_0 kernel) = "
-                f"{flops / self.int8_peak:.1f} s; --quantization gguf reached "
+                f"{flops / self.int8_peak:.1f} s; "
                 + ", ".join(
-                    f"{100 * r['int8_roofline_fraction']:.1f}%"
+                    f"--quantization {r['quantization']} reached {100 * r['int8_roofline_fraction']:.1f}%"
                     for r in results.values()
                     if "int8_roofline_fraction" in r
                 )
@@ -488,7 +500,7 @@ def run(ns) -> int:
     peak = measure_matmul_flops()
     print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     int8_peak = None
-    if args.quantization != "none":
+    if args.quantization in (*INTEGER_METHODS, "auto"):
         int8_peak = measure_int8_dot_ops()
         if int8_peak:
             print(f"int8 dot-product rate on this machine: {int8_peak / 1e9:.1f} GOP/s (Q8_0 kernel)")

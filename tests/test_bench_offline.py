@@ -206,3 +206,12 @@ def test_tune_cb_runs_each_setting_and_reports_what_transformers_ran(tiny_model,
     assert all(r["seconds"] > 0 for r in report["results"])
     ranked = capsys.readouterr().out.split("(ranked)")[1]
     assert all(offline.describe_cb(r["settings"]) in ranked for r in report["results"])
+
+
+def test_a_run_is_labelled_with_the_quantization_its_layers_were_built_with(tiny_model):
+    from shoal.benchmarks.offline import served_quantization
+    from shoal.workers import LLM
+
+    for method in ("none", "int8"):
+        with LLM(tiny_model, quantization=method, num_threads=1, num_kv_blocks=16) as llm:
+            assert served_quantization(llm.engine.model_executor.driver_worker.runner.model) == method

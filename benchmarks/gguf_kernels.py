@@ -16,9 +16,10 @@ on the Q4_K weights dequantized. gguf cannot quantize the K types: the blocks ar
 with valid fp16 scales (the speed does not depend on the values).
 
 Then prefill rows (--rows, default 64, 256, 512) on SmolLM2-135M's three shapes (576->1536,
-1536->576, 576->576): gguf_linear's GEMM (4x4 register tiles) against its GEMV (the per-row path
-it used before, set_gguf_gemm_min_rows) and float32 F.linear (MKL) on the same weights
-dequantized; GFLOP/s-equivalent (2 M N K a call) and time per call. The weights stay in cache
+1536->576, 576->576): gguf_linear (on an AVX-512 VNNI CPU its packed GEMM: 16 weight rows copied
+per call into vectors of 4 weights x 16 rows) against its 4x4 register tiles on the blocks as
+stored (set_gguf_packed_min_rows; the path without VNNI) and float32 F.linear (MKL) on the same
+weights dequantized; GFLOP/s-equivalent (2 M N K a call) and time per call. The weights stay in cache
 here: at these rows a layer is compute-bound.
 
 `python -m shoal.benchmarks.gguf_kernels [--rounds 200] [--threads N] [--rows 64,256,512]`"""
@@ -92,7 +93,7 @@ def _bench_kquants(kernel, rounds: int) -> None:
 def _prefill(kernel, rows: list[int], rounds: int, rng: np.random.Generator) -> None:
     """The GEMM against the GEMV and F.linear at prefill rows; the weights stay in cache."""
     print(f"\nprefill rows, threads {torch.get_num_threads()}: GFLOP/s = 2 M N K / time; x faster than f32, gemv")
-    print(f"{'shape':<10} {'M':>4} {'case':<10} {'us/call':>9} {'GFLOP/s':>8} {'vs f32':>7} {'vs gemv':>7}")
+    print(f"{'shape':<10} {'M':>4} {'case':<10} {'us/call':>9} {'GFLOP/s':>8} {'vs f32':>7} {'vs 4x4':>7}")
     for name, (N, K) in PREFILL_SHAPES.items():
         w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
         blocks = {q.name: torch.from_numpy(quantize(w, q)) for q in TYPES}
@@ -103,24 +104,24 @@ def _prefill(kernel, rows: list[int], rounds: int, rng: np.random.Generator) -> 
             for qtype in TYPES:
                 b, t = blocks[qtype.name], int(qtype)
                 cases[qtype.name] = lambda i, x=x, b=b, t=t: kernel.gguf_linear(x, b, t, False)
-                cases[f"{qtype.name} gemv"] = lambda i, x=x, b=b, t=t: _gemv(kernel, x, b, t)
+                cases[f"{qtype.name} 4x4"] = lambda i, x=x, b=b, t=t: _tiles(kernel, x, b, t)
             times = time_alternating(cases, max(10, min(rounds, rounds * 16 // M)))
             for case, sec in times.items():
-                gemv = times.get(f"{case} gemv")
+                tiles = times.get(f"{case} 4x4")
                 print(
                     f"{name:<10} {M:>4} {case:<10} {sec * 1e6:>9.1f} {2 * M * N * K / sec / 1e9:>8.1f} "
-                    f"{times['f32'] / sec:>6.2f}x " + (f"{gemv / sec:>6.2f}x" if gemv else "")
+                    f"{times['f32'] / sec:>6.2f}x " + (f"{tiles / sec:>6.2f}x" if tiles else "")
                 )
 
 
-def _gemv(kernel, x: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
-    """gguf_linear by its GEMV (four weight rows against each row of x in turn; the path for
-    every M before the GEMM), whatever the rows."""
-    old = kernel.set_gguf_gemm_min_rows(1 << 30)
+def _tiles(kernel, x: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
+    """gguf_linear by its 4x4 register tiles on the blocks as stored (the path before the packed
+    GEMM, and the path without AVX-512 VNNI), whatever the rows."""
+    old = kernel.set_gguf_packed_min_rows(1 << 30)
     try:
         return kernel.gguf_linear(x, b, t, False)
     finally:
-        kernel.set_gguf_gemm_min_rows(old)
+        kernel.set_gguf_packed_min_rows(old)
 
 
 def main() -> None:

@@ -39,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gguf_gemm_min_rows", &set_gguf_gemm_min_rows,
         "gguf_linear takes its GEMM tiles from this many rows of x (fewer: the GEMV); returns the previous",
         py::arg("rows"));
+  m.def("set_gguf_packed_min_rows", &set_gguf_packed_min_rows,
+        "gguf_linear packs 16 weight rows at a time for vpdpbusd from this many rows of x (AVX-512 VNNI); "
+        "returns the previous",
+        py::arg("rows"));
   m.def("quantize_q8_k_activations", &quantize_q8_k_activations,
         "rows of x (float32 [M, K]) as llama.cpp's block_q8_K -> uint8 [M, K / 256 * 292]", py::arg("x"),
         py::arg("force_scalar") = false);

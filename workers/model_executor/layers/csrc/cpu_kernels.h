@@ -33,6 +33,8 @@ torch::Tensor gguf_linear_k(torch::Tensor x, torch::Tensor w_blocks, int64_t ggm
 torch::Tensor gguf_embedding(torch::Tensor ids, torch::Tensor w_blocks, int64_t ggml_type);
 // gguf_linear's GEMM tiles run from this many rows of x (the GEMV below); returns the previous.
 int64_t set_gguf_gemm_min_rows(int64_t rows);
+// ... and the packed GEMM (AVX-512 VNNI) from this many; returns the previous.
+int64_t set_gguf_packed_min_rows(int64_t rows);
 // INT8 W8A8 (csrc/int8_gemm.cpp): x quantized per token (symmetric, max|x| / 127),
 // int8 [N, K] weights with per-row float32 scales, exact int32 dot products.
 std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x, bool force_scalar);

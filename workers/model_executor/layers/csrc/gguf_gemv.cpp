@@ -18,35 +18,35 @@
 // 1 / d: the two can differ on exact ties and in the last bit of the
 // scale), s = d * sum(q) with d in float32 before the fp16 store.
 //
-// The dot products follow ggml_vec_dot_{q4_0_q8_0, q4_1_q8_1, q8_0_q8_0}'s
-// AVX2 path: 8 int32 lanes per block pair, lane j the sum over values
-// 4j..4j+3 (vpmaddubsw + vpmaddwd with ones on the AVX2 path, vpdpbusd on
-// the AVX-512 VNNI one, which sums the same 4 bytes and so gives the same
-// integers), then acc[j] = fma(d_w * d_x, float(lane j), acc[j]) over the
-// blocks, one horizontal sum at the end (Q4_1 adds the sum of m * s over the
-// blocks, an fma chain). The scalar path does exactly the same float
-// operations in the same order, and so does every register tile below: the
-// GEMV, the GEMM, the scalar path and the two ISA paths give the same bits
-// (force_scalar picks the scalar path, set_isa / SHOAL_CPU_ISA=avx2 the
-// AVX2 one; tests). As in llama.cpp, a Q8_0 weight of -128 (gguf never
-// writes one) can saturate vpmaddubsw's int16 pair sums on the AVX2 path.
+// Each (weight block, activation block) pair is an exact integer sum of its
+// 32 products (vpmaddubsw + vpmaddwd with ones on the AVX2 path, vpdpbusd
+// on the AVX-512 VNNI one: the same integers), then
+// acc = fma(d_w * d_x, float(sum), acc) over the blocks in order; Q4_1 adds
+// the sum of m_w * s_x over the blocks, a second fma chain, at the end. One
+// float update per block pair, as llama.cpp's repacked GEMM kernels
+// (repack.cpp) do, not its vec_dot's 8 lane sums a row: that is what lets
+// 16 pairs share one instruction below. The scalar
+// path does the same float operations in the same order, and so does every
+// tile: the GEMV, the GEMM, the packed GEMM, the scalar path and the two ISA
+// paths give the same bits (force_scalar picks the scalar path, set_isa /
+// SHOAL_CPU_ISA=avx2 the AVX2 one; tests). As in llama.cpp, a Q8_0 weight
+// of -128 (gguf never writes one) can saturate vpmaddubsw's int16 pair sums
+// on the AVX2 path.
 //
-// Threads split the weight rows, in runs of whole 4-row tiles. One row of x
-// (decode; the GEMV): four weight rows at a time (four independent
-// accumulation chains: one chain is bound by the FMA's latency). From two
-// rows (prefill, batched decode; the GEMM): tiles of 4 weight rows x 4 rows
-// of x in registers, 16 accumulators, so each unpacked weight block serves
-// 4 activation blocks and each activation block 4 weight blocks; x goes in
-// chunks of 64 rows. Q4_0's (q - 8) y is summed as q y - 8 y, the second
-// term once per activation block (the same integers as llama.cpp's sign
-// trick, fewer instructions). Software prefetch runs two tiles ahead: the
-// hardware prefetcher does not follow four short row streams.
-// Measured (1 thread, Zen 4, SmolLM2's MLP shapes, M = 1, weights from
-// memory): 15-17 GB/s of Q4 blocks, 30 GB/s of Q8_0 blocks, 2.4-3.2x the
-// float32 small_m_linear's time per call. At 64-512 rows (1 thread, VNNI,
-// weights in cache): 100-117 GFLOP/s-equivalent at Q4_0 / Q8_0, 1.1-1.45x
-// MKL's float32 F.linear, and 1.2-1.6x the GEMV's; Q4_1 ~15% slower, 0.95-1.15x
-// MKL (benchmarks/gguf_kernels.py).
+// Threads split the weight rows, in runs of whole 16-row groups. One row of
+// x (decode; the GEMV): four weight rows at a time, their lane sums reduced
+// together (vphaddd) into one vector of four block sums. From two rows
+// (batched decode): tiles of 4 weight rows x 4 rows of x, so each unpacked
+// weight block serves 4 activation blocks and each activation block 4
+// weight blocks. Q4_0's (q - 8) y is summed as q y - 8 y, the second term
+// once per activation block. Software prefetch runs two tiles ahead: the
+// hardware prefetcher does not follow four short row streams. From 4 rows
+// (8x that for Q8_0) on an AVX-512 VNNI CPU, the packed GEMM (below): 16
+// weight rows copied into vectors of 4 weights x 16 rows, so one vpdpbusd
+// serves 16 rows and one fma 16 block pairs.
+// Measured (1 thread, Zen 4, SmolLM2's shapes, benchmarks/gguf_kernels.py):
+// at M = 1, 15-17 GB/s of Q4 blocks from memory; Q4_1 at 64-256 rows,
+// 315-413 GFLOP/s-equivalent packed against 64-90 in the 4x4 tiles.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -55,6 +55,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "avx2_math.h"
 #include "cpu_kernels.h"
@@ -163,26 +164,24 @@ inline void lanes_scalar(const uint8_t* w, const int8_t* a, int32_t lane[8]) {
     lane[j] = v[4 * j] * a[4 * j] + v[4 * j + 1] * a[4 * j + 1] + v[4 * j + 2] * a[4 * j + 2] + v[4 * j + 3] * a[4 * j + 3];
 }
 
-// hsum256's order: (l[i] + l[i + 4]), then pairs, then the two halves.
-inline float hsum8(const float l[8]) {
-  const float s0 = l[0] + l[4], s1 = l[1] + l[5], s2 = l[2] + l[6], s3 = l[3] + l[7];
-  return (s0 + s1) + (s2 + s3);
-}
-
-// One weight row (nb blocks) against one quantized activation row.
+// One weight row (nb blocks) against one quantized activation row, in the
+// order every path keeps: per block the exact integer sum, then
+// acc = fma(d_w * d_x, float(sum), acc); Q4_1's m_w * s_x in a second fma
+// chain, added at the end.
 template <int T>
 float dot_scalar(const uint8_t* w, const uint8_t* a, int64_t nb) {
   constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34, abb = T == kQ4_1 ? 36 : 34;
   constexpr int wq = T == kQ4_1 ? 4 : 2, aq = T == kQ4_1 ? 4 : 2;
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, summs = 0.f;
+  float acc = 0.f, accm = 0.f;
   int32_t lane[8];
   for (int64_t b = 0; b < nb; ++b, w += wbb, a += abb) {
     lanes_scalar<T>(w + wq, reinterpret_cast<const int8_t*>(a + aq), lane);
-    const float d = fp16_load(w) * fp16_load(a);
-    for (int j = 0; j < 8; ++j) acc[j] = std::fma(d, static_cast<float>(lane[j]), acc[j]);
-    if (T == kQ4_1) summs = std::fma(fp16_load(w + 2), fp16_load(a + 2), summs);  // an fma on every path
+    int32_t s = 0;
+    for (int j = 0; j < 8; ++j) s += lane[j];
+    acc = std::fma(fp16_load(w) * fp16_load(a), static_cast<float>(s), acc);
+    if (T == kQ4_1) accm = std::fma(fp16_load(w + 2), fp16_load(a + 2), accm);
   }
-  return hsum8(acc) + summs;
+  return T == kQ4_1 ? acc + accm : acc;
 }
 
 #ifdef __AVX2__
@@ -208,55 +207,48 @@ inline __m256i nibbles(const uint8_t* q) {
   const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
   return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
 }
-// Four hsum256s at once, each in hsum8's order: (l[i] + l[i + 4]), pairs, halves.
-inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const auto half = [](__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); };
-  return _mm_hadd_ps(_mm_hadd_ps(half(a), half(b)), _mm_hadd_ps(half(c), half(d)));
+// The whole sums of four lane vectors: [sum a, sum b, sum c, sum d] (exact integers, any order).
+inline __m128i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+inline int32_t reduce1(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// A register tile: R weight rows (row stride wrow bytes) against C rows of
-// quantized x (stride arow), y[c * ldy + r] = row r . x row c. Each weight
-// block is unpacked once for the C activation blocks, each activation block
-// loaded once for the R weight blocks. Every (r, c) pair has its own
-// accumulator and does one row's float operations in one row's order: the
-// GEMV's (C = 1) and the scalar path's bits for any R and C.
+// A register tile on the blocks as stored: R weight rows (1 or 4, row
+// stride wrow bytes) against C rows of quantized x (stride arow),
+// y[c * ldy + r] = row r . x row c, with dot_scalar's float operations per
+// (r, c) pair. Each weight block is unpacked once for the C activation
+// blocks, each activation block loaded once for the R weight blocks.
 // pf: prefetch the weight run two tiles on (the first call on a tile).
 template <int T, bool V, int R, int C>
 void tile(const uint8_t* w, int64_t wrow, const uint8_t* a, int64_t arow, int64_t nb, float* y, int64_t ldy,
           bool pf) {
+  static_assert(R == 1 || R == 4);
   constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34, abb = T == kQ4_1 ? 36 : 34;
   constexpr int wq = T == kQ4_1 ? 4 : 2, aq = T == kQ4_1 ? 4 : 2;
   constexpr int64_t kAhead = 2;  // tiles of R rows
   const __m256i zero = _mm256_setzero_si256();
-  __m256 acc[R][C];
-  float summs[R][C];
-  __m128 summs4[R];  // Q4_1 at C = 4: the C min terms of row r in one vector
-  for (int r = 0; r < R; ++r) {
-    summs4[r] = _mm_setzero_ps();
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), summs[r][c] = 0.f;
-  }
+  __m128 acc[C], accm[C];  // R = 4: lane r; R = 1: lane 0
+  for (int c = 0; c < C; ++c) acc[c] = _mm_setzero_ps(), accm[c] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i ya[C], base[C];
-    __m256 da[C];
     float sa[C], dx[C];
     for (int c = 0; c < C; ++c) {
       const uint8_t* ab = a + c * arow + b * abb;
       ya[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + aq));
       dx[c] = fp16_load(ab);
-      da[c] = _mm256_set1_ps(dx[c]);
       if (T == kQ4_1) sa[c] = fp16_load(ab + 2);
-      // Q4_0: sum (q - 8) y = sum q y - 8 sum y, lane by lane (exact integers):
-      // start the lanes at -8 sum y, once per activation block for all R rows.
+      // Q4_0: sum (q - 8) y = sum q y - 8 sum y: start the lanes at -8 sum y,
+      // once per activation block for all R rows.
       if (T == kQ4_0) base[c] = _mm256_sub_epi32(zero, dpbusd<V>(zero, _mm256_set1_epi8(8), ya[c]));
-      // Q8_0 with vpdpbusd: (y + 128) w - 128 w, y + 128 being unsigned; one
-      // instruction a pair, and exact where AVX2's sign trick saturates.
-      if (T == kQ8_0 && V) ya[c] = _mm256_xor_si256(ya[c], _mm256_set1_epi8(static_cast<char>(0x80)));
+      // Q8_0 with vpdpbusd: (w + 128) y - 128 y, w + 128 being unsigned.
+      if (T == kQ8_0 && V)
+        base[c] = _mm256_sub_epi32(zero, dpbusd<V>(zero, _mm256_set1_epi8(static_cast<char>(0x80)), ya[c]));
     }
-    // The four s in one vector from registers (a 16-byte load of the four
-    // floats just stored would stall on store forwarding).
-    __m128 sa4 = _mm_setzero_ps(), da4 = _mm_setzero_ps();
-    if constexpr (C == 4) da4 = _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]);
-    if constexpr (T == kQ4_1 && C == 4) sa4 = _mm_setr_ps(sa[0], sa[1], sa[2], sa[3]);
     if (pf && R > 1) {
       // R rows are R short streams that the hardware prefetcher does not
       // follow (measured: from memory, 3-5x slower than from cache); together
@@ -264,55 +256,63 @@ void tile(const uint8_t* w, int64_t wrow, const uint8_t* a, int64_t arow, int64_
       const char* p = reinterpret_cast<const char*>(w + kAhead * R * wrow + b * R * wbb);
       for (int64_t o = 0; o < R * wbb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
     }
+    __m256i wv[R], wabs[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* wb = w + r * wrow + b * wbb;
-      const float dws = fp16_load(wb);
-      const __m256 dw = _mm256_set1_ps(dws);
-      // C = 4: the four d_w * d_x in one multiply, each then broadcast (a
-      // shuffle, off the ports the multiplies and FMAs share).
-      __m256 dwda4 = _mm256_setzero_ps();
-      if constexpr (C == 4) dwda4 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(dws), da4));
-      const float mw = T == kQ4_1 ? fp16_load(wb + 2) : 0.f;
-      __m256i wv, wbase = zero;
       if (T == kQ8_0) {
-        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + wq));
-        if (V) wbase = _mm256_sub_epi32(zero, dpbusd<V>(zero, _mm256_set1_epi8(static_cast<char>(0x80)), wv));
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + wq));
+        if (V) wv[r] = _mm256_xor_si256(wv[r], _mm256_set1_epi8(static_cast<char>(0x80)));
       } else {
-        wv = nibbles(wb + wq);
+        wv[r] = nibbles(wb + wq);
       }
       // s8 x s8 on AVX2: the sign of w moved onto y, so the unsigned operand is |w|.
-      const __m256i wabs = T == kQ8_0 && !V ? _mm256_sign_epi8(wv, wv) : wv;
-      for (int c = 0; c < C; ++c) {
-        __m256i l;
-        if (T == kQ4_0)
-          l = dpbusd<V>(base[c], wv, ya[c]);
-        else if (T == kQ4_1)
-          l = dpbusd<V>(zero, wv, ya[c]);
-        else if (V)
-          l = dpbusd<V>(wbase, ya[c], wv);
-        else
-          l = dpbusd<V>(zero, wabs, _mm256_sign_epi8(ya[c], wv));
-        __m256 d;
-        if constexpr (C == 4)
-          d = _mm256_permutevar8x32_ps(dwda4, _mm256_set1_epi32(c));
-        else
-          d = _mm256_mul_ps(dw, da[c]);
-        acc[r][c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(l), acc[r][c]);
-        if (T == kQ4_1 && C != 4) summs[r][c] = std::fma(mw, sa[c], summs[r][c]);
+      wabs[r] = T == kQ8_0 && !V ? _mm256_sign_epi8(wv[r], wv[r]) : wv[r];
+    }
+    // The R rows' d (and Q4_1's m) as float32 lanes: their fp16 bits side by
+    // side, converted at once (vcvtph2ps: fp16_load's values).
+    __m128 dw4, mw4 = _mm_setzero_ps();
+    {
+      const uint8_t* wb = w + b * wbb;
+      const uint8_t* w1 = wb + (R > 1 ? wrow : 0);
+      const uint8_t* w2 = wb + (R > 1 ? 2 * wrow : 0);
+      const uint8_t* w3 = wb + (R > 1 ? 3 * wrow : 0);
+      if constexpr (T == kQ4_1) {
+        int32_t dm[4];  // d and m of a row: 4 bytes
+        std::memcpy(dm, wb, 4), std::memcpy(dm + 1, w1, 4), std::memcpy(dm + 2, w2, 4), std::memcpy(dm + 3, w3, 4);
+        const __m128i h = _mm_setr_epi32(dm[0], dm[1], dm[2], dm[3]);  // d0 m0 d1 m1 ...
+        const __m256 f = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(h), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+        dw4 = _mm256_castps256_ps128(f);
+        mw4 = _mm256_extractf128_ps(f, 1);
+      } else {
+        uint16_t d[4];
+        std::memcpy(d, wb, 2), std::memcpy(d + 1, w1, 2), std::memcpy(d + 2, w2, 2), std::memcpy(d + 3, w3, 2);
+        dw4 = _mm_cvtph_ps(_mm_setr_epi16(d[0], d[1], d[2], d[3], 0, 0, 0, 0));
       }
-      if (T == kQ4_1 && C == 4) summs4[r] = _mm_fmadd_ps(_mm_set1_ps(mw), sa4, summs4[r]);
+    }
+    for (int c = 0; c < C; ++c) {
+      __m256i l[R];
+      for (int r = 0; r < R; ++r) {
+        if (T == kQ4_0 || (T == kQ8_0 && V))
+          l[r] = dpbusd<V>(base[c], wv[r], ya[c]);
+        else if (T == kQ4_1)
+          l[r] = dpbusd<V>(zero, wv[r], ya[c]);
+        else
+          l[r] = dpbusd<V>(zero, wabs[r], _mm256_sign_epi8(ya[c], wv[r]));
+      }
+      __m128i s;
+      if constexpr (R == 4)
+        s = reduce4(l[0], l[R > 1 ? 1 : 0], l[R > 2 ? 2 : 0], l[R > 3 ? 3 : 0]);
+      else
+        s = _mm_cvtsi32_si128(reduce1(l[0]));
+      acc[c] = _mm_fmadd_ps(_mm_mul_ps(dw4, _mm_set1_ps(dx[c])), _mm_cvtepi32_ps(s), acc[c]);
+      if (T == kQ4_1) accm[c] = _mm_fmadd_ps(mw4, _mm_set1_ps(sa[c]), accm[c]);
     }
   }
-  if (T == kQ4_1 && C == 4)
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(summs[r], summs4[r]);
   for (int c = 0; c < C; ++c) {
-    int r = 0;
-    for (; r + 4 <= R; r += 4) {
-      float s[4];
-      _mm_storeu_ps(s, hsum4(acc[r][c], acc[r + 1][c], acc[r + 2][c], acc[r + 3][c]));
-      for (int i = 0; i < 4; ++i) y[c * ldy + r + i] = s[i] + summs[r + i][c];
-    }
-    for (; r < R; ++r) y[c * ldy + r] = hsum256(acc[r][c]) + summs[r][c];
+    float s[4], m[4];
+    _mm_storeu_ps(s, acc[c]);
+    _mm_storeu_ps(m, accm[c]);
+    for (int r = 0; r < R; ++r) y[c * ldy + r] = T == kQ4_1 ? s[r] + m[r] : s[r];
   }
 }
 
@@ -336,13 +336,152 @@ void tile_rows(const uint8_t* w, int64_t wrow, const uint8_t* xq, int64_t arow, 
   }
 }
 
-// The GEMM tile: 4 weight rows x 4 x rows (16 accumulators). Measured (1
-// thread, Zen 4, both ISA paths): 4-15% faster than 4x2, 2x4, 4x3, 3x4, 4x6
-// or 6x2. x rows go in chunks of kChunk, so a chunk's activation blocks stay
-// in L2 while every weight tile of the thread passes over them (no measured
-// difference from 16 to all rows at SmolLM2's sizes; it matters for wide K).
+// The GEMM tile: 4 weight rows x 4 x rows. x rows go in chunks of kChunk,
+// so a chunk's activation blocks stay in L2 while every weight tile of the
+// thread passes over them.
 constexpr int kR = 4, kC = 4;
 constexpr int64_t kChunk = 64;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The packed GEMM (AVX-512 VNNI, from g_packed_min_rows rows of x): 16
+// weight rows at a time are first copied into a buffer where one 64-byte
+// vector holds 4 consecutive weights of each of the 16 rows, so one
+// vpdpbusd with 4 bytes of x broadcast adds 4 products to each of 16
+// rows' block sums, and the block's float work (convert, scale, fma) is
+// one instruction for 16 (row, x row) pairs where the 4x4 tile spends one
+// on each. The same integers and float operations as dot_scalar, so its
+// bits. Every type takes x + 128 as the unsigned operand and the weight as
+// the signed one (Q4_0 as q - 8), and starts each block's sums at
+// -128 * sum(w), kept with the copy.
+constexpr int kPack = 16, kPackC = 8;
+
+// One packed block of 16 rows: d (float32) [16], m [16] (Q4_1), -128 sum w
+// (int32) [16], then 8 vectors of 4 weights x 16 rows (int8).
+constexpr int64_t kPackedBlock = 64 * 3 + 64 * 8;
+
+template <int T>
+void pack16(const uint8_t* w, int64_t wrow, int64_t rows, int64_t nb, uint8_t* out) {
+  constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
+  constexpr int wq = T == kQ4_1 ? 4 : 2;
+  if (rows < kPack) std::memset(out, 0, nb * kPackedBlock);  // rows past `rows`: zero weights, zero scales
+  const __m128i low = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+  const __m128i eight = _mm_set1_epi8(8), flip = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* o = out + b * kPackedBlock;
+    float* d = reinterpret_cast<float*>(o);
+    float* m = d + 16;
+    int32_t* base = reinterpret_cast<int32_t*>(o + 128);
+    uint8_t* q = o + 192;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* wb = w + r * wrow + b * wbb;
+      d[r] = fp16_load(wb);
+      if (T == kQ4_1) m[r] = fp16_load(wb + 2);
+      // Values 0..15 and 16..31 of the block, as bytes (Q4_0: q - 8), and their sum.
+      __m128i v0, v1;
+      int32_t sum;
+      if (T == kQ8_0) {
+        v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + wq));
+        v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + wq + 16));
+        // sum w = sum (w + 128) - 32 * 128, the unsigned sums by vpsadbw
+        const __m128i s = _mm_add_epi64(_mm_sad_epu8(_mm_xor_si128(v0, flip), zero),
+                                        _mm_sad_epu8(_mm_xor_si128(v1, flip), zero));
+        sum = _mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 2) - 32 * 128;
+      } else {
+        const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + wq));
+        v0 = _mm_and_si128(n, low);
+        v1 = _mm_and_si128(_mm_srli_epi16(n, 4), low);
+        const __m128i s = _mm_add_epi64(_mm_sad_epu8(v0, zero), _mm_sad_epu8(v1, zero));
+        sum = _mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 2);
+        if (T == kQ4_0) v0 = _mm_sub_epi8(v0, eight), v1 = _mm_sub_epi8(v1, eight), sum -= 32 * 8;
+      }
+      base[r] = -128 * sum;
+      // Weights 4k..4k+3 of the row go to vector k, at the row's 4 bytes.
+      int32_t g[8];
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(g), v0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(g + 4), v1);
+      for (int k = 0; k < 8; ++k) std::memcpy(q + k * 64 + r * 4, &g[k], 4);
+    }
+  }
+}
+
+// C rows of x (x + 128 as bytes, xu, kQK a block; their d and s as float32,
+// dx and sx, nb a row) against one packed group of 16 rows: y[c * ldy + r].
+template <int T, int C>
+void packed_tile(const uint8_t* pk, const uint8_t* xu, const float* dx, const float* sx, int64_t nb, float* y,
+                 int64_t ldy, int64_t rows) {
+  __m512 acc[C], accm[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps(), accm[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = pk + b * kPackedBlock;
+    const __m512 d = _mm512_loadu_ps(o);
+    const __m512i base = _mm512_loadu_si512(o + 128);
+    __m512i wv[8];
+    for (int k = 0; k < 8; ++k) wv[k] = _mm512_loadu_si512(o + 192 + 64 * k);
+    for (int c = 0; c < C; ++c) {
+      const int32_t* xb = reinterpret_cast<const int32_t*>(xu + (c * nb + b) * kQK);
+      __m512i s = base;
+      for (int k = 0; k < 8; ++k) s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xb[k]), wv[k]);
+      const float dxc = dx[c * nb + b];
+      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dxc)), _mm512_cvtepi32_ps(s), acc[c]);
+      if (T == kQ4_1)
+        accm[c] = _mm512_fmadd_ps(_mm512_loadu_ps(o + 64), _mm512_set1_ps(sx[c * nb + b]), accm[c]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+  for (int c = 0; c < C; ++c)
+    _mm512_mask_storeu_ps(y + c * ldy, keep, T == kQ4_1 ? _mm512_add_ps(acc[c], accm[c]) : acc[c]);
+}
+
+// x's activation blocks rows [0, M) as packed_tile reads them.
+template <int T>
+void unpack_activations(const uint8_t* xq, int64_t M, int64_t nb, uint8_t* xu, float* dx, float* sx) {
+  constexpr int64_t abb = T == kQ4_1 ? 36 : 34;
+  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const uint8_t* ab = xq + i * abb;
+    dx[i] = fp16_load(ab);
+    sx[i] = T == kQ4_1 ? fp16_load(ab + 2) : 0.f;
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + aq));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xu + i * kQK), _mm256_xor_si256(q, flip));
+  }
+}
+
+// Weight rows [n0, n1) against all M rows of x: the groups of 16 packed in
+// turn (each packed once and used by every row of x), the 1 to 15 rows
+// left over in the 4x4 tiles (the same bits).
+template <int T>
+void packed_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
+                  int64_t n1) {
+  const int64_t wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
+  thread_local std::vector<uint8_t> pk, xu;
+  thread_local std::vector<float> dsx;
+  pk.resize(nb * kPackedBlock);
+  xu.resize(M * nb * kQK);
+  dsx.resize(2 * M * nb);
+  float *dx = dsx.data(), *sx = dsx.data() + M * nb;
+  unpack_activations<T>(xq, M, nb, xu.data(), dx, sx);
+  int64_t n = n0;
+  for (; n + kPack <= n1; n += kPack) {
+    pack16<T>(w + n * wrow, wrow, kPack, nb, pk.data());
+    int64_t m = 0;
+    for (; m + kPackC <= M; m += kPackC)
+      packed_tile<T, kPackC>(pk.data(), xu.data() + m * nb * kQK, dx + m * nb, sx + m * nb, nb, y + m * N + n, N,
+                             kPack);
+    for (; m + 4 <= M; m += 4)
+      packed_tile<T, 4>(pk.data(), xu.data() + m * nb * kQK, dx + m * nb, sx + m * nb, nb, y + m * N + n, N, kPack);
+    for (; m < M; ++m)
+      packed_tile<T, 1>(pk.data(), xu.data() + m * nb * kQK, dx + m * nb, sx + m * nb, nb, y + m * N + n, N, kPack);
+  }
+  for (; n + kR <= n1; n += kR) tile_rows<T, true, kR, kC>(w + n * wrow, wrow, xq, arow, nb, y + n, N, 0, M);
+  for (; n < n1; ++n) tile_rows<T, true, 1, kC>(w + n * wrow, wrow, xq, arow, nb, y + n, N, 0, M);
+}
+constexpr bool kHavePacked = true;
+#else
+constexpr bool kHavePacked = false;
+template <int T>
+void packed_range(const uint8_t*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+#endif
 
 template <int T, bool V>
 void gemm_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
@@ -366,24 +505,44 @@ void gemm_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_
 // From this many rows of x the GEMM tiles run: from 2 rows they take 0.6-0.8x
 // the GEMV's time (1 thread, Zen 4); set_gguf_gemm_min_rows moves it (tests, benchmarks).
 std::atomic<int64_t> g_gemm_min_rows{2};
+// From this many rows the packed GEMM runs where the CPU has AVX-512 VNNI
+// (Q8_0 from 8x as many: its copy costs twice Q4's a weight and its 4x4
+// tiles run faster). Measured (1 thread, Zen 4, SmolLM2's shapes): Q4_1
+// packed takes 0.9x the tiles' time at 4 rows, 0.5x at 8, 0.35x at 16,
+// 0.2x from 64 (315-413 GFLOP/s-equivalent); Q8_0 on the 49152-row head
+// 0.85x at 16, 0.36x at 64.
+std::atomic<int64_t> g_packed_min_rows{4};
+
+// The rows [n0, n1) of y on the widest path the ISA allows (all give the same bits).
+template <int T>
+void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
+                int64_t n1) {
+#ifdef __AVX2__
+  const bool vnni = kHaveVnni && get_isa() == "avx512";
+  if (vnni && kHavePacked && M >= g_packed_min_rows.load() * (T == kQ8_0 ? 8 : 1))
+    packed_range<T>(xq, w, y, M, N, nb, n0, n1);
+  else if (vnni)
+    gemm_range<T, kHaveVnni>(xq, w, y, M, N, nb, n0, n1, M >= g_gemm_min_rows.load());
+  else
+    gemm_range<T, false>(xq, w, y, M, N, nb, n0, n1, M >= g_gemm_min_rows.load());
+#else
+  const int64_t wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
+#endif
+}
 
 template <int T>
 void gemm(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, bool scalar) {
   const int64_t nb = K / kQK, wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
-#ifdef __AVX2__
   if (!scalar) {
-    const bool vnni = kHaveVnni && get_isa() == "avx512", big = M >= g_gemm_min_rows.load();
-    // Threads take runs of whole 4-row tiles.
-    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-      const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
-      if (vnni)
-        gemm_range<T, kHaveVnni>(xq, w, y, M, N, nb, n0, n1, big);
-      else
-        gemm_range<T, false>(xq, w, y, M, N, nb, n0, n1, big);
+    // Threads take runs of whole 16-row groups (4-row tiles when N is small).
+    const int64_t unit = N >= 64 ? 16 : 4;
+    at::parallel_for(0, (N + unit - 1) / unit, 1, [&](int64_t t0, int64_t t1) {
+      rows_range<T>(xq, w, y, M, N, nb, t0 * unit, std::min(N, t1 * unit));
     });
     return;
   }
-#endif
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
@@ -413,6 +572,7 @@ torch::Tensor quantize_q8_activations(torch::Tensor x, bool q8_1, bool force_sca
 }
 
 int64_t set_gguf_gemm_min_rows(int64_t rows) { return g_gemm_min_rows.exchange(std::max<int64_t>(rows, 1)); }
+int64_t set_gguf_packed_min_rows(int64_t rows) { return g_packed_min_rows.exchange(std::max<int64_t>(rows, 1)); }
 
 // x: [M, K] float32; w_blocks: [N, K / 32 * block bytes] uint8 of ggml_type
 // 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0) -> [M, N] float32.
@@ -454,18 +614,7 @@ namespace {
 template <int T>
 void linear_rows_t(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                    int64_t n1) {
-  const int64_t nb = K / kQK;
-#ifdef __AVX2__
-  const bool vnni = kHaveVnni && get_isa() == "avx512", big = M >= g_gemm_min_rows.load();
-  if (vnni)
-    gemm_range<T, kHaveVnni>(xq, w, y, M, N, nb, n0, n1, big);
-  else
-    gemm_range<T, false>(xq, w, y, M, N, nb, n0, n1, big);
-#else
-  const int64_t wrow = nb * weight_block_bytes(T), arow = gguf_act_row_bytes(T, K);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
-#endif
+  rows_range<T>(xq, w, y, M, N, K / kQK, n0, n1);
 }
 }  // namespace
 

@@ -1,6 +1,7 @@
 """How fast the GGUF block kernel (csrc/gguf_gemv.cpp, gguf_linear) multiplies one row of
-activations by weights kept in llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks, next to the float32
-matmul of the decode step (small_m_linear) on the same weights dequantized.
+activations by weights kept in llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks (packed by gguf_pack in
+groups of 16 rows, as the model holds them), next to the float32 matmul of the decode step
+(small_m_linear) on the same weights dequantized.
 
 At one row a linear layer is a read of its weights: the figures are GB/s of weight bytes read
 (the blocks' bytes for gguf_linear, 4 bytes a weight for float32) and the speedup over float32
@@ -16,10 +17,9 @@ on the Q4_K weights dequantized. gguf cannot quantize the K types: the blocks ar
 with valid fp16 scales (the speed does not depend on the values).
 
 Then prefill rows (--rows, default 64, 256, 512) on SmolLM2-135M's three shapes (576->1536,
-1536->576, 576->576): gguf_linear (on an AVX-512 VNNI CPU its packed GEMM: 16 weight rows copied
-per call into vectors of 4 weights x 16 rows) against its 4x4 register tiles on the blocks as
-stored (set_gguf_packed_min_rows; the path without VNNI) and float32 F.linear (MKL) on the same
-weights dequantized; GFLOP/s-equivalent (2 M N K a call) and time per call. The weights stay in cache
+1536->576, 576->576): gguf_linear on the packed groups (tiles of 16 weight rows x 4 rows of x)
+against the same one row of x at a time (set_gguf_gemm_min_rows) and float32 F.linear (MKL) on
+the same weights dequantized; GFLOP/s-equivalent (2 M N K a call) and time per call. The weights stay in cache
 here: at these rows a layer is compute-bound.
 
 `python -m shoal.benchmarks.gguf_kernels [--rounds 200] [--threads N] [--rows 64,256,512]`"""
@@ -91,12 +91,13 @@ def _bench_kquants(kernel, rounds: int) -> None:
 
 
 def _prefill(kernel, rows: list[int], rounds: int, rng: np.random.Generator) -> None:
-    """The GEMM against the GEMV and F.linear at prefill rows; the weights stay in cache."""
-    print(f"\nprefill rows, threads {torch.get_num_threads()}: GFLOP/s = 2 M N K / time; x faster than f32, gemv")
-    print(f"{'shape':<10} {'M':>4} {'case':<10} {'us/call':>9} {'GFLOP/s':>8} {'vs f32':>7} {'vs 4x4':>7}")
+    """The tiles of 4 rows of x against one row at a time and F.linear at prefill rows; the weights
+    stay in cache."""
+    print(f"\nprefill rows, threads {torch.get_num_threads()}: GFLOP/s = 2 M N K / time; x faster than f32, 1-row")
+    print(f"{'shape':<10} {'M':>4} {'case':<10} {'us/call':>9} {'GFLOP/s':>8} {'vs f32':>7} {'vs 1-row':>8}")
     for name, (N, K) in PREFILL_SHAPES.items():
         w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
-        blocks = {q.name: torch.from_numpy(quantize(w, q)) for q in TYPES}
+        blocks = {q.name: kernel.gguf_pack(torch.from_numpy(quantize(w, q)), int(q)) for q in TYPES}
         wf = torch.from_numpy(dequantize(quantize(w, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1))
         for M in rows:
             x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
@@ -104,24 +105,24 @@ def _prefill(kernel, rows: list[int], rounds: int, rng: np.random.Generator) -> 
             for qtype in TYPES:
                 b, t = blocks[qtype.name], int(qtype)
                 cases[qtype.name] = lambda i, x=x, b=b, t=t: kernel.gguf_linear(x, b, t, False)
-                cases[f"{qtype.name} 4x4"] = lambda i, x=x, b=b, t=t: _tiles(kernel, x, b, t)
+                cases[f"{qtype.name} 1-row"] = lambda i, x=x, b=b, t=t: _one_row(kernel, x, b, t)
             times = time_alternating(cases, max(10, min(rounds, rounds * 16 // M)))
             for case, sec in times.items():
-                tiles = times.get(f"{case} 4x4")
+                tiles = times.get(f"{case} 1-row")
                 print(
                     f"{name:<10} {M:>4} {case:<10} {sec * 1e6:>9.1f} {2 * M * N * K / sec / 1e9:>8.1f} "
-                    f"{times['f32'] / sec:>6.2f}x " + (f"{tiles / sec:>6.2f}x" if tiles else "")
+                    f"{times['f32'] / sec:>6.2f}x " + (f"{tiles / sec:>7.2f}x" if tiles else "")
                 )
 
 
-def _tiles(kernel, x: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
-    """gguf_linear by its 4x4 register tiles on the blocks as stored (the path before the packed
-    GEMM, and the path without AVX-512 VNNI), whatever the rows."""
-    old = kernel.set_gguf_packed_min_rows(1 << 30)
+def _one_row(kernel, x: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
+    """gguf_linear one row of x at a time over each packed group (the decode path), whatever the
+    rows: what the tiles of 4 rows of x save."""
+    old = kernel.set_gguf_gemm_min_rows(1 << 30)
     try:
         return kernel.gguf_linear(x, b, t, False)
     finally:
-        kernel.set_gguf_packed_min_rows(old)
+        kernel.set_gguf_gemm_min_rows(old)
 
 
 def main() -> None:
@@ -149,7 +150,7 @@ def main() -> None:
         nbytes: dict[str, int] = {}
         for qtype in TYPES:
             blocks = quantize(w, qtype)
-            ws = _copies(torch.from_numpy(blocks))
+            ws = _copies(kernel.gguf_pack(torch.from_numpy(blocks), int(qtype)))
             cases[qtype.name] = lambda i, x=x, ws=ws, t=int(qtype): kernel.gguf_linear(x, ws[i % len(ws)], t, False)
             nbytes[qtype.name] = blocks.nbytes
         # float32: the Q4_1 weights dequantized (the same values the default model's layers hold).

@@ -188,7 +188,7 @@ def measure_int8_dot_ops(seconds: float = 2.0) -> float | None:
         return None
     m, n = 256, 2048
     w = quantize(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), GGMLQuantizationType.Q8_0)
-    w, x = torch.from_numpy(w), torch.randn(m, n)
+    w, x = kernels.gguf_pack(torch.from_numpy(w), GGMLQuantizationType.Q8_0), torch.randn(m, n)
     return _best_rate(lambda: kernels.gguf_linear(x, w, GGMLQuantizationType.Q8_0, False), 2 * m * n * n, seconds)
 
 

@@ -213,6 +213,7 @@ def test_gguf_embedding_is_dequantize(kernels, ggml_type):
     blocks = torch.from_numpy(gguf.quants.quantize(w, ggml_type))
     ids = torch.tensor([3, 0, 39, 3])
     want = dequantize(blocks.index_select(0, ids), int(ggml_type), 96)
-    assert torch.equal(kernels.gguf_embedding(ids, blocks, int(ggml_type)), want)
+    packed = kernels.gguf_pack(blocks, int(ggml_type))  # 2 groups of 16 rows, 8 as stored
+    assert torch.equal(kernels.gguf_embedding(ids, packed, int(ggml_type)), want)
     with pytest.raises(RuntimeError, match="out of range"):
-        kernels.gguf_embedding(torch.tensor([40]), blocks, int(ggml_type))
+        kernels.gguf_embedding(torch.tensor([40]), packed, int(ggml_type))

@@ -176,7 +176,7 @@ def test_gguf_linear_matches_llama_cpp_arithmetic(kernel, isa, qtype, K, M):
     x = _x(M, K, seed=M * 1000 + K)
     blocks = _weights(N, K, qtype, seed=K + int(qtype))
     assert blocks.shape == (N, K // QK * GGML_QUANT_SIZES[qtype][1])
-    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
+    xt, wt = torch.from_numpy(x), kernel.gguf_pack(torch.from_numpy(blocks), int(qtype))
 
     y = kernel.gguf_linear(xt, wt, int(qtype), False)
     y_scalar = kernel.gguf_linear(xt, wt, int(qtype), True)
@@ -188,13 +188,14 @@ def test_gguf_linear_matches_llama_cpp_arithmetic(kernel, isa, qtype, K, M):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [17, 64, 200, 512])
 def test_gguf_gemm_is_the_gemv_bit_for_bit(kernel, isa, qtype, M):
-    """Prefill rows: the GEMM's 4x4 register tiles (and their 1-3 row tails, the odd N's last
-    weight row, x in chunks of 64 rows, weight rows split over the threads) give the GEMV's bits,
-    the scalar path's and the other ISA path's, and the references' values."""
-    N, K = 133, 576  # 33 tiles of 4 weight rows and one row
+    """Prefill rows: the packed groups' tiles of 4 rows of x (and the rows left over one at a time;
+    the 5 weight rows after the last group, as stored, in 4x4 tiles and one row; the groups split
+    over the threads) give the bits of one row of x at a time, the scalar path's and the other ISA
+    path's, and the references' values."""
+    N, K = 133, 576  # 8 packed groups of 16 weight rows, 5 rows as stored
     x = _x(M, K, seed=M)
     blocks = _weights(N, K, qtype, seed=M + int(qtype))
-    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
+    xt, wt = torch.from_numpy(x), kernel.gguf_pack(torch.from_numpy(blocks), int(qtype))
     y = kernel.gguf_linear(xt, wt, int(qtype), False)
     old = kernel.set_gguf_gemm_min_rows(1 << 30)
     try:
@@ -215,6 +216,24 @@ def test_gguf_gemm_is_the_gemv_bit_for_bit(kernel, isa, qtype, M):
     for m in (0, M // 2, M - 1):
         assert torch.equal(y[m : m + 1], kernel.gguf_linear(xt[m : m + 1], wt, int(qtype), False))
     _check_against_references(y.numpy().astype(np.float64), x, blocks, qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("N", [5, 16, 37])
+def test_gguf_pack_moves_the_bytes(kernel, qtype, N):
+    """gguf_pack moves the bytes (unpacking restores them exactly) and the row lookup of the packed
+    matrix reads each row as the file stores it."""
+    blocks = torch.from_numpy(_weights(N, 64, qtype, seed=N))
+    packed = kernel.gguf_pack(blocks, int(qtype))
+    assert packed.shape == blocks.shape and packed.dtype == torch.uint8
+    if N >= 16:
+        assert not torch.equal(packed[:16], blocks[:16]), "a group is packed"
+    assert torch.equal(packed[N // 16 * 16 :], blocks[N // 16 * 16 :]), "the rows after the last group as stored"
+    assert torch.equal(kernel.gguf_pack(packed, int(qtype), True), blocks)
+    ids = torch.tensor([N - 1, 0, N // 2, 0])
+    assert torch.equal(kernel.gguf_packed_rows(packed, ids, int(qtype)), blocks[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.gguf_packed_rows(packed, torch.tensor([N]), int(qtype))
 
 
 def test_gguf_linear_rejects_bad_input(kernel):

@@ -21,7 +21,7 @@ from torch import nn
 from shoal.workers.model_executor.layers.custom_op import CustomOp
 from shoal.workers.model_executor.layers.fused_moe.layer import FusedMoE
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 # The layers that run on the kernels: each reads its `cpu_kernels` when called
@@ -73,8 +73,15 @@ def bind(model: nn.Module, kernels) -> object | None:
     written in (only the decode attention kernel has a portable path).
     Called once by the model runner when it picks the attention backend.
     Returns what was bound."""
+    from shoal.workers.model_executor.layers.quantization.gguf import GGUFLinearMethod, set_packed
+
     bound = kernels if getattr(kernels, "has_avx2", False) else None
     for module in model.modules():
         if isinstance(module, KERNEL_USERS):
             module.cpu_kernels = bound
+        # GGUF blocks in the layout the kernels multiply (an embedding's rows are read from it too)
+        if isinstance(module, (*KERNEL_USERS, VocabParallelEmbedding)) and isinstance(
+            getattr(module, "quant_method", None), GGUFLinearMethod
+        ):
+            set_packed(module.weight, bound)
     return bound

@@ -34,15 +34,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows of x (float32 [M, K]) as llama.cpp's block_q8_0 (q8_1: block_q8_1) -> uint8 [M, K / 32 * 34 or 36]",
         py::arg("x"), py::arg("q8_1") = false, py::arg("force_scalar") = false);
   m.def("gguf_linear", &gguf_linear,
-        "x @ W.T, W GGUF blocks uint8 [N, K / 32 * block bytes] of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)",
+        "x @ W.T, W gguf_pack's blocks uint8 [N, K / 32 * block bytes] of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)",
         py::arg("x"), py::arg("w_blocks"), py::arg("ggml_type"), py::arg("force_scalar") = false);
   m.def("set_gguf_gemm_min_rows", &set_gguf_gemm_min_rows,
         "gguf_linear takes its GEMM tiles from this many rows of x (fewer: the GEMV); returns the previous",
         py::arg("rows"));
-  m.def("set_gguf_packed_min_rows", &set_gguf_packed_min_rows,
-        "gguf_linear packs 16 weight rows at a time for vpdpbusd from this many rows of x (AVX-512 VNNI); "
-        "returns the previous",
-        py::arg("rows"));
+  m.def("gguf_pack", &gguf_pack,
+        "GGUF blocks uint8 [N, row bytes] of ggml_type 2, 3 or 8 as gguf_linear takes them: each 16 rows packed "
+        "for vpdpbusd (the last N % 16 as stored); unpack=True: back",
+        py::arg("w_blocks"), py::arg("ggml_type"), py::arg("unpack") = false);
+  m.def("gguf_packed_rows", &gguf_packed_rows, "rows ids of a packed matrix, as the file stores them",
+        py::arg("w_packed"), py::arg("ids"), py::arg("ggml_type"));
   m.def("quantize_q8_k_activations", &quantize_q8_k_activations,
         "rows of x (float32 [M, K]) as llama.cpp's block_q8_K -> uint8 [M, K / 256 * 292]", py::arg("x"),
         py::arg("force_scalar") = false);
@@ -56,7 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear,
         "x @ (w * w_scale[:, None]).T (+ bias) with x quantized per token: w int8 [N, K], w_scale float32 [N]",
         py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("force_scalar") = false);
-  m.def("gguf_embedding", &gguf_embedding, "rows ids of Q8_0 (8) or Q4_0 (2) blocks as float32 [n, cols]",
+  m.def("gguf_embedding", &gguf_embedding, "rows ids of packed Q8_0 (8) or Q4_0 (2) blocks as float32 [n, cols]",
         py::arg("ids"), py::arg("w_blocks"), py::arg("ggml_type"));
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax's index) of float32 [rows, n]");
   py::class_<DecodeLayers>(m, "DecodeLayers")

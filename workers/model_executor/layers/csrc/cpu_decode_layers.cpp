@@ -200,7 +200,7 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
                       float* y, bool quantized) {
       int64_t n0, n1;
       const int64_t N = w.size(0);
-      share(N, 4, tid, nt, n0, n1);
+      share(N, type != 0 ? 16 : 4, tid, nt, n0, n1);  // GGUF: whole packed groups
       if (type != 0) {
         if (!quantized) {
           gguf_quantize_rows(in, xqp, K, type, r0, r1);
@@ -301,7 +301,7 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
       }
 #pragma omp barrier
       int64_t n0, n1;
-      share(V, 4, tid, nt, n0, n1);
+      share(V, 16, tid, nt, n0, n1);
       gguf_linear_rows(xqp, head.data_ptr<uint8_t>(), head_type, lp, R, V, hidden, n0, n1);
     }
   }

@@ -31,10 +31,11 @@ torch::Tensor quantize_q8_k_activations(torch::Tensor x, bool force_scalar);
 torch::Tensor gguf_linear_k(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_type, bool force_scalar);
 // Rows ids of Q8_0 or Q4_0 blocks, dequantized (the decode step's embedding lookup).
 torch::Tensor gguf_embedding(torch::Tensor ids, torch::Tensor w_blocks, int64_t ggml_type);
+// gguf_linear's weights: the file's blocks packed in groups of 16 rows (unpack: back).
+torch::Tensor gguf_pack(torch::Tensor w_blocks, int64_t ggml_type, bool unpack);
+torch::Tensor gguf_packed_rows(torch::Tensor w_packed, torch::Tensor ids, int64_t ggml_type);
 // gguf_linear's GEMM tiles run from this many rows of x (the GEMV below); returns the previous.
 int64_t set_gguf_gemm_min_rows(int64_t rows);
-// ... and the packed GEMM (AVX-512 VNNI) from this many; returns the previous.
-int64_t set_gguf_packed_min_rows(int64_t rows);
 // INT8 W8A8 (csrc/int8_gemm.cpp): x quantized per token (symmetric, max|x| / 127),
 // int8 [N, K] weights with per-row float32 scales, exact int32 dot products.
 std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x, bool force_scalar);

@@ -19,34 +19,26 @@
 // scale), s = d * sum(q) with d in float32 before the fp16 store.
 //
 // Each (weight block, activation block) pair is an exact integer sum of its
-// 32 products (vpmaddubsw + vpmaddwd with ones on the AVX2 path, vpdpbusd
-// on the AVX-512 VNNI one: the same integers), then
+// 32 products (vpdpbusd on the AVX-512 VNNI path, vpmaddubsw + vpmaddwd
+// with ones on the AVX2 one: the same integers), then
 // acc = fma(d_w * d_x, float(sum), acc) over the blocks in order; Q4_1 adds
 // the sum of m_w * s_x over the blocks, a second fma chain, at the end. One
 // float update per block pair, as llama.cpp's repacked GEMM kernels
 // (repack.cpp) do, not its vec_dot's 8 lane sums a row: that is what lets
-// 16 pairs share one instruction below. The scalar
-// path does the same float operations in the same order, and so does every
-// tile: the GEMV, the GEMM, the packed GEMM, the scalar path and the two ISA
+// 16 pairs share one instruction. The scalar path does the same float
+// operations in the same order, and so does every tile: one row of x or 4,
+// the packed groups or the rows as stored, the scalar path and the two ISA
 // paths give the same bits (force_scalar picks the scalar path, set_isa /
-// SHOAL_CPU_ISA=avx2 the AVX2 one; tests). As in llama.cpp, a Q8_0 weight
-// of -128 (gguf never writes one) can saturate vpmaddubsw's int16 pair sums
-// on the AVX2 path.
+// SHOAL_CPU_ISA=avx2 the AVX2 one; tests).
 //
-// Threads split the weight rows, in runs of whole 16-row groups. One row of
-// x (decode; the GEMV): four weight rows at a time, their lane sums reduced
-// together (vphaddd) into one vector of four block sums. From two rows
-// (batched decode): tiles of 4 weight rows x 4 rows of x, so each unpacked
-// weight block serves 4 activation blocks and each activation block 4
-// weight blocks. Q4_0's (q - 8) y is summed as q y - 8 y, the second term
-// once per activation block. Software prefetch runs two tiles ahead: the
-// hardware prefetcher does not follow four short row streams. From 4 rows
-// (8x that for Q8_0) on an AVX-512 VNNI CPU, the packed GEMM (below): 16
-// weight rows copied into vectors of 4 weights x 16 rows, so one vpdpbusd
-// serves 16 rows and one fma 16 block pairs.
-// Measured (1 thread, Zen 4, SmolLM2's shapes, benchmarks/gguf_kernels.py):
-// at M = 1, 15-17 GB/s of Q4 blocks from memory; Q4_1 at 64-256 rows,
-// 315-413 GFLOP/s-equivalent packed against 64-90 in the 4x4 tiles.
+// gguf_linear takes its weights packed by gguf_pack (groups of 16 rows, see
+// "packed groups" below); the N % 16 rows after the last group stay as
+// stored and take tiles of 4 weight rows x 1 or 4 rows of x. Threads split
+// the weight rows in whole groups. Measured (1 thread, Zen 4, SmolLM2's
+// shapes, benchmarks/gguf_kernels.py): one row of x, 18-21 GB/s of Q4
+// blocks from memory (4.3-4.7x the float32 small_m_linear's time per call),
+// 25 GB/s of Q8_0; 64-256 rows, 310-420 GFLOP/s-equivalent (4.5-5.2x MKL's
+// float32 F.linear).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -316,236 +308,297 @@ void tile(const uint8_t* w, int64_t wrow, const uint8_t* a, int64_t arow, int64_
   }
 }
 
-// The tiles of R weight rows from w (y's column n) against x rows [m0, m1):
-// C rows at a time, then the 1 to 3 left over (C = 4) in one tile.
+// The tail rows (N % 16, kept as stored): tiles of R weight rows against
+// rows [0, M) of x, C rows of x at a time (C = 4, then the 1 to 3 left over).
 template <int T, bool V, int R, int C>
-void tile_rows(const uint8_t* w, int64_t wrow, const uint8_t* xq, int64_t arow, int64_t nb, float* y, int64_t N,
-               int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + C <= m1; m += C) tile<T, V, R, C>(w, wrow, xq + m * arow, arow, nb, y + m * N, N, m == m0);
+void tail_tiles(const uint8_t* w, int64_t wrow, const uint8_t* xq, int64_t arow, int64_t nb, float* y, int64_t N,
+                int64_t M) {
+  int64_t m = 0;
+  for (; m + C <= M; m += C) tile<T, V, R, C>(w, wrow, xq + m * arow, arow, nb, y + m * N, N, m == 0);
   static_assert(C == 1 || C == 4);
   if constexpr (C == 4) {
     const uint8_t* a = xq + m * arow;
-    const bool pf = m == m0;
-    if (m1 - m == 3)
-      tile<T, V, R, 3>(w, wrow, a, arow, nb, y + m * N, N, pf);
-    else if (m1 - m == 2)
-      tile<T, V, R, 2>(w, wrow, a, arow, nb, y + m * N, N, pf);
-    else if (m1 - m == 1)
-      tile<T, V, R, 1>(w, wrow, a, arow, nb, y + m * N, N, pf);
+    if (M - m == 3)
+      tile<T, V, R, 3>(w, wrow, a, arow, nb, y + m * N, N, m == 0);
+    else if (M - m == 2)
+      tile<T, V, R, 2>(w, wrow, a, arow, nb, y + m * N, N, m == 0);
+    else if (M - m == 1)
+      tile<T, V, R, 1>(w, wrow, a, arow, nb, y + m * N, N, m == 0);
   }
 }
+#endif
 
-// The GEMM tile: 4 weight rows x 4 x rows. x rows go in chunks of kChunk,
-// so a chunk's activation blocks stay in L2 while every weight tile of the
-// thread passes over them.
-constexpr int kR = 4, kC = 4;
-constexpr int64_t kChunk = 64;
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// The packed GEMM (AVX-512 VNNI, from g_packed_min_rows rows of x): 16
-// weight rows at a time are first copied into a buffer where one 64-byte
-// vector holds 4 consecutive weights of each of the 16 rows, so one
-// vpdpbusd with 4 bytes of x broadcast adds 4 products to each of 16
-// rows' block sums, and the block's float work (convert, scale, fma) is
-// one instruction for 16 (row, x row) pairs where the 4x4 tile spends one
-// on each. The same integers and float operations as dot_scalar, so its
-// bits. Every type takes x + 128 as the unsigned operand and the weight as
-// the signed one (Q4_0 as q - 8), and starts each block's sums at
-// -128 * sum(w), kept with the copy.
-constexpr int kPack = 16, kPackC = 8;
-
-// One packed block of 16 rows: d (float32) [16], m [16] (Q4_1), -128 sum w
-// (int32) [16], then 8 vectors of 4 weights x 16 rows (int8).
-constexpr int64_t kPackedBlock = 64 * 3 + 64 * 8;
+// ------------------------------------------------------------ packed groups
+//
+// gguf_pack, at load, rewrites each run of 16 weight rows (a group; the
+// N % 16 rows after the last group stay as stored) block by block so that
+// one 64-byte vector holds 4 consecutive weights of each of the 16 rows:
+// with 4 bytes of a row of x broadcast, one vpdpbusd adds 4 products to each
+// of 16 rows' block sums, and the block's float work (convert, scale, fma)
+// is one instruction for 16 (weight row, x row) pairs where tiles on the
+// stored rows spend one on each. The same bytes, moved: block b of a group
+// is 16 blocks' worth at the group's offset + b * 16 * block bytes, as
+//   fp16 d [16] | Q4_1: fp16 m [16] | quants
+// with the quants Q4_0 / Q4_1: 4 vectors, vector p lane i = row i's nibble
+// bytes 4p..4p+3 (low nibbles values 4p.., high ones 16 + 4p..); Q8_0: 8
+// vectors, vector k lane i = row i's values 4k..4k+3, + 128 (unsigned).
+// The weight is vpdpbusd's unsigned operand: Q4 nibbles (q, with Q4_0's
+// -8 sum x taken off once per activation block), Q8_0 w + 128 (-128 sum x).
+// Measured (1 thread, Zen 4, SmolLM2's shapes, weights in cache): 300-410
+// GFLOP/s-equivalent from 64 rows of x, 3-5x the tiles on the stored rows.
+constexpr int kGroup = 16;
 
 template <int T>
-void pack16(const uint8_t* w, int64_t wrow, int64_t rows, int64_t nb, uint8_t* out) {
-  constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
+constexpr int64_t wbb_of() {
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
+}
+template <int T>
+constexpr int64_t qoff_of() {  // where a packed block's quants start
+  return T == kQ4_1 ? 64 : 32;
+}
+
+// Rows [0, 16) of w (stride wrow, as stored) -> one packed group.
+template <int T>
+void pack_group(const uint8_t* w, int64_t wrow, int64_t nb, uint8_t* out) {
+  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
   constexpr int wq = T == kQ4_1 ? 4 : 2;
-  if (rows < kPack) std::memset(out, 0, nb * kPackedBlock);  // rows past `rows`: zero weights, zero scales
-  const __m128i low = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
-  const __m128i eight = _mm_set1_epi8(8), flip = _mm_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* o = out + b * kPackedBlock;
-    float* d = reinterpret_cast<float*>(o);
-    float* m = d + 16;
-    int32_t* base = reinterpret_cast<int32_t*>(o + 128);
-    uint8_t* q = o + 192;
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* wb = w + r * wrow + b * wbb;
-      d[r] = fp16_load(wb);
-      if (T == kQ4_1) m[r] = fp16_load(wb + 2);
-      // Values 0..15 and 16..31 of the block, as bytes (Q4_0: q - 8), and their sum.
-      __m128i v0, v1;
-      int32_t sum;
-      if (T == kQ8_0) {
-        v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + wq));
-        v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + wq + 16));
-        // sum w = sum (w + 128) - 32 * 128, the unsigned sums by vpsadbw
-        const __m128i s = _mm_add_epi64(_mm_sad_epu8(_mm_xor_si128(v0, flip), zero),
-                                        _mm_sad_epu8(_mm_xor_si128(v1, flip), zero));
-        sum = _mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 2) - 32 * 128;
-      } else {
-        const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + wq));
-        v0 = _mm_and_si128(n, low);
-        v1 = _mm_and_si128(_mm_srli_epi16(n, 4), low);
-        const __m128i s = _mm_add_epi64(_mm_sad_epu8(v0, zero), _mm_sad_epu8(v1, zero));
-        sum = _mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 2);
-        if (T == kQ4_0) v0 = _mm_sub_epi8(v0, eight), v1 = _mm_sub_epi8(v1, eight), sum -= 32 * 8;
-      }
-      base[r] = -128 * sum;
-      // Weights 4k..4k+3 of the row go to vector k, at the row's 4 bytes.
-      int32_t g[8];
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(g), v0);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(g + 4), v1);
-      for (int k = 0; k < 8; ++k) std::memcpy(q + k * 64 + r * 4, &g[k], 4);
+    uint8_t* o = out + b * kGroup * wbb;
+    for (int i = 0; i < kGroup; ++i) {
+      const uint8_t* wb = w + i * wrow + b * wbb;
+      std::memcpy(o + 2 * i, wb, 2);
+      if (T == kQ4_1) std::memcpy(o + 32 + 2 * i, wb + 2, 2);
+      for (int k = 0; k < (T == kQ8_0 ? 8 : 4); ++k)
+        for (int j = 0; j < 4; ++j) o[qo + 64 * k + 4 * i + j] = wb[wq + 4 * k + j] ^ (T == kQ8_0 ? 0x80 : 0);
     }
   }
 }
 
-// C rows of x (x + 128 as bytes, xu, kQK a block; their d and s as float32,
-// dx and sx, nb a row) against one packed group of 16 rows: y[c * ldy + r].
+// Row i of a packed group, block b, as stored (the inverse of pack_group).
+template <int T>
+void unpack_block(const uint8_t* group, int i, int64_t b, uint8_t* wb) {
+  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
+  constexpr int wq = T == kQ4_1 ? 4 : 2;
+  const uint8_t* o = group + b * kGroup * wbb;
+  std::memcpy(wb, o + 2 * i, 2);
+  if (T == kQ4_1) std::memcpy(wb + 2, o + 32 + 2 * i, 2);
+  for (int k = 0; k < (T == kQ8_0 ? 8 : 4); ++k)
+    for (int j = 0; j < 4; ++j) wb[wq + 4 * k + j] = o[qo + 64 * k + 4 * i + j] ^ (T == kQ8_0 ? 0x80 : 0);
+}
+
+// Per activation block of x, what the packed tiles take besides the quants:
+// d as float32, and Q4_1's s (float32) or the correction that starts the
+// block's integer sum (Q4_0: -8 sum x, Q8_0: -128 sum x; int32).
+struct ActScales {
+  std::vector<float> d, s;
+  std::vector<int32_t> start;
+};
+
+template <int T>
+void act_scales(const uint8_t* xq, int64_t M, int64_t nb, ActScales& a) {
+  constexpr int64_t abb = T == kQ4_1 ? 36 : 34;
+  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  a.start.resize(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const uint8_t* ab = xq + i * abb;
+    a.d[i] = fp16_load(ab);
+    a.s[i] = T == kQ4_1 ? fp16_load(ab + 2) : 0.f;
+    int32_t sum = 0;
+    if (T != kQ4_1) {
+#ifdef __AVX2__
+      // sum x = sum (x + 128) - 32 * 128, the unsigned sums by vpsadbw
+      const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + aq)),
+                                         _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i t = _mm256_sad_epu8(u, _mm256_setzero_si256());
+      const __m128i t2 = _mm_add_epi64(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      sum = static_cast<int32_t>(_mm_cvtsi128_si64(t2) + _mm_extract_epi64(t2, 1)) - 32 * 128;
+#else
+      for (int j = 0; j < kQK; ++j) sum += static_cast<int8_t>(ab[aq + j]);
+#endif
+    }
+    a.start[i] = T == kQ4_0 ? -8 * sum : T == kQ8_0 ? -128 * sum : 0;
+  }
+}
+
+// One packed group against one row of x (nb blocks), into y[0..16): the
+// scalar path, dot_scalar on each row as stored.
+template <int T>
+void group_scalar(const uint8_t* group, const uint8_t* a, int64_t nb, float* y, int rows) {
+  constexpr int64_t wbb = wbb_of<T>();
+  std::vector<uint8_t> row(nb * wbb);
+  for (int i = 0; i < rows; ++i) {
+    for (int64_t b = 0; b < nb; ++b) unpack_block<T>(group, i, b, row.data() + b * wbb);
+    y[i] = dot_scalar<T>(row.data(), a, nb);
+  }
+}
+
+#ifdef __AVX2__
+// A packed group against C rows of x (AVX2; AVX-512 machines without VNNI):
+// the 16 rows as two halves of 8 lanes, vpmaddubsw + vpmaddwd for vpdpbusd.
+// Q8_0's w + 128 times x could saturate vpmaddubsw's int16 pairs: it takes
+// |w| and x with w's sign instead (the same integers).
 template <int T, int C>
-void packed_tile(const uint8_t* pk, const uint8_t* xu, const float* dx, const float* sx, int64_t nb, float* y,
-                 int64_t ldy, int64_t rows) {
+void group_tile_avx2(const uint8_t* group, const uint8_t* xq, int64_t arow, const ActScales& as, int64_t m0, int64_t nb,
+                     float* y, int64_t ldy) {
+  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
+  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[C], accm[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), accm[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* o = group + b * kGroup * wbb;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * h)));
+      __m256 m = _mm256_setzero_ps();
+      if (T == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * h)));
+      __m256i wv[8];
+      if (T == kQ8_0) {
+        for (int k = 0; k < 8; ++k)
+          wv[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + qo + 64 * k + 32 * h)), flip);
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + qo + 64 * p + 32 * h));
+          wv[p] = _mm256_and_si256(v, low);
+          wv[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const int64_t i = (m0 + c) * nb + b;
+        const uint8_t* xb = xq + (m0 + c) * arow + b * (T == kQ4_1 ? 36 : 34) + aq;
+        __m256i s = _mm256_set1_epi32(T == kQ8_0 ? 0 : as.start[i]);
+        for (int k = 0; k < 8; ++k) {
+          int32_t x4;
+          std::memcpy(&x4, xb + 4 * k, 4);
+          const __m256i xv = _mm256_set1_epi32(x4);
+          const __m256i p = T == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv[k], wv[k]), _mm256_sign_epi8(xv, wv[k]))
+                                       : _mm256_maddubs_epi16(wv[k], xv);
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        }
+        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(as.d[i])), _mm256_cvtepi32_ps(s), acc[c]);
+        if (T == kQ4_1) accm[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(as.s[i]), accm[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(y + c * ldy + 8 * h, T == kQ4_1 ? _mm256_add_ps(acc[c], accm[c]) : acc[c]);
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHavePackedVnni = true;
+// A packed group against C rows of x: one vector of 16 rows' block sums a row of x.
+template <int T, int C>
+void group_tile_vnni(const uint8_t* group, const uint8_t* xq, int64_t arow, const ActScales& as, int64_t m0,
+                     int64_t nb, float* y, int64_t ldy) {
+  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
+  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps(), accm[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = pk + b * kPackedBlock;
-    const __m512 d = _mm512_loadu_ps(o);
-    const __m512i base = _mm512_loadu_si512(o + 128);
+    const uint8_t* o = group + b * kGroup * wbb;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
+    __m512 m = _mm512_setzero_ps();
+    if (T == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
     __m512i wv[8];
-    for (int k = 0; k < 8; ++k) wv[k] = _mm512_loadu_si512(o + 192 + 64 * k);
+    if (T == kQ8_0) {
+      for (int k = 0; k < 8; ++k) wv[k] = _mm512_loadu_si512(o + qo + 64 * k);
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(o + qo + 64 * p);
+        wv[p] = _mm512_and_si512(v, low);
+        wv[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
     for (int c = 0; c < C; ++c) {
-      const int32_t* xb = reinterpret_cast<const int32_t*>(xu + (c * nb + b) * kQK);
-      __m512i s = base;
-      for (int k = 0; k < 8; ++k) s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xb[k]), wv[k]);
-      const float dxc = dx[c * nb + b];
-      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dxc)), _mm512_cvtepi32_ps(s), acc[c]);
-      if (T == kQ4_1)
-        accm[c] = _mm512_fmadd_ps(_mm512_loadu_ps(o + 64), _mm512_set1_ps(sx[c * nb + b]), accm[c]);
+      const int64_t i = (m0 + c) * nb + b;
+      const uint8_t* xb = xq + (m0 + c) * arow + b * (T == kQ4_1 ? 36 : 34) + aq;
+      __m512i s = _mm512_set1_epi32(as.start[i]);
+      for (int k = 0; k < 8; ++k) {
+        int32_t x4;
+        std::memcpy(&x4, xb + 4 * k, 4);
+        s = _mm512_dpbusd_epi32(s, wv[k], _mm512_set1_epi32(x4));
+      }
+      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(as.d[i])), _mm512_cvtepi32_ps(s), acc[c]);
+      if (T == kQ4_1) accm[c] = _mm512_fmadd_ps(m, _mm512_set1_ps(as.s[i]), accm[c]);
     }
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  for (int c = 0; c < C; ++c)
-    _mm512_mask_storeu_ps(y + c * ldy, keep, T == kQ4_1 ? _mm512_add_ps(acc[c], accm[c]) : acc[c]);
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + c * ldy, T == kQ4_1 ? _mm512_add_ps(acc[c], accm[c]) : acc[c]);
 }
-
-// x's activation blocks rows [0, M) as packed_tile reads them.
-template <int T>
-void unpack_activations(const uint8_t* xq, int64_t M, int64_t nb, uint8_t* xu, float* dx, float* sx) {
-  constexpr int64_t abb = T == kQ4_1 ? 36 : 34;
-  constexpr int aq = T == kQ4_1 ? 4 : 2;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const uint8_t* ab = xq + i * abb;
-    dx[i] = fp16_load(ab);
-    sx[i] = T == kQ4_1 ? fp16_load(ab + 2) : 0.f;
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + aq));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xu + i * kQK), _mm256_xor_si256(q, flip));
-  }
-}
-
-// Weight rows [n0, n1) against all M rows of x: the groups of 16 packed in
-// turn (each packed once and used by every row of x), the 1 to 15 rows
-// left over in the 4x4 tiles (the same bits).
-template <int T>
-void packed_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
-                  int64_t n1) {
-  const int64_t wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
-  thread_local std::vector<uint8_t> pk, xu;
-  thread_local std::vector<float> dsx;
-  pk.resize(nb * kPackedBlock);
-  xu.resize(M * nb * kQK);
-  dsx.resize(2 * M * nb);
-  float *dx = dsx.data(), *sx = dsx.data() + M * nb;
-  unpack_activations<T>(xq, M, nb, xu.data(), dx, sx);
-  int64_t n = n0;
-  for (; n + kPack <= n1; n += kPack) {
-    pack16<T>(w + n * wrow, wrow, kPack, nb, pk.data());
-    int64_t m = 0;
-    for (; m + kPackC <= M; m += kPackC)
-      packed_tile<T, kPackC>(pk.data(), xu.data() + m * nb * kQK, dx + m * nb, sx + m * nb, nb, y + m * N + n, N,
-                             kPack);
-    for (; m + 4 <= M; m += 4)
-      packed_tile<T, 4>(pk.data(), xu.data() + m * nb * kQK, dx + m * nb, sx + m * nb, nb, y + m * N + n, N, kPack);
-    for (; m < M; ++m)
-      packed_tile<T, 1>(pk.data(), xu.data() + m * nb * kQK, dx + m * nb, sx + m * nb, nb, y + m * N + n, N, kPack);
-  }
-  for (; n + kR <= n1; n += kR) tile_rows<T, true, kR, kC>(w + n * wrow, wrow, xq, arow, nb, y + n, N, 0, M);
-  for (; n < n1; ++n) tile_rows<T, true, 1, kC>(w + n * wrow, wrow, xq, arow, nb, y + n, N, 0, M);
-}
-constexpr bool kHavePacked = true;
 #else
-constexpr bool kHavePacked = false;
-template <int T>
-void packed_range(const uint8_t*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+constexpr bool kHavePackedVnni = false;
 #endif
 
-template <int T, bool V>
-void gemm_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
-                int64_t n1, bool gemm) {
-  const int64_t wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
-  if (!gemm) {  // the GEMV: four weight rows at a time, kept in L1 across the rows of x
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile_rows<T, V, 4, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, N, 0, M);
-    for (; n < n1; ++n) tile_rows<T, V, 1, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, N, 0, M);
-    return;
-  }
-  for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
-    const int64_t m1 = std::min(M, m0 + kChunk);
-    int64_t n = n0;
-    for (; n + kR <= n1; n += kR) tile_rows<T, V, kR, kC>(w + n * wrow, wrow, xq, arow, nb, y + n, N, m0, m1);
-    for (; n < n1; ++n) tile_rows<T, V, 1, kC>(w + n * wrow, wrow, xq, arow, nb, y + n, N, m0, m1);
-  }
-}
-#endif
-
-// From this many rows of x the GEMM tiles run: from 2 rows they take 0.6-0.8x
-// the GEMV's time (1 thread, Zen 4); set_gguf_gemm_min_rows moves it (tests, benchmarks).
+// From this many rows of x the multi-row tiles run (fewer: one row of x at a
+// time); set_gguf_gemm_min_rows moves it (tests, benchmarks). Either gives the same bits.
 std::atomic<int64_t> g_gemm_min_rows{2};
-// From this many rows the packed GEMM runs where the CPU has AVX-512 VNNI
-// (Q8_0 from 8x as many: its copy costs twice Q4's a weight and its 4x4
-// tiles run faster). Measured (1 thread, Zen 4, SmolLM2's shapes): Q4_1
-// packed takes 0.9x the tiles' time at 4 rows, 0.5x at 8, 0.35x at 16,
-// 0.2x from 64 (315-413 GFLOP/s-equivalent); Q8_0 on the 49152-row head
-// 0.85x at 16, 0.36x at 64.
-std::atomic<int64_t> g_packed_min_rows{4};
 
-// The rows [n0, n1) of y on the widest path the ISA allows (all give the same bits).
+// Weight rows [n0, n1) of a packed matrix (n0 a multiple of 16) against rows
+// [0, M) of x: its groups, then any of the tail rows.
 template <int T>
 void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
-                int64_t n1) {
+                int64_t n1, bool scalar) {
+  constexpr int64_t wbb = wbb_of<T>();
+  const int64_t wrow = nb * wbb, arow = nb * (T == kQ4_1 ? 36 : 34), N16 = N / kGroup * kGroup;
+  const int64_t g1 = std::min(n1, N16);
+  const bool multi = M >= g_gemm_min_rows.load();
 #ifdef __AVX2__
-  const bool vnni = kHaveVnni && get_isa() == "avx512";
-  if (vnni && kHavePacked && M >= g_packed_min_rows.load() * (T == kQ8_0 ? 8 : 1))
-    packed_range<T>(xq, w, y, M, N, nb, n0, n1);
-  else if (vnni)
-    gemm_range<T, kHaveVnni>(xq, w, y, M, N, nb, n0, n1, M >= g_gemm_min_rows.load());
-  else
-    gemm_range<T, false>(xq, w, y, M, N, nb, n0, n1, M >= g_gemm_min_rows.load());
-#else
-  const int64_t wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
+  if (!scalar) {
+    const bool vnni = kHaveVnni && kHavePackedVnni && get_isa() == "avx512";
+    thread_local ActScales as;
+    if (n0 < g1) act_scales<T>(xq, M, nb, as);
+    for (int64_t n = n0; n < g1; n += kGroup) {
+      const uint8_t* g = w + n * wrow;
+      int64_t m = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (vnni) {
+        if (multi)
+          for (; m + 4 <= M; m += 4) group_tile_vnni<T, 4>(g, xq, arow, as, m, nb, y + m * N + n, N);
+        for (; m < M; ++m) group_tile_vnni<T, 1>(g, xq, arow, as, m, nb, y + m * N + n, N);
+        continue;
+      }
 #endif
+      if (multi)
+        for (; m + 4 <= M; m += 4) group_tile_avx2<T, 4>(g, xq, arow, as, m, nb, y + m * N + n, N);
+      for (; m < M; ++m) group_tile_avx2<T, 1>(g, xq, arow, as, m, nb, y + m * N + n, N);
+    }
+    // The tail rows, as stored.
+    int64_t n = std::max(n0, N16);
+    const auto tail = [&](auto v) {
+      constexpr bool V = decltype(v)::value;
+      for (; n + 4 <= n1; n += 4)
+        multi ? tail_tiles<T, V, 4, 4>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M)
+              : tail_tiles<T, V, 4, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M);
+      for (; n < n1; ++n)
+        multi ? tail_tiles<T, V, 1, 4>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M)
+              : tail_tiles<T, V, 1, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M);
+    };
+    if (vnni)
+      tail(std::integral_constant<bool, kHaveVnni>());
+    else
+      tail(std::integral_constant<bool, false>());
+    return;
+  }
+#endif
+  for (int64_t n = n0; n < g1; n += kGroup) {
+    float out[kGroup];
+    for (int64_t m = 0; m < M; ++m) {
+      group_scalar<T>(w + n * wrow, xq + m * arow, nb, out, kGroup);
+      std::memcpy(y + m * N + n, out, sizeof(out));
+    }
+  }
+  for (int64_t n = std::max(n0, N16); n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
 }
 
 template <int T>
 void gemm(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, bool scalar) {
-  const int64_t nb = K / kQK, wrow = nb * weight_block_bytes(T), arow = nb * (T == kQ4_1 ? 36 : 34);
-  if (!scalar) {
-    // Threads take runs of whole 16-row groups (4-row tiles when N is small).
-    const int64_t unit = N >= 64 ? 16 : 4;
-    at::parallel_for(0, (N + unit - 1) / unit, 1, [&](int64_t t0, int64_t t1) {
-      rows_range<T>(xq, w, y, M, N, nb, t0 * unit, std::min(N, t1 * unit));
-    });
-    return;
-  }
-  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
+  // Threads take runs of whole groups (the tail rows go with the last).
+  at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t t0, int64_t t1) {
+    rows_range<T>(xq, w, y, M, N, K / kQK, t0 * kGroup, std::min(N, t1 * kGroup), scalar);
   });
 }
 
@@ -572,10 +625,86 @@ torch::Tensor quantize_q8_activations(torch::Tensor x, bool q8_1, bool force_sca
 }
 
 int64_t set_gguf_gemm_min_rows(int64_t rows) { return g_gemm_min_rows.exchange(std::max<int64_t>(rows, 1)); }
-int64_t set_gguf_packed_min_rows(int64_t rows) { return g_packed_min_rows.exchange(std::max<int64_t>(rows, 1)); }
 
-// x: [M, K] float32; w_blocks: [N, K / 32 * block bytes] uint8 of ggml_type
-// 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0) -> [M, N] float32.
+namespace {
+int64_t check_blocks(const torch::Tensor& w, int64_t ggml_type, const char* op) {
+  const int64_t bb = weight_block_bytes(ggml_type);
+  TORCH_CHECK(bb > 0, op, ": ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", ggml_type);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) % bb == 0,
+              op, ": blocks contiguous uint8 [rows, whole blocks of ", bb, " bytes]");
+  return bb;
+}
+
+template <int T>
+void pack_rows(const uint8_t* w, uint8_t* out, int64_t N, int64_t nb, bool unpack) {
+  const int64_t wrow = nb * wbb_of<T>(), N16 = N / kGroup * kGroup;
+  at::parallel_for(0, N16 / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> blk(wbb_of<T>());
+    for (int64_t g = g0; g < g1; ++g) {
+      if (!unpack) {
+        pack_group<T>(w + g * kGroup * wrow, wrow, nb, out + g * kGroup * wrow);
+        continue;
+      }
+      for (int i = 0; i < kGroup; ++i)
+        for (int64_t b = 0; b < nb; ++b)
+          unpack_block<T>(w + g * kGroup * wrow, i, b, out + (g * kGroup + i) * wrow + b * wbb_of<T>());
+    }
+  });
+  std::memcpy(out + N16 * wrow, w + N16 * wrow, (N - N16) * wrow);  // the tail rows, as stored
+}
+
+template <int T>
+void row_of_packed(const uint8_t* w, int64_t N, int64_t nb, int64_t r, uint8_t* out) {
+  const int64_t wrow = nb * wbb_of<T>(), N16 = N / kGroup * kGroup;
+  if (r >= N16) {
+    std::memcpy(out, w + r * wrow, wrow);
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b) unpack_block<T>(w + r / kGroup * kGroup * wrow, r % kGroup, b, out + b * wbb_of<T>());
+}
+}  // namespace
+
+// GGUF blocks [N, row bytes] as stored -> the same bytes packed in groups of
+// 16 rows for gguf_linear (unpack: the inverse).
+torch::Tensor gguf_pack(torch::Tensor w_blocks, int64_t ggml_type, bool unpack) {
+  const int64_t bb = check_blocks(w_blocks, ggml_type, "gguf_pack");
+  auto out = torch::empty_like(w_blocks);
+  const int64_t N = w_blocks.size(0), nb = w_blocks.size(1) / bb;
+  const uint8_t* wp = w_blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  if (ggml_type == kQ4_0)
+    pack_rows<kQ4_0>(wp, op, N, nb, unpack);
+  else if (ggml_type == kQ4_1)
+    pack_rows<kQ4_1>(wp, op, N, nb, unpack);
+  else
+    pack_rows<kQ8_0>(wp, op, N, nb, unpack);
+  return out;
+}
+
+// Rows `ids` of a packed matrix, as stored in the file (an embedding lookup's rows).
+torch::Tensor gguf_packed_rows(torch::Tensor w_packed, torch::Tensor ids, int64_t ggml_type) {
+  const int64_t bb = check_blocks(w_packed, ggml_type, "gguf_packed_rows");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "gguf_packed_rows: int64 ids [n]");
+  const torch::Tensor ic = ids.contiguous();
+  const int64_t n = ic.numel(), N = w_packed.size(0), row = w_packed.size(1), nb = row / bb;
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "gguf_packed_rows: id out of range");
+  auto out = torch::empty({n, row}, w_packed.options());
+  const uint8_t* wp = w_packed.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (ggml_type == kQ4_0)
+      row_of_packed<kQ4_0>(wp, N, nb, ip[i], op + i * row);
+    else if (ggml_type == kQ4_1)
+      row_of_packed<kQ4_1>(wp, N, nb, ip[i], op + i * row);
+    else
+      row_of_packed<kQ8_0>(wp, N, nb, ip[i], op + i * row);
+  }
+  return out;
+}
+
+// x: [M, K] float32; w_packed: gguf_pack's [N, K / 32 * block bytes] uint8
+// of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0) -> [M, N] float32.
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w_blocks, int64_t ggml_type, bool force_scalar) {
   const int64_t bb = weight_block_bytes(ggml_type);
   TORCH_CHECK(bb > 0, "gguf_linear: ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", ggml_type);
@@ -614,7 +743,7 @@ namespace {
 template <int T>
 void linear_rows_t(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                    int64_t n1) {
-  rows_range<T>(xq, w, y, M, N, K / kQK, n0, n1);
+  rows_range<T>(xq, w, y, M, N, K / kQK, n0, n1, false);
 }
 }  // namespace
 
@@ -630,24 +759,19 @@ void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, fl
 
 int64_t gguf_weight_block_bytes(int64_t ggml_type) { return weight_block_bytes(ggml_type); }
 
-// Rows `ids` of a Q8_0 or Q4_0 matrix as float32: gguf.py's dequantize of
-// the rows an embedding lookup reads (d * q, d * (q - 8): one rounding, so
-// its bits), without its dozen torch ops a decode step.
+// Rows `ids` of a packed Q8_0 or Q4_0 matrix as float32: gguf.py's
+// dequantize of the rows an embedding lookup reads (d * q, d * (q - 8): one
+// rounding, so its bits), without its dozen torch ops a decode step.
 torch::Tensor gguf_embedding(torch::Tensor ids, torch::Tensor w_blocks, int64_t ggml_type) {
   TORCH_CHECK(ggml_type == kQ8_0 || ggml_type == kQ4_0, "gguf_embedding: ggml_type 8 (Q8_0) or 2 (Q4_0), not ",
               ggml_type);
   const int64_t bb = weight_block_bytes(ggml_type);
-  TORCH_CHECK(w_blocks.dim() == 2 && w_blocks.is_contiguous() && w_blocks.scalar_type() == torch::kUInt8 &&
-                  w_blocks.size(1) % bb == 0, "gguf_embedding: w_blocks contiguous uint8 [rows, whole blocks]");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "gguf_embedding: int64 ids [n]");
-  const torch::Tensor ic = ids.contiguous();
-  const int64_t n = ic.numel(), rows = w_blocks.size(0), nb = w_blocks.size(1) / bb;
-  const int64_t* ip = ic.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "gguf_embedding: id out of range");
+  const torch::Tensor rows = gguf_packed_rows(w_blocks, ids, ggml_type);
+  const int64_t n = rows.size(0), nb = rows.size(1) / bb;
   auto out = torch::empty({n, nb * kQK}, ids.options().dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
-    const uint8_t* row = w_blocks.data_ptr<uint8_t>() + ip[i] * w_blocks.size(1);
+    const uint8_t* row = rows.data_ptr<uint8_t>() + i * rows.size(1);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * bb;
       const float d = fp16_load(blk);

@@ -15,8 +15,10 @@ file holds in a float type are kept in float and take the unquantized
 matmul. On the CPU the compiled kernels (csrc/gguf_gemv.cpp for the
 32-weight types, csrc/gguf_kquants.cpp for the K-quants) quantize each
 activation row per block to 8 bits and take integer dot products, as
-llama.cpp does; elsewhere the blocks are expanded per call (a reference,
-not a fast path).
+llama.cpp does; while they are bound, the 32-weight types are kept packed
+in groups of 16 rows (set_packed; llama.cpp repacks its Q4_0 the same way
+on AVX-512). Elsewhere the blocks are expanded per call (a reference, not
+a fast path).
 """
 
 from __future__ import annotations
@@ -131,8 +133,36 @@ def dequantize(data: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
     return torch.from_numpy(out.reshape(rows, cols)).to(data.device)
 
 
+PACKED_TYPES = (2, 3, 8)  # kept packed for gguf_linear while the CPU kernels are bound
+
+
+def set_packed(param: nn.Parameter, kernels) -> None:
+    """Puts a GGUF weight's Q4_0 / Q4_1 / Q8_0 groups in the layout the
+    bound CPU kernels multiply (kernels.gguf_pack: each 16 rows interleaved
+    for vpdpbusd, the same bytes moved), or back as the file stores them
+    when the kernels are unbound (None). A tied head's weight is the
+    embedding's parameter: packed once."""
+    groups = getattr(param, "gguf_groups", None)
+    packed_by = getattr(param, "gguf_packed_by", None)
+    if groups is None or packed_by is kernels:
+        return
+    new = []
+    for t, data, cols in groups:
+        if t in PACKED_TYPES and data.device.type == "cpu":
+            if packed_by is not None:
+                data = packed_by.gguf_pack(data, t, True)
+            if kernels is not None:
+                data = kernels.gguf_pack(data, t, False)
+        new.append((t, data, cols))
+    param.gguf_groups = new
+    param.gguf_packed_by = kernels
+    if len(new) == 1:
+        param.data = new[0][1]
+
+
 def block_matmul(x: torch.Tensor, data: torch.Tensor, ggml_type: int, cols: int, kernels) -> torch.Tensor:
-    """x [M, cols] @ W^T for W's blocks, float32 out."""
+    """x [M, cols] @ W^T for W's blocks, float32 out (the 32-weight types
+    packed by set_packed when kernels is not None)."""
     if kernels is not None and x.device.type == "cpu":
         xf = x.float().contiguous()
         if ggml_type in _KQUANTS:
@@ -229,8 +259,11 @@ class GGUFEmbeddingMethod(GGUFLinearMethod):
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         ((t, data, cols),) = layer.weight.gguf_groups
         ids = input_ids.reshape(-1)
+        packed_by = getattr(layer.weight, "gguf_packed_by", None)
         if t == F32:
             rows = F.embedding(ids, data)
+        elif packed_by is not None and t in PACKED_TYPES:
+            rows = dequantize(packed_by.gguf_packed_rows(data, ids, t), t, cols)
         else:
             rows = dequantize(data.index_select(0, ids), t, cols)
         return rows.reshape(*input_ids.shape, cols)

@@ -44,7 +44,15 @@ gguf = pytest.importorskip("gguf")
 NAME = "gemma-3-270m"
 MAX_NEW = 10
 WINDOW = 512  # the real file's gemma3.attention.sliding_window
-ENGINE = dict(dtype="float32", max_model_len=1024, num_kv_blocks=160, max_num_batched_tokens=256, num_threads=1)
+# quantization none: the file expanded, as transformers loads it
+ENGINE = dict(
+    dtype="float32",
+    quantization="none",
+    max_model_len=1024,
+    num_kv_blocks=160,
+    max_num_batched_tokens=256,
+    num_threads=1,
+)
 # A system message opens the first user turn; the turns are Gemma's.
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
 CHAT_TEXT = (

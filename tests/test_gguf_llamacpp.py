@@ -54,7 +54,7 @@ def test_gguf_follows_llamacpp_and_none_and_matches_its_perplexity(pinned):
     prompts = [p["token_ids"] for p in pinned["prompts"]]
     llamacpp = [p["continuation"] for p in pinned["prompts"]]
     n = pinned["new_tokens"]
-    with LLM(None, **ENGINE) as none:
+    with LLM(None, quantization="none", **ENGINE) as none:
         expanded = [
             o.token_ids for o in none.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         ]

@@ -28,6 +28,7 @@ from tiny_gguf import write_llama_gguf
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
+from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
 from shoal.workers.model_executor.layers.quantization.gguf import GGUFBlocks, GGUFConfig, dequantize
 from shoal.workers.model_executor.model_loader import (
@@ -115,7 +116,7 @@ def test_the_blocks_expand_to_the_weights_none_loads_at_a_quarter_of_the_bytes(t
 @pytest.mark.parametrize("which", ["q", "tied", "k"])
 def test_without_the_kernels_gguf_equals_none_token_for_token(tiny, which):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(tiny[which], cpu_kernels=False, **ENGINE) as none:
+    with LLM(tiny[which], quantization="none", cpu_kernels=False, **ENGINE) as none:
         want = [o.token_ids for o in none.generate(PROMPTS, sp)]
     with LLM(tiny[which], quantization="gguf", cpu_kernels=False, **ENGINE) as q:
         assert [o.token_ids for o in q.generate(PROMPTS, sp)] == want
@@ -134,7 +135,7 @@ def teacher_forced_agreement(llm: LLM, prompts: list[list[int]], continuations: 
 @pytest.mark.parametrize("which", ["q", "k"])
 def test_with_the_kernels_gguf_follows_none_on_most_positions(tiny, which):
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    with LLM(tiny[which], **ENGINE) as none:
+    with LLM(tiny[which], quantization="none", **ENGINE) as none:
         ids = [none.tokenizer.encode(p) for p in PROMPTS]
         ref = [o.token_ids for o in none.generate(ids, sp)]
     with LLM(tiny[which], quantization="gguf", **ENGINE) as q:
@@ -148,7 +149,7 @@ def test_with_the_kernels_gguf_follows_none_on_most_positions(tiny, which):
 def test_a_type_shoal_does_not_compute_is_refused_by_name_and_expands_under_none(tiny):
     with pytest.raises(ValueError, match="Q5_0 is not computed on its blocks.*--quantization none"):
         LLM(tiny["q5_0"], quantization="gguf", **ENGINE)
-    with LLM(tiny["q5_0"], **ENGINE) as none:
+    with LLM(tiny["q5_0"], **ENGINE) as none:  # auto: a type not computed on blocks expands the file
         assert len(none.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
 
 
@@ -176,6 +177,9 @@ def test_which_method_serves_the_weights(tiny, tmp_path):
     assert resolve_quantization("auto", q, "cpu", "auto") == "gguf"  # the file's own blocks on the CPU
     assert resolve_quantization("auto", q, "cuda", "auto") is None
     assert resolve_quantization("none", q, "cpu", "auto") is None
+    assert resolve_quantization("auto", load_model_files(tiny["q5_0"]), "cpu", "auto") is None  # Q5_0: expanded
+    assert resolve_quantization("auto", load_model_files(tiny["k"]), "cpu", "auto") == "gguf"
+    assert EngineArgs().quantization == "auto"  # the default: a quantized .gguf on the CPU keeps its blocks
     assert resolve_quantization("auto", folder, "cpu", "auto") is None
     assert get_quantization_config("gguf") is GGUFConfig
     with pytest.raises(ValueError, match="needs a .gguf checkpoint"):

@@ -96,7 +96,7 @@ def test_moe_gguf_matches_the_folder_it_came_from(tmp_path, kind):
     assert f"model.layers.1.{LAYOUTS[kind][1]}.experts.7.{LAYOUTS[kind][2][2]}.weight" in names
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, num_threads=1) as llm:
+    with LLM(path, dtype="float32", quantization="none", num_kv_blocks=64, block_size=8, num_threads=1) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
         eos = llm.engine.eos_token_ids
     refs = hf_greedy(hf, PROMPTS, MAX_NEW, eos)

@@ -109,7 +109,7 @@ def _check(gguf_path: str, hf_dir: str, prompts, max_tokens: int, **engine) -> N
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    llm = LLM(gguf_path, dtype="float32", num_kv_blocks=128, num_threads=1, **engine)
+    llm = LLM(gguf_path, dtype="float32", quantization="none", num_kv_blocks=128, num_threads=1, **engine)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     refs = hf_greedy(hf, prompts, max_tokens, llm.engine.eos_token_ids)
     notes = [check_tokens(hf, p, o.token_ids, r) for p, o, r in zip(prompts, outs, refs)]

@@ -86,7 +86,7 @@ class EngineArgs:
         choices=("auto", "bfloat16"),
     )
     quantization: str = cli_field(
-        "none",
+        "auto",
         "how the weights are stored and multiplied: none = expanded to the "
         "model's dtype; gguf = a .gguf file's own blocks (Q4_0, Q4_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K), multiplied on the CPU with 8-bit activations and "
@@ -96,8 +96,8 @@ class EngineArgs:
         "fp8 = the same in float8_e4m3 with a per-tensor weight scale "
         "(torch._scaled_mm on Hopper); compressed-tensors = an llm-compressor "
         "checkpoint as stored (W8A8 int8/fp8, W4A16); auto = the checkpoint's "
-        "own (gguf for a quantized .gguf on the CPU, a folder's "
-        "quantization_config)",
+        "own: gguf for a .gguf whose quantized matrices are all of those "
+        "types, on the CPU; a folder's quantization_config; else none",
         choices=("auto", *QUANTIZATION_METHODS),
     )
     device: str = cli_field("auto", "cpu, cuda, cuda:N; auto = cuda when available")

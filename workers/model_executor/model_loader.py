@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 # torch is imported where weights are made, not here: the router reads a model's
 # config and tokenizer through load_model_files, in a process that never loads torch.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+logger = logging.getLogger(__name__)
 
 
 def default_model_path() -> str:
@@ -123,10 +125,25 @@ def load_model_files(model: str | None) -> LoadedModel:
     return loaded
 
 
+def _blocks_served(g) -> bool:
+    """Whether --quantization auto serves a GGUF file on its blocks: it has
+    quantized matrices, and every one the layers would keep (all but a
+    mixture's experts, which are expanded) is a type computed on its blocks.
+    A file with another (Q5_0, IQ4_XS, ...) is expanded, as under none."""
+    from shoal.workers.model_executor.layers.quantization.gguf import BLOCK_TYPES, type_name
+
+    kept = [t.ggml_type for n, t in g.tensors.items() if not g.is_float(n) and "_exps." not in n]
+    other = sorted({type_name(t) for t in kept if t not in BLOCK_TYPES})
+    if other:
+        logger.info("--quantization auto expands this GGUF file: its %s are not computed on blocks", ", ".join(other))
+    return bool(kept) and not other
+
+
 def resolve_quantization(requested: str, loaded: LoadedModel, device_type: str, load_format: str) -> str | None:
     """The method the weights are served with (None: unquantized, expanded
     to the model's dtype), from --quantization and the checkpoint: "auto"
-    takes a GGUF file's own block types on the CPU; a folder with a
+    (the default) takes a GGUF file's own block types on the CPU where
+    every one is computed on its blocks; a folder with a
     quantization_config is served as stored under auto and none alike;
     int8 and fp8 quantize a float checkpoint at load."""
     from shoal.workers.model_executor.layers.quantization import ONLINE_METHODS, get_quantization_config
@@ -149,8 +166,8 @@ def resolve_quantization(requested: str, loaded: LoadedModel, device_type: str, 
         return None
     g = loaded.gguf_file
     if requested == "auto":
-        blocks = g is not None and any(not g.is_float(n) for n in g.tensors)
-        return "gguf" if blocks and device_type == "cpu" and load_format == "auto" else None
+        served = g is not None and device_type == "cpu" and load_format == "auto" and _blocks_served(g)
+        return "gguf" if served else None
     if requested == "gguf":
         if g is None:
             raise ValueError(f"--quantization gguf needs a .gguf checkpoint; {loaded.name} is a folder")

@@ -3,6 +3,13 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 
+// Whether this build has AVX-512 VNNI's vpdpbusd on 256-bit vectors.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
 inline float hsum256(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   __m128 sh = _mm_movehdup_ps(lo);

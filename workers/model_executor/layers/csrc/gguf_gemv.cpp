@@ -65,6 +65,17 @@ inline int64_t weight_block_bytes(int64_t type) {
   return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
 }
 
+// A type's blocks: weight block bytes (wbb) and where its quants start (wq);
+// the activation block's (abb, aq: block_q8_1 for Q4_1, else block_q8_0);
+// where a packed block's quants start (qoff, see "packed groups").
+template <int T>
+struct Layout {
+  static constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
+  static constexpr int64_t abb = T == kQ4_1 ? 36 : 34;
+  static constexpr int wq = T == kQ4_1 ? 4 : 2, aq = T == kQ4_1 ? 4 : 2;
+  static constexpr int64_t qoff = T == kQ4_1 ? 64 : 32;
+};
+
 // fp16 -> float32 is fp16_load (gguf_fp16.h); float32 -> fp16 rounds to nearest even, as ggml's.
 inline void fp16_store(uint8_t* p, float f) {
 #ifdef __F16C__
@@ -162,8 +173,8 @@ inline void lanes_scalar(const uint8_t* w, const int8_t* a, int32_t lane[8]) {
 // chain, added at the end.
 template <int T>
 float dot_scalar(const uint8_t* w, const uint8_t* a, int64_t nb) {
-  constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34, abb = T == kQ4_1 ? 36 : 34;
-  constexpr int wq = T == kQ4_1 ? 4 : 2, aq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t wbb = Layout<T>::wbb, abb = Layout<T>::abb;
+  constexpr int wq = Layout<T>::wq, aq = Layout<T>::aq;
   float acc = 0.f, accm = 0.f;
   int32_t lane[8];
   for (int64_t b = 0; b < nb; ++b, w += wbb, a += abb) {
@@ -177,16 +188,10 @@ float dot_scalar(const uint8_t* w, const uint8_t* a, int64_t nb) {
 }
 
 #ifdef __AVX2__
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kHaveVnni = true;
-#else
-constexpr bool kHaveVnni = false;
-#endif
-
 // src + the u8 x s8 products, 4 adjacent ones summed into each int32 lane:
 // vpdpbusd (V, AVX-512 VNNI) or vpmaddubsw + vpmaddwd with ones (AVX2). The
 // same integers either way where vpmaddubsw's int16 pair sums do not
-// saturate (every use here but a Q8_0 weight of -128 on the AVX2 path).
+// saturate (here |u| <= 128 and |s| <= 127: they cannot).
 template <bool V>
 inline __m256i dpbusd(__m256i src, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -220,8 +225,8 @@ template <int T, bool V, int R, int C>
 void tile(const uint8_t* w, int64_t wrow, const uint8_t* a, int64_t arow, int64_t nb, float* y, int64_t ldy,
           bool pf) {
   static_assert(R == 1 || R == 4);
-  constexpr int64_t wbb = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34, abb = T == kQ4_1 ? 36 : 34;
-  constexpr int wq = T == kQ4_1 ? 4 : 2, aq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t wbb = Layout<T>::wbb, abb = Layout<T>::abb;
+  constexpr int wq = Layout<T>::wq, aq = Layout<T>::aq;
   constexpr int64_t kAhead = 2;  // tiles of R rows
   const __m256i zero = _mm256_setzero_si256();
   __m128 acc[C], accm[C];  // R = 4: lane r; R = 1: lane 0
@@ -348,20 +353,11 @@ void tail_tiles(const uint8_t* w, int64_t wrow, const uint8_t* xq, int64_t arow,
 // GFLOP/s-equivalent from 64 rows of x, 3-5x the tiles on the stored rows.
 constexpr int kGroup = 16;
 
-template <int T>
-constexpr int64_t wbb_of() {
-  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
-}
-template <int T>
-constexpr int64_t qoff_of() {  // where a packed block's quants start
-  return T == kQ4_1 ? 64 : 32;
-}
-
 // Rows [0, 16) of w (stride wrow, as stored) -> one packed group.
 template <int T>
 void pack_group(const uint8_t* w, int64_t wrow, int64_t nb, uint8_t* out) {
-  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
-  constexpr int wq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff;
+  constexpr int wq = Layout<T>::wq;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* o = out + b * kGroup * wbb;
     for (int i = 0; i < kGroup; ++i) {
@@ -377,8 +373,8 @@ void pack_group(const uint8_t* w, int64_t wrow, int64_t nb, uint8_t* out) {
 // Row i of a packed group, block b, as stored (the inverse of pack_group).
 template <int T>
 void unpack_block(const uint8_t* group, int i, int64_t b, uint8_t* wb) {
-  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
-  constexpr int wq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff;
+  constexpr int wq = Layout<T>::wq;
   const uint8_t* o = group + b * kGroup * wbb;
   std::memcpy(wb, o + 2 * i, 2);
   if (T == kQ4_1) std::memcpy(wb + 2, o + 32 + 2 * i, 2);
@@ -396,8 +392,8 @@ struct ActScales {
 
 template <int T>
 void act_scales(const uint8_t* xq, int64_t M, int64_t nb, ActScales& a) {
-  constexpr int64_t abb = T == kQ4_1 ? 36 : 34;
-  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t abb = Layout<T>::abb;
+  constexpr int aq = Layout<T>::aq;
   a.d.resize(M * nb);
   a.s.resize(M * nb);
   a.start.resize(M * nb);
@@ -426,7 +422,7 @@ void act_scales(const uint8_t* xq, int64_t M, int64_t nb, ActScales& a) {
 // scalar path, dot_scalar on each row as stored.
 template <int T>
 void group_scalar(const uint8_t* group, const uint8_t* a, int64_t nb, float* y, int rows) {
-  constexpr int64_t wbb = wbb_of<T>();
+  constexpr int64_t wbb = Layout<T>::wbb;
   std::vector<uint8_t> row(nb * wbb);
   for (int i = 0; i < rows; ++i) {
     for (int64_t b = 0; b < nb; ++b) unpack_block<T>(group, i, b, row.data() + b * wbb);
@@ -442,8 +438,8 @@ void group_scalar(const uint8_t* group, const uint8_t* a, int64_t nb, float* y, 
 template <int T, int C>
 void group_tile_avx2(const uint8_t* group, const uint8_t* xq, int64_t arow, const ActScales& as, int64_t m0, int64_t nb,
                      float* y, int64_t ldy) {
-  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
-  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff;
+  constexpr int aq = Layout<T>::aq;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int h = 0; h < 2; ++h) {
@@ -467,7 +463,7 @@ void group_tile_avx2(const uint8_t* group, const uint8_t* xq, int64_t arow, cons
       }
       for (int c = 0; c < C; ++c) {
         const int64_t i = (m0 + c) * nb + b;
-        const uint8_t* xb = xq + (m0 + c) * arow + b * (T == kQ4_1 ? 36 : 34) + aq;
+        const uint8_t* xb = xq + (m0 + c) * arow + b * Layout<T>::abb + aq;
         __m256i s = _mm256_set1_epi32(T == kQ8_0 ? 0 : as.start[i]);
         for (int k = 0; k < 8; ++k) {
           int32_t x4;
@@ -493,8 +489,8 @@ constexpr bool kHavePackedVnni = true;
 template <int T, int C>
 void group_tile_vnni(const uint8_t* group, const uint8_t* xq, int64_t arow, const ActScales& as, int64_t m0,
                      int64_t nb, float* y, int64_t ldy) {
-  constexpr int64_t wbb = wbb_of<T>(), qo = qoff_of<T>();
-  constexpr int aq = T == kQ4_1 ? 4 : 2;
+  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff;
+  constexpr int aq = Layout<T>::aq;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps(), accm[c] = _mm512_setzero_ps();
@@ -515,7 +511,7 @@ void group_tile_vnni(const uint8_t* group, const uint8_t* xq, int64_t arow, cons
     }
     for (int c = 0; c < C; ++c) {
       const int64_t i = (m0 + c) * nb + b;
-      const uint8_t* xb = xq + (m0 + c) * arow + b * (T == kQ4_1 ? 36 : 34) + aq;
+      const uint8_t* xb = xq + (m0 + c) * arow + b * Layout<T>::abb + aq;
       __m512i s = _mm512_set1_epi32(as.start[i]);
       for (int k = 0; k < 8; ++k) {
         int32_t x4;
@@ -541,8 +537,8 @@ std::atomic<int64_t> g_gemm_min_rows{2};
 template <int T>
 void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
                 int64_t n1, bool scalar) {
-  constexpr int64_t wbb = wbb_of<T>();
-  const int64_t wrow = nb * wbb, arow = nb * (T == kQ4_1 ? 36 : 34), N16 = N / kGroup * kGroup;
+  constexpr int64_t wbb = Layout<T>::wbb;
+  const int64_t wrow = nb * wbb, arow = nb * Layout<T>::abb, N16 = N / kGroup * kGroup;
   const int64_t g1 = std::min(n1, N16);
   const bool multi = M >= g_gemm_min_rows.load();
 #ifdef __AVX2__
@@ -637,9 +633,8 @@ int64_t check_blocks(const torch::Tensor& w, int64_t ggml_type, const char* op) 
 
 template <int T>
 void pack_rows(const uint8_t* w, uint8_t* out, int64_t N, int64_t nb, bool unpack) {
-  const int64_t wrow = nb * wbb_of<T>(), N16 = N / kGroup * kGroup;
+  const int64_t wrow = nb * Layout<T>::wbb, N16 = N / kGroup * kGroup;
   at::parallel_for(0, N16 / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> blk(wbb_of<T>());
     for (int64_t g = g0; g < g1; ++g) {
       if (!unpack) {
         pack_group<T>(w + g * kGroup * wrow, wrow, nb, out + g * kGroup * wrow);
@@ -647,7 +642,7 @@ void pack_rows(const uint8_t* w, uint8_t* out, int64_t N, int64_t nb, bool unpac
       }
       for (int i = 0; i < kGroup; ++i)
         for (int64_t b = 0; b < nb; ++b)
-          unpack_block<T>(w + g * kGroup * wrow, i, b, out + (g * kGroup + i) * wrow + b * wbb_of<T>());
+          unpack_block<T>(w + g * kGroup * wrow, i, b, out + (g * kGroup + i) * wrow + b * Layout<T>::wbb);
     }
   });
   std::memcpy(out + N16 * wrow, w + N16 * wrow, (N - N16) * wrow);  // the tail rows, as stored
@@ -655,12 +650,12 @@ void pack_rows(const uint8_t* w, uint8_t* out, int64_t N, int64_t nb, bool unpac
 
 template <int T>
 void row_of_packed(const uint8_t* w, int64_t N, int64_t nb, int64_t r, uint8_t* out) {
-  const int64_t wrow = nb * wbb_of<T>(), N16 = N / kGroup * kGroup;
+  const int64_t wrow = nb * Layout<T>::wbb, N16 = N / kGroup * kGroup;
   if (r >= N16) {
     std::memcpy(out, w + r * wrow, wrow);
     return;
   }
-  for (int64_t b = 0; b < nb; ++b) unpack_block<T>(w + r / kGroup * kGroup * wrow, r % kGroup, b, out + b * wbb_of<T>());
+  for (int64_t b = 0; b < nb; ++b) unpack_block<T>(w + r / kGroup * kGroup * wrow, r % kGroup, b, out + b * Layout<T>::wbb);
 }
 }  // namespace
 

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "avx2_math.h"
 #include "cpu_kernels.h"
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -120,12 +121,6 @@ inline int32_t dot_scalar(const int8_t* w, const int8_t* a, int64_t K) {
 }
 
 #ifdef __AVX2__
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kHaveVnni = true;
-#else
-constexpr bool kHaveVnni = false;
-#endif
-
 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));

@@ -1,14 +1,16 @@
 """The one-call CPU decode step (cpu_decode_step.py, csrc/cpu_decode_layers.cpp)
 on GGUF blocks under --quantization gguf.
 
-The C++ layers multiply Q4_0 / Q4_1 / Q8_0 blocks with gguf_linear's own
-pieces (the same activation blocks, the same tiles, threads splitting the
-weight rows instead of at::parallel_for), so every decode step's logits are
-the per-layer path's bit for bit: checked on tiny Llamas whose fused layers
-each hold one type (all three types on every kind of matrix between the two
-files), at 1 and 2 threads, on the AVX2 path and, where the CPU has it,
-the AVX-512 (VNNI) one. A fused layer in mixed types, and the K-quants, keep
-the per-layer path.
+The C++ layers multiply GGUF blocks with gguf_linear's and gguf_linear_k's
+own pieces (the same activation blocks, the same tiles, threads splitting
+the weight rows instead of at::parallel_for), so every decode step's logits
+are the per-layer path's bit for bit: checked on tiny Llamas whose fused
+layers each hold one type (all of Q4_0, Q4_1, Q8_0 on every kind of matrix
+between two files; the K-quants in a third), whose fused layers mix types
+(a group each, quantizing the input once for each kind of activation block
+they need, as a Q4_K_M file mixes Q4_K and Q6_K), at 1 and 2 threads, on
+the AVX2 path and, where the CPU has it, the AVX-512 (VNNI) one. A float
+part among a fused layer's blocks keeps the per-layer path.
 """
 
 from __future__ import annotations
@@ -34,8 +36,34 @@ UNIFORM = {
     "a": {"qkv": Q.Q4_0, "attn_output": Q.Q4_1, "ffn": Q.Q8_0, "ffn_down": Q.Q4_1},
     "b": {"qkv": Q.Q8_0, "attn_output": Q.Q4_0, "ffn": Q.Q4_1, "ffn_down": Q.Q8_0},
 }
-# q, k and v in three types, gate and up in two: the one-call step stands aside.
+# q, k and v in three types (q8_0 and q8_1 activation blocks), gate and up in two.
 MIXED = TYPES
+# The K-quants need rows of 256 (a wider tiny model, random blocks): one type
+# a fused layer, then a Q4_K_M-like mix with the 32-value types beside them
+# (three kinds of activation blocks in one qkv) and an embedding in Q4_K,
+# which Python looks up.
+K_UNIFORM = {
+    "token_embd": Q.Q8_0,
+    "output": Q.Q6_K,
+    **{k: Q.Q4_K for k in ("attn_q", "attn_k", "attn_v")},
+    "attn_output": Q.Q5_K,
+    "ffn_gate": Q.Q6_K,
+    "ffn_up": Q.Q6_K,
+    "ffn_down": Q.Q4_K,
+}
+K_MIXED = {
+    "token_embd": Q.Q4_K,
+    "output": Q.Q4_K,
+    "attn_q": Q.Q4_K,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.Q6_K,
+    "attn_output": Q.Q8_0,
+    "ffn_gate": Q.Q4_K,
+    "ffn_up": Q.Q4_0,
+    "ffn_down": Q.Q6_K,
+}
+# (LM head in the call, embedding in the kernel) for each file.
+IN_CALL = {"a": (True, True), "b": (True, True), "mixed": (True, True), "k": (True, True), "k_mixed": (True, False)}
 
 
 def _types(u: dict[str, int]) -> dict[str, int]:
@@ -64,8 +92,11 @@ def files(tmp_path_factory) -> dict[str, str]:
     hf = make_tiny_model(str(d / "hf"))
     out = {name: write_llama_gguf(hf, str(d / f"{name}.gguf"), _types(u)) for name, u in UNIFORM.items()}
     out["mixed"] = write_llama_gguf(hf, str(d / "mixed.gguf"), {"token_embd": Q.Q8_0, **MIXED})
-    wide = make_tiny_model(str(d / "hf-wide"), intermediate_size=256)  # ffn_down: one Q4_K block a row
-    out["q4_k"] = write_llama_gguf(wide, str(d / "q4_k.gguf"), {"ffn_down": Q.Q4_K})
+    wide = make_tiny_model(str(d / "hf-wide"), hidden_size=256, intermediate_size=512)
+    out["k"] = write_llama_gguf(wide, str(d / "k.gguf"), K_UNIFORM)
+    out["k_mixed"] = write_llama_gguf(wide, str(d / "k_mixed.gguf"), K_MIXED)
+    # q in float (as the file keeps it) beside k and v in Q8_0.
+    out["float_part"] = write_llama_gguf(hf, str(d / "float_part.gguf"), {"attn_k": Q.Q8_0, "attn_v": Q.Q8_0})
     return out
 
 
@@ -104,15 +135,16 @@ def _isas(kernels) -> list[str]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("which", sorted(UNIFORM))
+@pytest.mark.parametrize("which", sorted(IN_CALL))
 def test_decode_steps_on_blocks_equal_the_per_layer_path_bit_for_bit(kernels, files, monkeypatch, which, threads):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = _prompts(7, (1, 9, 40))
     with _llm(files[which], threads) as llm:
         runner = llm.engine.runner
-        assert runner.cpu_decode_step is not None, "the one-call step refused uniform Q4_0 / Q4_1 / Q8_0 layers"
-        assert runner.cpu_decode_step.head_in_call, "the Q8_0 LM head stayed in Python"
-        assert runner.cpu_decode_step.embedding_in_kernel, "the Q8_0 embedding stayed in Python"
+        assert runner.cpu_decode_step is not None, f"the one-call step refused the layers of {which}"
+        head, embedding = IN_CALL[which]
+        assert runner.cpu_decode_step.head_in_call == head
+        assert runner.cpu_decode_step.embedding_in_kernel == embedding
         for isa in _isas(kernels):
             previous = kernels.set_isa(isa)
             try:
@@ -139,22 +171,22 @@ def test_greedy_tokens_equal_the_per_layer_path(kernels, files, monkeypatch):
     assert got == want
 
 
-@pytest.mark.parametrize("which", ["mixed", "q4_k"])
-def test_mixed_types_and_k_quants_keep_the_per_layer_path(kernels, files, which):
-    """Parts of one fused layer in different types come as groups, one
-    matmul each; the K-quants' kernel has no per-thread pieces yet."""
-    with _llm(files[which], 1) as llm:
+def test_a_float_part_among_blocks_keeps_the_per_layer_path(kernels, files):
+    """A fused layer whose q is float and k, v blocks: the C++ layers take
+    a matrix in float or in blocks, not both."""
+    with _llm(files["float_part"], 1) as llm:
         assert llm.engine.runner.cpu_decode_step is None
         out = llm.generate(_prompts(9, (4,)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert len(out[0].token_ids) == 3
 
 
-def test_head_at_some_rows_and_while_timed_equals_compute_logits(kernels, files, monkeypatch):
+@pytest.mark.parametrize("which", ["b", "k_mixed"])  # a Q8_0 head, a Q4_K head
+def test_head_at_some_rows_and_while_timed_equals_compute_logits(kernels, files, monkeypatch, which):
     """The C++ final norm and LM head at a subset of the rows (a row not due
     a token), and the Python head the step falls back to while its ops are
     timed (bench latency --profile), against the model's compute_logits."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    with _llm(files["b"], 2) as llm:
+    with _llm(files[which], 2) as llm:
         runner = llm.engine.runner
         step = runner.cpu_decode_step
         assert step.head_in_call

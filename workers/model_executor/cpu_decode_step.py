@@ -12,12 +12,13 @@ Llama-family model on one rank, every matmul's inner size a multiple of the
 kernel's 16) and runs it for every step whose rows are all decodes, as it
 replays a CUDA graph for those on CUDA.
 
-Under --quantization gguf a matrix held as Q4_0, Q4_1 or Q8_0 blocks goes
-to the C++ layers as its blocks and is multiplied there by gguf_linear's
-own pieces (the same activation blocks and tiles: the same bits as the
-per-layer path). A fused layer whose parts come in different types, and
-the K-quants (no per-thread pieces of their kernel yet), keep the model on
-the per-layer path.
+Under --quantization gguf a matrix held as Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or
+Q6_K blocks goes to the C++ layers as its blocks and is multiplied there by
+gguf_linear's or gguf_linear_k's own pieces (the same activation blocks and
+tiles: the same bits as the per-layer path); a fused layer whose parts come
+in different types (q and k in Q4_K, v in Q6_K, as a Q4_K_M file has them)
+goes as its groups, one part each. A fused layer with a float part among
+blocks keeps the model on the per-layer path.
 """
 
 from __future__ import annotations
@@ -30,20 +31,21 @@ from shoal.workers.model_executor.layers.quantization.unquantized import Unquant
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 from shoal.workers.profiling import step_range
 
-_GGUF_TYPES = (0, 2, 3, 8)  # float (kept so by the file), Q4_0, Q4_1, Q8_0
+_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 
 
-def _matrix(linear) -> tuple[torch.Tensor, int, int] | None:
-    """(what the C++ layers read, its ggml type, 0 for float; input features)
-    of a linear layer's weight, None where they cannot compute it."""
+def _matrix(linear) -> tuple[list[torch.Tensor], list[int], int] | None:
+    """(the parts the C++ layers read, their ggml types, 0 for float; input
+    features) of a linear layer's weight, None where they cannot compute it."""
     method = type(linear.quant_method)
     if method is UnquantizedLinearMethod:
-        return linear.weight, 0, linear.weight.shape[1]
+        return [linear.weight], [0], linear.weight.shape[1]
     if method is GGUFLinearMethod:
         groups = linear.weight.gguf_groups
-        if len(groups) == 1 and groups[0][0] in _GGUF_TYPES:
-            t, data, cols = groups[0]
-            return data, t, cols
+        if len(groups) == 1 and groups[0][0] == 0:  # float, kept so by the file
+            return [groups[0][1]], [0], groups[0][2]
+        if all(t in _BLOCK_TYPES and data.is_contiguous() for t, data, _ in groups):
+            return [g[1] for g in groups], [g[0] for g in groups], groups[0][2]
     return None  # another quantized or wrapped method computes otherwise
 
 
@@ -64,7 +66,7 @@ class CPUDecodeStep:
         linears = [x for layer in model.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
         linears += [x for layer in model.layers for x in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         matrices = [_matrix(x) for x in linears]
-        if any(m is None or (m[1] == 0 and m[2] % 16) for m in matrices):
+        if any(m is None or (m[1] == [0] and m[2] % 16) for m in matrices):
             return None
         return cls(model, kernels)
 
@@ -131,8 +133,8 @@ class CPUDecodeStep:
                     m.down_proj,
                     m.down_proj.bias,
                 ):
-                    w, t, _ = _matrix(w) if isinstance(w, torch.nn.Module) else (w, 0, 0)
-                    weights.append(none if w is None else w)
+                    w, t, _ = _matrix(w) if isinstance(w, torch.nn.Module) else ([w], [0], 0)
+                    weights.append([none if x is None else x for x in w])
                     types.append(t)
                 k_caches.append(a.attn.k_cache)
                 v_caches.append(a.attn.v_cache)
@@ -147,7 +149,7 @@ class CPUDecodeStep:
                 model.config.rms_norm_eps,
                 a0.attn.scale,
                 [layer.self_attn.attn.sliding_window or 0 for layer in model.layers],  # 0: full attention
-                types,  # 2, 3, 8: GGUF blocks
+                types,  # each part's: 0 float, else GGUF blocks
             )
             head = _head(model)
             if head is not None:
@@ -170,14 +172,14 @@ def _embedding(model: LlamaForCausalLM) -> tuple[torch.Tensor, int] | None:
 
 def _head(model: LlamaForCausalLM) -> tuple[torch.Tensor, int] | None:
     """(blocks, ggml type) of an LM head the C++ layers can finish the step
-    with, as compute_logits would: Q4_0 / Q4_1 / Q8_0 blocks on one rank,
+    with, as compute_logits would: blocks of one type on one rank,
     multiplied and normed by the compiled kernels."""
     head, norm = model.lm_head, model.norm
     groups = getattr(head.weight, "gguf_groups", None)
     if not isinstance(head.quant_method, GGUFLinearMethod) or groups is None or len(groups) != 1:
         return None
     t, data, _ = groups[0]
-    if t not in _GGUF_TYPES[1:] or head.tp.size != 1 or head.cpu_kernels is None or norm.cpu_kernels is None:
+    if t not in _BLOCK_TYPES or head.tp.size != 1 or head.cpu_kernels is None or norm.cpu_kernels is None:
         return None
     if getattr(norm, "use_fused", False) or not data.is_contiguous():
         return None

@@ -62,13 +62,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ids"), py::arg("w_blocks"), py::arg("ggml_type"));
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax's index) of float32 [rows, n]");
   py::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
-                    torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>>())
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
-                    torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>, std::vector<int64_t>>(),
-           "... windows, types: each tensor's ggml_type (2, 3, 8: GGUF blocks; 0: float)")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    torch::Tensor, torch::Tensor, int64_t, int64_t, double, double, std::vector<int64_t>,
+                    std::vector<std::vector<int64_t>>>(),
+           "weights (each tensor's parts), k_caches, v_caches, cos, sin, num_heads, num_kv_heads, eps, scale, "
+           "windows, types (each part's ggml_type: 2, 3, 8, 12, 13, 14: GGUF blocks; 0: float)")
       .def("__call__", &DecodeLayers::forward, "h, positions, slot_mapping, block_tables, context_lens -> (h, residual)")
-      .def("set_head", &DecodeLayers::set_head, "the final norm's weight and the LM head's GGUF blocks, for logits",
+      .def("set_head", &DecodeLayers::set_head,
+           "the final norm's weight and the LM head's GGUF blocks (any of the six types), for logits",
            py::arg("norm_weight"), py::arg("head_blocks"), py::arg("head_type"))
       .def("logits", &DecodeLayers::logits,
            "h, positions, slot_mapping, block_tables, context_lens, logits_indices -> float32 logits (set_head's head)")

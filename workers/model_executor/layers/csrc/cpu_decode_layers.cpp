@@ -29,6 +29,11 @@ namespace {
 // One layer's tensors, in the order LlamaForCausalLM._bound_decode_layers lists them.
 constexpr size_t kPerLayer = 10;
 
+bool is_matrix(size_t i) {
+  const size_t j = i % kPerLayer;
+  return j == 1 || j == 3 || j == 6 || j == 8;
+}
+
 const float* data_or_null(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
 // This thread's share [begin, end) of n items, in whole multiples of `align`.
@@ -37,42 +42,93 @@ void share(int64_t n, int64_t align, int tid, int nt, int64_t& begin, int64_t& e
   begin = std::min(n, tid * per * align);
   end = std::min(n, (tid + 1) * per * align);
 }
+
+// GGUF blocks of either kernel: the 32-value types (gguf_gemv.cpp) or the
+// K-quants' super-blocks of 256 (gguf_kquants.cpp).
+bool is_k(int64_t type) { return gguf_k_block_bytes(type) > 0; }
+int64_t block_bytes(int64_t type) { return is_k(type) ? gguf_k_block_bytes(type) : gguf_weight_block_bytes(type); }
+int64_t block_values(int64_t type) { return is_k(type) ? 256 : 32; }
+
+// The activation blocks a type multiplies: block_q8_0 (Q4_0, Q8_0),
+// block_q8_1 (Q4_1) or block_q8_K; a fused layer in two kinds quantizes its
+// input once for each.
+constexpr int kActKinds = 3;
+int act_kind(int64_t type) { return is_k(type) ? 2 : type == 3 ? 1 : 0; }
+constexpr int64_t kKindType[kActKinds] = {8, 3, 12};  // a type of each kind
+// Activation bytes per input value, at most: 37 / 32 > 292 / 256 and 36 / 32.
+int64_t act_bytes(int64_t T, int64_t K) { return T * (K / 32 + 1) * 37; }
+
+void quantize_kind(int kind, const float* x, uint8_t* out, int64_t K, int64_t m0, int64_t m1) {
+  if (kind == 2)
+    gguf_k_quantize_rows(x, out, K, m0, m1);
+  else
+    gguf_quantize_rows(x, out, K, kKindType[kind], m0, m1);
+}
+
+// Rows [n0, n1) of a part into y (row stride ldy; the part's own columns).
+void multiply(const DecodeLayers::Part& p, const uint8_t* xq, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
+              int64_t n1) {
+  const uint8_t* w = p.w.data_ptr<uint8_t>();
+  if (is_k(p.type))
+    gguf_k_linear_rows(xq, w, p.type, y, ldy, M, K, n0, n1);
+  else
+    gguf_linear_rows(xq, w, p.type, y, ldy, M, p.rows, K, n0, n1);
+}
+
+// A tensor's parts, checked: a matrix in float (one part) or in GGUF blocks
+// of one input size; anything else one float part.
+std::vector<DecodeLayers::Part> make_parts(size_t i, std::vector<torch::Tensor> ws, const std::vector<int64_t>& ts) {
+  TORCH_CHECK(!ws.empty() && ws.size() == ts.size(), "DecodeLayers: each tensor one or more parts, a type each");
+  std::vector<DecodeLayers::Part> out;
+  int64_t offset = 0, cols = -1;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    const torch::Tensor& w = ws[j];
+    const int64_t t = ts[j];
+    if (t == 0) {
+      TORCH_CHECK(ws.size() == 1, "DecodeLayers: a float tensor comes in one part");
+      if (is_matrix(i)) {
+        TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0 &&
+                        (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+                    "DecodeLayers: weight matrices contiguous, float32 or bfloat16, inner size a multiple of 16");
+      } else {
+        TORCH_CHECK(w.numel() == 0 || (w.is_contiguous() && w.scalar_type() == torch::kFloat32),
+                    "DecodeLayers: norms and biases contiguous float32");
+      }
+      out.push_back({w, 0, w.dim() == 2 ? w.size(0) : 0, 0});
+      continue;
+    }
+    TORCH_CHECK(is_matrix(i), "DecodeLayers: only weight matrices come as GGUF blocks");
+    const int64_t bb = block_bytes(t);
+    TORCH_CHECK(bb > 0, "DecodeLayers: GGUF blocks of ggml_type 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K)",
+                " or 14 (Q6_K), not ", t);
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) % bb == 0,
+                "DecodeLayers: GGUF weight matrices contiguous uint8 [rows, whole blocks]");
+    const int64_t c = w.size(1) / bb * block_values(t);
+    TORCH_CHECK(cols < 0 || c == cols, "DecodeLayers: the parts of a matrix have one input size");
+    cols = c;
+    out.push_back({w, t, w.size(0), offset});
+    offset += w.size(0);
+  }
+  return out;
+}
 }  // namespace
 
-DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torch::Tensor> k_caches_,
+DecodeLayers::DecodeLayers(std::vector<std::vector<torch::Tensor>> weights_, std::vector<torch::Tensor> k_caches_,
                            std::vector<torch::Tensor> v_caches_, torch::Tensor cos_, torch::Tensor sin_,
                            int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
-                           std::vector<int64_t> windows_, std::vector<int64_t> types_)
-    : weights(std::move(weights_)), k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)),
-      windows(std::move(windows_)), types(std::move(types_)), cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
+                           std::vector<int64_t> windows_, std::vector<std::vector<int64_t>> types_)
+    : k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)), windows(std::move(windows_)),
+      cos(std::move(cos_)), sin(std::move(sin_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
       scale(scale_) {
 #ifndef __AVX2__
   TORCH_CHECK(false, "DecodeLayers: built without AVX2");
 #endif
-  TORCH_CHECK(!k_caches.empty() && weights.size() == k_caches.size() * kPerLayer &&
+  TORCH_CHECK(!k_caches.empty() && weights_.size() == k_caches.size() * kPerLayer &&
                   v_caches.size() == k_caches.size() && windows.size() == k_caches.size(),
               "DecodeLayers: ", kPerLayer, " tensors per layer, one cache and one window each");
+  TORCH_CHECK(types_.size() == weights_.size(), "DecodeLayers: one list of types per tensor");
   for (int64_t w : windows) TORCH_CHECK(w >= 0, "DecodeLayers: sliding windows >= 0 (0: none)");
-  if (types.empty()) types.assign(weights.size(), 0);
-  TORCH_CHECK(types.size() == weights.size(), "DecodeLayers: one type per tensor");
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const auto& w = weights[i];
-    const bool matrix = i % kPerLayer == 1 || i % kPerLayer == 3 || i % kPerLayer == 6 || i % kPerLayer == 8;
-    TORCH_CHECK(matrix || types[i] == 0, "DecodeLayers: only weight matrices come as GGUF blocks");
-    if (types[i] != 0) {
-      const int64_t bb = gguf_weight_block_bytes(types[i]);
-      TORCH_CHECK(bb > 0, "DecodeLayers: GGUF blocks of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", types[i]);
-      TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) % bb == 0,
-                  "DecodeLayers: GGUF weight matrices contiguous uint8 [rows, whole blocks]");
-    } else if (matrix) {
-      TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0 &&
-                      (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
-                  "DecodeLayers: weight matrices contiguous, float32 or bfloat16, inner size a multiple of 16");
-    } else {
-      TORCH_CHECK(w.numel() == 0 || (w.is_contiguous() && w.scalar_type() == torch::kFloat32),
-                  "DecodeLayers: norms and biases contiguous float32");
-    }
-  }
+  for (size_t i = 0; i < weights_.size(); ++i) parts.push_back(make_parts(i, std::move(weights_[i]), types_[i]));
   for (size_t l = 0; l < k_caches.size(); ++l)
     TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
                     k_caches[l].scalar_type() == torch::kFloat32, "DecodeLayers: contiguous float32 caches");
@@ -81,22 +137,25 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> weights_, std::vector<torc
 }
 
 int64_t DecodeLayers::cols(size_t i) const {
-  const auto& w = weights[i];
-  return types[i] ? w.size(1) / gguf_weight_block_bytes(types[i]) * 32 : w.size(1);
+  const Part& p = parts[i][0];
+  return p.type ? p.w.size(1) / block_bytes(p.type) * block_values(p.type) : p.w.size(1);
 }
 
-void DecodeLayers::set_head(torch::Tensor norm_weight, torch::Tensor head_blocks, int64_t head_type_) {
-  const int64_t hidden = weights[0].numel();
-  const int64_t bb = gguf_weight_block_bytes(head_type_);
-  TORCH_CHECK(bb > 0, "set_head: GGUF blocks of ggml_type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", head_type_);
+int64_t DecodeLayers::rows(size_t i) const { return parts[i].back().offset + parts[i].back().rows; }
+
+void DecodeLayers::set_head(torch::Tensor norm_weight, torch::Tensor head_blocks, int64_t head_type) {
+  const int64_t hidden = parts[0][0].w.numel();
+  const int64_t bb = block_bytes(head_type);
+  TORCH_CHECK(bb > 0, "set_head: GGUF blocks of ggml_type 2, 3, 8, 12, 13 or 14, not ", head_type);
   TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.scalar_type() == torch::kFloat32 &&
                   norm_weight.numel() == hidden, "set_head: a float32 norm weight of the hidden size");
+  const int64_t nv = block_values(head_type);
   TORCH_CHECK(head_blocks.dim() == 2 && head_blocks.is_contiguous() && head_blocks.scalar_type() == torch::kUInt8 &&
-                  head_blocks.size(1) == hidden / 32 * bb && hidden % 32 == 0,
-              "set_head: LM head contiguous uint8 [rows, hidden / 32 blocks]");
+                  hidden % nv == 0 && head_blocks.size(1) == hidden / nv * bb,
+              "set_head: LM head contiguous uint8 [rows, whole blocks of the hidden size]");
   head_norm = std::move(norm_weight);
-  head = std::move(head_blocks);
-  head_type = head_type_;
+  head = {std::move(head_blocks), head_type, 0, 0};
+  head.rows = head.w.size(0);
 }
 
 // h: [T, hidden] embeddings -> {mlp output, residual} of the last layer (the
@@ -112,7 +171,7 @@ std::vector<torch::Tensor> DecodeLayers::forward(torch::Tensor h, torch::Tensor 
 torch::Tensor DecodeLayers::logits(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                    torch::Tensor block_tables, torch::Tensor context_lens,
                                    torch::Tensor logits_indices) {
-  TORCH_CHECK(head.defined(), "decode_layers.logits: no head (set_head)");
+  TORCH_CHECK(head.w.defined(), "decode_layers.logits: no head (set_head)");
   TORCH_CHECK(logits_indices.dim() == 1 && logits_indices.scalar_type() == torch::kInt64,
               "decode_layers.logits: int64 logits_indices");
   return run(h, positions, slot_mapping, block_tables, context_lens, &logits_indices)[0];
@@ -141,8 +200,13 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
   const int64_t G = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t inter = cols(8);
-  TORCH_CHECK(weights[1].size(0) == qkv_size && cols(1) == hidden && cols(3) == q_size &&
-                  weights[6].size(0) == 2 * inter, "decode_layers: weights of another model shape");
+  for (int64_t l = 0; l < static_cast<int64_t>(k_caches.size()); ++l) {
+    const size_t i = l * kPerLayer;
+    TORCH_CHECK(rows(i + 1) == qkv_size && cols(i + 1) == hidden && rows(i + 3) == hidden && cols(i + 3) == q_size &&
+                    rows(i + 6) == 2 * inter && cols(i + 6) == hidden && rows(i + 8) == hidden && cols(i + 8) == inter &&
+                    parts[i][0].w.numel() == hidden && parts[i + 5][0].w.numel() == hidden,
+                "decode_layers: weights of another model shape");
+  }
   auto opts = h.options();
   torch::Tensor residual = h;  // h is this step's own embeddings: the sum may start in it
   auto x = torch::empty({T, hidden}, opts), qkv = torch::empty({T, qkv_size}, opts);
@@ -152,9 +216,11 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
   float *rp = residual.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *ap = attn.data_ptr<float>(), *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
   float* ip = interleaved.data_ptr<float>();
-  // A GGUF linear's input rows as 8-bit activation blocks (36 bytes a block at most).
-  auto xq = torch::empty({T * std::max({hidden, q_size, inter}) / 32 * 36}, opts.dtype(torch::kUInt8));
-  uint8_t* xqp = xq.data_ptr<uint8_t>();
+  // A GGUF linear's input rows as 8-bit activation blocks, a buffer for each kind.
+  const int64_t rows_q = std::max(T, li != nullptr ? li->numel() : int64_t{0});  // the head's rows too
+  const int64_t kind_bytes = act_bytes(rows_q, std::max({hidden, q_size, inter}));
+  auto xq = torch::empty({kActKinds * kind_bytes}, opts.dtype(torch::kUInt8));
+  uint8_t* const xqp = xq.data_ptr<uint8_t>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps);
   // The head's rows (logits only): checked here, outside the parallel region.
@@ -167,7 +233,7 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
     lip = li_t.data_ptr<int64_t>();
     R = li_t.numel();
     for (int64_t i = 0; i < R; ++i) TORCH_CHECK(lip[i] >= 0 && lip[i] < T, "decode_layers: logits index out of range");
-    V = head.size(0);
+    V = head.rows;
     normed = torch::empty({R, hidden}, opts);
     logits = torch::empty({R, V}, opts);
     np = normed.data_ptr<float>();
@@ -191,28 +257,44 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
     int64_t r0, r1;  // this thread's rows of the step
     share(T, 1, tid, nt, r0, r1);
     std::vector<float> scores, acc;
+    // Rows [t0, t1) of in (K wide) as the activation blocks of every kind
+    // a matrix's parts multiply, each into its kind's buffer.
+    auto quantize_for = [&](const std::vector<Part>& m, const float* in, int64_t K, int64_t t0, int64_t t1) {
+      bool done[kActKinds] = {};
+      for (const Part& p : m) {
+        if (p.type == 0) continue;  // float
+        const int k = act_kind(p.type);
+        if (!done[k]) quantize_kind(k, in, xqp + k * kind_bytes, K, t0, t1);
+        done[k] = true;
+      }
+    };
     // y = in w^T + b over this thread's weight rows; in's rows are K wide.
-    // GGUF blocks (type != 0): in's rows quantized once into xqp, split by
-    // rows (quantized: already done by the op that wrote them, which saves a
-    // barrier), then the tiles over this thread's weight rows, as gguf_linear
-    // and then + b.
-    auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, const torch::Tensor& b, int64_t type,
-                      float* y, bool quantized) {
+    // GGUF blocks: in's rows quantized once for each kind its parts need,
+    // split by rows (quantized: already done by the op that wrote them,
+    // which saves a barrier), then each part's tiles over this thread's
+    // share of its rows, as gguf_linear or gguf_linear_k, and then + b.
+    auto linear = [&](const float* in, int64_t K, const std::vector<Part>& m, const torch::Tensor& b, float* y,
+                      bool quantized) {
       int64_t n0, n1;
-      const int64_t N = w.size(0);
-      share(N, type != 0 ? 16 : 4, tid, nt, n0, n1);  // GGUF: whole packed groups
-      if (type != 0) {
+      const torch::Tensor& w = m[0].w;
+      const int64_t N = m.back().offset + m.back().rows;
+      if (m[0].type != 0) {
         if (!quantized) {
-          gguf_quantize_rows(in, xqp, K, type, r0, r1);
+          quantize_for(m, in, K, r0, r1);
 #pragma omp barrier
         }
-        gguf_linear_rows(xqp, w.data_ptr<uint8_t>(), type, y, T, N, K, n0, n1);
-        if (const float* bp = data_or_null(b))
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t n = n0; n < n1; ++n) y[t * N + n] += bp[n];
+        const float* bp = data_or_null(b);
+        for (const Part& p : m) {
+          share(p.rows, 16, tid, nt, n0, n1);  // whole packed groups
+          multiply(p, xqp + act_kind(p.type) * kind_bytes, y + p.offset, N, T, K, n0, n1);
+          if (bp != nullptr)
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t n = p.offset + n0; n < p.offset + n1; ++n) y[t * N + n] += bp[n];
+        }
 #pragma omp barrier
         return;
       }
+      share(N, 4, tid, nt, n0, n1);
       if (w.scalar_type() == torch::kBFloat16) {
         for (int64_t t = r0; t < r1; ++t) interleave_for_bf16(in + t * K, ip + t * K, K);
         in = ip;
@@ -222,20 +304,19 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
 #pragma omp barrier
     };
     for (int64_t l = 0; l < L; ++l) {
-      const torch::Tensor* w = weights.data() + l * kPerLayer;
-      const int64_t* ty = types.data() + l * kPerLayer;
-      const float* in_norm = w[0].data_ptr<float>();
+      const std::vector<Part>* w = parts.data() + l * kPerLayer;
+      const float* in_norm = w[0][0].w.data_ptr<float>();
       for (int64_t t = r0; t < r1; ++t) {
         float* r = rp + t * hidden;
         float* xr = xp + t * hidden;
         if (l > 0)  // the first layer's norm has no pending output to add (see LlamaDecoderLayer)
           for (int64_t j = 0; j < hidden; ++j) r[j] += xr[j];
         norm_row(r, in_norm, xr, hidden, e);
-        if (ty[1]) gguf_quantize_rows(xp, xqp, hidden, ty[1], t, t + 1);
+        quantize_for(w[1], xp, hidden, t, t + 1);
       }
 #pragma omp barrier
       mark(0);
-      linear(xp, hidden, w[1], w[2], ty[1], qkvp, true);
+      linear(xp, hidden, w[1], w[2][0].w, qkvp, true);
       mark(1);
       float* kc = k_caches[l].data_ptr<float>();
       float* vc = v_caches[l].data_ptr<float>();
@@ -263,27 +344,27 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
       }
 #pragma omp barrier
       mark(3);
-      linear(ap, q_size, w[3], w[4], ty[3], xp, false);  // attention's rows are split by head
+      linear(ap, q_size, w[3], w[4][0].w, xp, false);  // attention's rows are split by head
       mark(4);
-      const float* post_norm = w[5].data_ptr<float>();
+      const float* post_norm = w[5][0].w.data_ptr<float>();
       for (int64_t t = r0; t < r1; ++t) {
         float* r = rp + t * hidden;
         float* xr = xp + t * hidden;
         for (int64_t j = 0; j < hidden; ++j) r[j] += xr[j];
         norm_row(r, post_norm, xr, hidden, e);
-        if (ty[6]) gguf_quantize_rows(xp, xqp, hidden, ty[6], t, t + 1);
+        quantize_for(w[6], xp, hidden, t, t + 1);
       }
 #pragma omp barrier
       mark(5);
-      linear(xp, hidden, w[6], w[7], ty[6], gup, true);
+      linear(xp, hidden, w[6], w[7][0].w, gup, true);
       mark(6);
       for (int64_t t = r0; t < r1; ++t) {
         silu_mul_row(gup + t * 2 * inter, actp + t * inter, inter);
-        if (ty[8]) gguf_quantize_rows(actp, xqp, inter, ty[8], t, t + 1);
+        quantize_for(w[8], actp, inter, t, t + 1);
       }
 #pragma omp barrier
       mark(7);
-      linear(actp, inter, w[8], w[9], ty[8], xp, true);
+      linear(actp, inter, w[8], w[9][0].w, xp, true);
       mark(8);
     }
     if (lip != nullptr) {
@@ -297,12 +378,12 @@ std::vector<torch::Tensor> DecodeLayers::run(torch::Tensor h, torch::Tensor posi
         const float *r = rp + lip[i] * hidden, *xr = xp + lip[i] * hidden;
         for (int64_t j = 0; j < hidden; ++j) s[j] = r[j] + xr[j];
         norm_row(s, fw, s, hidden, e);
-        gguf_quantize_rows(np, xqp, hidden, head_type, i, i + 1);
+        quantize_kind(act_kind(head.type), np, xqp + act_kind(head.type) * kind_bytes, hidden, i, i + 1);
       }
 #pragma omp barrier
       int64_t n0, n1;
       share(V, 16, tid, nt, n0, n1);
-      gguf_linear_rows(xqp, head.data_ptr<uint8_t>(), head_type, lp, R, V, hidden, n0, n1);
+      multiply(head, xqp + act_kind(head.type) * kind_bytes, lp, V, R, hidden, n0, n1);
     }
   }
   if (lip != nullptr) return {logits};

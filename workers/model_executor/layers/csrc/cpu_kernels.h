@@ -51,12 +51,20 @@ void linear_rows(const float* x, const torch::Tensor& w, const float* bias, floa
                  int64_t n1);
 // GGUF blocks (gguf_gemv.cpp) in gguf_linear's pieces, with its bits:
 // rows [m0, m1) of x [M, K] to activation blocks (gguf_act_row_bytes a row),
-// then weight rows [n0, n1) of y [M, N] from them. ggml_type 2, 3 or 8.
+// then weight rows [n0, n1) of a matrix of N rows into y [M, ldy] from them.
+// ggml_type 2, 3 or 8.
 int64_t gguf_weight_block_bytes(int64_t ggml_type);  // 0: not one of the three
 int64_t gguf_act_row_bytes(int64_t ggml_type, int64_t K);
 void gguf_quantize_rows(const float* x, uint8_t* out, int64_t K, int64_t ggml_type, int64_t m0, int64_t m1);
-void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t M, int64_t N,
-                      int64_t K, int64_t n0, int64_t n1);
+void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t ldy, int64_t M,
+                      int64_t N, int64_t K, int64_t n0, int64_t n1);
+// The same for the K-quants (gguf_kquants.cpp: gguf_linear_k's pieces):
+// block_q8_K activations, ggml_type 12, 13 or 14.
+int64_t gguf_k_block_bytes(int64_t ggml_type);  // 0: not one of the three
+int64_t gguf_k_act_row_bytes(int64_t K);
+void gguf_k_quantize_rows(const float* x, uint8_t* out, int64_t K, int64_t m0, int64_t m1);
+void gguf_k_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t ldy, int64_t M,
+                        int64_t K, int64_t n0, int64_t n1);
 // One row of x in the lane order of the bfloat16 weight loads.
 void interleave_for_bf16(const float* x, float* out, int64_t K);
 // out = w * r / rms(r).
@@ -89,28 +97,36 @@ void attend_job(const PagedAttn& a, int64_t job, std::vector<float>& scores, std
 // Every decoder layer of a Llama-family model for a step of decodes
 // (cpu_decode_layers.cpp). Built once per model and KV cache: the 10
 // tensors of each layer (an absent bias is an empty tensor), its caches and
-// its sliding window (0: none). types: one per tensor, the ggml_type of a
-// weight matrix given as uint8 GGUF blocks (2, 3 or 8), 0 for float
-// (empty: all float).
+// its sliding window (0: none). Each tensor comes as a list of parts with
+// one ggml_type each: a weight matrix as float (0, one part) or as uint8
+// GGUF blocks (2, 3, 8, 12, 13 or 14), one part for each run of rows in one
+// type (a fused layer whose q, k and v differ); anything else one float part.
 struct DecodeLayers {
-  DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
+  // One run of a weight matrix's rows in one type, from output row `offset`.
+  struct Part {
+    torch::Tensor w;
+    int64_t type, rows, offset;
+  };
+  DecodeLayers(std::vector<std::vector<torch::Tensor>> weights, std::vector<torch::Tensor> k_caches,
                std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                int64_t num_kv_heads, double eps, double scale, std::vector<int64_t> windows,
-               std::vector<int64_t> types = {});
+               std::vector<std::vector<int64_t>> types);
   std::vector<torch::Tensor> forward(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                                      torch::Tensor block_tables, torch::Tensor context_lens);
-  // The model's final norm and its LM head as GGUF blocks (ggml_type 2, 3
-  // or 8), for `logits`: the layers, then both at logits_indices' rows, in
+  // The model's final norm and its LM head as GGUF blocks (ggml_type 2, 3,
+  // 8, 12, 13 or 14), for `logits`: the layers, then both at logits_indices' rows, in
   // the one parallel region -> float32 logits [rows, head rows].
   void set_head(torch::Tensor norm_weight, torch::Tensor head_blocks, int64_t head_type);
   torch::Tensor logits(torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
                        torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor logits_indices);
   int64_t cols(size_t i) const;  // the input features of weight matrix i
+  int64_t rows(size_t i) const;  // its output features
 
-  std::vector<torch::Tensor> weights, k_caches, v_caches;
-  std::vector<int64_t> windows, types;
-  torch::Tensor head_norm, head;  // set_head's (undefined until then)
-  int64_t head_type = 0;
+  std::vector<std::vector<Part>> parts;  // each tensor's
+  std::vector<torch::Tensor> k_caches, v_caches;
+  std::vector<int64_t> windows;
+  Part head;  // set_head's (w undefined until then)
+  torch::Tensor head_norm;
   torch::Tensor cos, sin;
   int64_t num_heads, num_kv_heads;
   double eps, scale;

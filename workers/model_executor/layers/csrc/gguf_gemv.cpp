@@ -316,19 +316,19 @@ void tile(const uint8_t* w, int64_t wrow, const uint8_t* a, int64_t arow, int64_
 // The tail rows (N % 16, kept as stored): tiles of R weight rows against
 // rows [0, M) of x, C rows of x at a time (C = 4, then the 1 to 3 left over).
 template <int T, bool V, int R, int C>
-void tail_tiles(const uint8_t* w, int64_t wrow, const uint8_t* xq, int64_t arow, int64_t nb, float* y, int64_t N,
+void tail_tiles(const uint8_t* w, int64_t wrow, const uint8_t* xq, int64_t arow, int64_t nb, float* y, int64_t ldy,
                 int64_t M) {
   int64_t m = 0;
-  for (; m + C <= M; m += C) tile<T, V, R, C>(w, wrow, xq + m * arow, arow, nb, y + m * N, N, m == 0);
+  for (; m + C <= M; m += C) tile<T, V, R, C>(w, wrow, xq + m * arow, arow, nb, y + m * ldy, ldy, m == 0);
   static_assert(C == 1 || C == 4);
   if constexpr (C == 4) {
     const uint8_t* a = xq + m * arow;
     if (M - m == 3)
-      tile<T, V, R, 3>(w, wrow, a, arow, nb, y + m * N, N, m == 0);
+      tile<T, V, R, 3>(w, wrow, a, arow, nb, y + m * ldy, ldy, m == 0);
     else if (M - m == 2)
-      tile<T, V, R, 2>(w, wrow, a, arow, nb, y + m * N, N, m == 0);
+      tile<T, V, R, 2>(w, wrow, a, arow, nb, y + m * ldy, ldy, m == 0);
     else if (M - m == 1)
-      tile<T, V, R, 1>(w, wrow, a, arow, nb, y + m * N, N, m == 0);
+      tile<T, V, R, 1>(w, wrow, a, arow, nb, y + m * ldy, ldy, m == 0);
   }
 }
 #endif
@@ -535,8 +535,8 @@ std::atomic<int64_t> g_gemm_min_rows{2};
 // Weight rows [n0, n1) of a packed matrix (n0 a multiple of 16) against rows
 // [0, M) of x: its groups, then any of the tail rows.
 template <int T>
-void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t nb, int64_t n0,
-                int64_t n1, bool scalar) {
+void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t nb,
+                int64_t n0, int64_t n1, bool scalar) {
   constexpr int64_t wbb = Layout<T>::wbb;
   const int64_t wrow = nb * wbb, arow = nb * Layout<T>::abb, N16 = N / kGroup * kGroup;
   const int64_t g1 = std::min(n1, N16);
@@ -552,25 +552,25 @@ void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (vnni) {
         if (multi)
-          for (; m + 4 <= M; m += 4) group_tile_vnni<T, 4>(g, xq, arow, as, m, nb, y + m * N + n, N);
-        for (; m < M; ++m) group_tile_vnni<T, 1>(g, xq, arow, as, m, nb, y + m * N + n, N);
+          for (; m + 4 <= M; m += 4) group_tile_vnni<T, 4>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+        for (; m < M; ++m) group_tile_vnni<T, 1>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
         continue;
       }
 #endif
       if (multi)
-        for (; m + 4 <= M; m += 4) group_tile_avx2<T, 4>(g, xq, arow, as, m, nb, y + m * N + n, N);
-      for (; m < M; ++m) group_tile_avx2<T, 1>(g, xq, arow, as, m, nb, y + m * N + n, N);
+        for (; m + 4 <= M; m += 4) group_tile_avx2<T, 4>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+      for (; m < M; ++m) group_tile_avx2<T, 1>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
     }
     // The tail rows, as stored.
     int64_t n = std::max(n0, N16);
     const auto tail = [&](auto v) {
       constexpr bool V = decltype(v)::value;
       for (; n + 4 <= n1; n += 4)
-        multi ? tail_tiles<T, V, 4, 4>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M)
-              : tail_tiles<T, V, 4, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M);
+        multi ? tail_tiles<T, V, 4, 4>(w + n * wrow, wrow, xq, arow, nb, y + n, ldy, M)
+              : tail_tiles<T, V, 4, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, ldy, M);
       for (; n < n1; ++n)
-        multi ? tail_tiles<T, V, 1, 4>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M)
-              : tail_tiles<T, V, 1, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, N, M);
+        multi ? tail_tiles<T, V, 1, 4>(w + n * wrow, wrow, xq, arow, nb, y + n, ldy, M)
+              : tail_tiles<T, V, 1, 1>(w + n * wrow, wrow, xq, arow, nb, y + n, ldy, M);
     };
     if (vnni)
       tail(std::integral_constant<bool, kHaveVnni>());
@@ -583,18 +583,18 @@ void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_
     float out[kGroup];
     for (int64_t m = 0; m < M; ++m) {
       group_scalar<T>(w + n * wrow, xq + m * arow, nb, out, kGroup);
-      std::memcpy(y + m * N + n, out, sizeof(out));
+      std::memcpy(y + m * ldy + n, out, sizeof(out));
     }
   }
   for (int64_t n = std::max(n0, N16); n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot_scalar<T>(w + n * wrow, xq + m * arow, nb);
 }
 
 template <int T>
 void gemm(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, bool scalar) {
   // Threads take runs of whole groups (the tail rows go with the last).
   at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t t0, int64_t t1) {
-    rows_range<T>(xq, w, y, M, N, K / kQK, t0 * kGroup, std::min(N, t1 * kGroup), scalar);
+    rows_range<T>(xq, w, y, N, M, N, K / kQK, t0 * kGroup, std::min(N, t1 * kGroup), scalar);
   });
 }
 
@@ -736,20 +736,20 @@ void gguf_quantize_rows(const float* x, uint8_t* out, int64_t K, int64_t ggml_ty
 
 namespace {
 template <int T>
-void linear_rows_t(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                   int64_t n1) {
-  rows_range<T>(xq, w, y, M, N, K / kQK, n0, n1, false);
+void linear_rows_t(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                   int64_t n0, int64_t n1) {
+  rows_range<T>(xq, w, y, ldy, M, N, K / kQK, n0, n1, false);
 }
 }  // namespace
 
-void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t M, int64_t N,
-                      int64_t K, int64_t n0, int64_t n1) {
+void gguf_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t ldy, int64_t M,
+                      int64_t N, int64_t K, int64_t n0, int64_t n1) {
   if (ggml_type == kQ4_0)
-    linear_rows_t<kQ4_0>(xq, w, y, M, N, K, n0, n1);
+    linear_rows_t<kQ4_0>(xq, w, y, ldy, M, N, K, n0, n1);
   else if (ggml_type == kQ4_1)
-    linear_rows_t<kQ4_1>(xq, w, y, M, N, K, n0, n1);
+    linear_rows_t<kQ4_1>(xq, w, y, ldy, M, N, K, n0, n1);
   else
-    linear_rows_t<kQ8_0>(xq, w, y, M, N, K, n0, n1);
+    linear_rows_t<kQ8_0>(xq, w, y, ldy, M, N, K, n0, n1);
 }
 
 int64_t gguf_weight_block_bytes(int64_t ggml_type) { return weight_block_bytes(ggml_type); }

@@ -157,22 +157,24 @@ void quantize_block_avx2(const float* x, uint8_t* out) {
 }
 #endif
 
-void quantize_rows(const float* x, uint8_t* out, int64_t M, int64_t K, bool vector) {
+void quantize_range(const float* x, uint8_t* out, int64_t K, int64_t m0, int64_t m1, bool vector) {
   const int64_t nb = K / kQK;
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + m * K + b * kQK;
-        uint8_t* ob = out + (m * nb + b) * kQ8Bytes;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kQK;
+      uint8_t* ob = out + (m * nb + b) * kQ8Bytes;
 #ifdef __AVX2__
-        if (vector) {
-          quantize_block_avx2(xb, ob);
-          continue;
-        }
-#endif
-        quantize_block_scalar(xb, ob);
+      if (vector) {
+        quantize_block_avx2(xb, ob);
+        continue;
       }
-  });
+#endif
+      quantize_block_scalar(xb, ob);
+    }
+}
+
+void quantize_rows(const float* x, uint8_t* out, int64_t M, int64_t K, bool vector) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) { quantize_range(x, out, K, m0, m1, vector); });
 }
 
 // ----------------------------------------------------------- weight blocks
@@ -475,41 +477,46 @@ inline void rows4(const WBlock& u, const uint8_t* a, int64_t arow, float* acc, f
 }
 #endif
 
+// Weight rows [n0, n1) of y (row stride ldy) = x W^T, x already quantized.
 template <int T, Path P>
-void gemm(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+void gemm_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
+                int64_t n1) {
   const int64_t nb = K / kQK, bb = block_bytes(T), wrow = nb * bb, arow = nb * kQ8Bytes;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    WBlock u;
-    float acc[kRowsX], accm[kRowsX];
-    for (int64_t nt = n0; nt < n1; nt += kRowsW) {
-      const int64_t nt1 = std::min(n1, nt + kRowsW);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsX) {
-        const int64_t mb = std::min(kRowsX, M - m0);
-        const uint8_t* x0 = xq + m0 * arow;
-        for (int64_t n = nt; n < nt1; ++n) {
-          std::fill(acc, acc + mb, 0.f), std::fill(accm, accm + mb, 0.f);
-          for (int64_t b = 0; b < nb; ++b) {
-            unpack<T, P>(w + n * wrow + b * bb, u);
-            int64_t m = 0;
+  WBlock u;
+  float acc[kRowsX], accm[kRowsX];
+  for (int64_t nt = n0; nt < n1; nt += kRowsW) {
+    const int64_t nt1 = std::min(n1, nt + kRowsW);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsX) {
+      const int64_t mb = std::min(kRowsX, M - m0);
+      const uint8_t* x0 = xq + m0 * arow;
+      for (int64_t n = nt; n < nt1; ++n) {
+        std::fill(acc, acc + mb, 0.f), std::fill(accm, accm + mb, 0.f);
+        for (int64_t b = 0; b < nb; ++b) {
+          unpack<T, P>(w + n * wrow + b * bb, u);
+          int64_t m = 0;
 #ifdef KQ_AVX512
-            if (P == kAvx512)
-              for (; m + 4 <= mb; m += 4) rows4<T>(u, x0 + m * arow + b * kQ8Bytes, arow, acc + m, accm + m);
+          if (P == kAvx512)
+            for (; m + 4 <= mb; m += 4) rows4<T>(u, x0 + m * arow + b * kQ8Bytes, arow, acc + m, accm + m);
 #endif
-            for (; m < mb; ++m) {
-              const uint8_t* a = x0 + m * arow + b * kQ8Bytes;
-              ISums s = dot<P>(u, a);
-              float dy;
-              std::memcpy(&dy, a, 4);
-              if (T == kQ6_K) s.isum -= s.bsum;  // sum sc (q - 32) y
-              acc[m] = std::fma(u.d * dy, static_cast<float>(s.isum), acc[m]);
-              if (T != kQ6_K) accm[m] = std::fma(u.dmin * dy, static_cast<float>(s.bsum), accm[m]);
-            }
+          for (; m < mb; ++m) {
+            const uint8_t* a = x0 + m * arow + b * kQ8Bytes;
+            ISums s = dot<P>(u, a);
+            float dy;
+            std::memcpy(&dy, a, 4);
+            if (T == kQ6_K) s.isum -= s.bsum;  // sum sc (q - 32) y
+            acc[m] = std::fma(u.d * dy, static_cast<float>(s.isum), acc[m]);
+            if (T != kQ6_K) accm[m] = std::fma(u.dmin * dy, static_cast<float>(s.bsum), accm[m]);
           }
-          for (int64_t m = 0; m < mb; ++m) y[(m0 + m) * N + n] = acc[m] - accm[m];
         }
+        for (int64_t m = 0; m < mb; ++m) y[(m0 + m) * ldy + n] = acc[m] - accm[m];
       }
     }
-  });
+  }
+}
+
+template <int T, Path P>
+void gemm(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemm_range<T, P>(xq, w, y, N, M, K, n0, n1); });
 }
 
 template <int T>
@@ -521,6 +528,18 @@ void gemm_path(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t
   if (path == kAvx2) return gemm<T, kAvx2>(xq, w, y, M, N, K);
 #endif
   gemm<T, kScalar>(xq, w, y, M, N, K);
+}
+
+template <int T>
+void range_path(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
+                int64_t n1, Path path) {
+#ifdef KQ_AVX512
+  if (path == kAvx512) return gemm_range<T, kAvx512>(xq, w, y, ldy, M, K, n0, n1);
+#endif
+#ifdef __AVX2__
+  if (path == kAvx2) return gemm_range<T, kAvx2>(xq, w, y, ldy, M, K, n0, n1);
+#endif
+  gemm_range<T, kScalar>(xq, w, y, ldy, M, K, n0, n1);
 }
 
 void check_x(const torch::Tensor& x, const char* who) {
@@ -568,4 +587,26 @@ torch::Tensor gguf_linear_k(torch::Tensor x, torch::Tensor w_blocks, int64_t ggm
   else
     gemm_path<kQ6_K>(xp, wp, yp, M, N, K, path);
   return y;
+}
+
+// The serial pieces of gguf_linear_k for the one-call decode step, which
+// splits rows across its own threads: the same path, blocks and tiles as
+// gguf_linear_k picks unforced, so the same bits.
+int64_t gguf_k_block_bytes(int64_t ggml_type) { return block_bytes(ggml_type); }
+
+int64_t gguf_k_act_row_bytes(int64_t K) { return K / kQK * kQ8Bytes; }
+
+void gguf_k_quantize_rows(const float* x, uint8_t* out, int64_t K, int64_t m0, int64_t m1) {
+  quantize_range(x, out, K, m0, m1, pick_path(false) != kScalar);
+}
+
+void gguf_k_linear_rows(const uint8_t* xq, const uint8_t* w, int64_t ggml_type, float* y, int64_t ldy, int64_t M,
+                        int64_t K, int64_t n0, int64_t n1) {
+  const Path path = pick_path(false);
+  if (ggml_type == kQ4_K)
+    range_path<kQ4_K>(xq, w, y, ldy, M, K, n0, n1, path);
+  else if (ggml_type == kQ5_K)
+    range_path<kQ5_K>(xq, w, y, ldy, M, K, n0, n1, path);
+  else
+    range_path<kQ6_K>(xq, w, y, ldy, M, K, n0, n1, path);
 }

@@ -161,7 +161,7 @@ def _with_config(src: str, dst: str, edit) -> str:
         (lambda qc: qc["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric"),
         (lambda qc: qc["config_groups"]["group_0"].pop("input_activations"), "int8 weights .* is not served"),
         (lambda qc: qc["config_groups"]["group_0"].update(format="marlin-24"), "format 'marlin-24'"),
-        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "int"}), "kv_cache_scheme type='int'"),
         (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity"),
         (lambda qc: qc.update(quant_method="awq"), "quant_method 'awq'.*compressed-tensors"),
     ],

@@ -17,6 +17,7 @@ from torch import nn
 
 from shoal.workers.model_executor.layers.activation import SiluAndMul
 from shoal.workers.model_executor.layers.attention import PagedAttention
+from shoal.workers.model_executor.layers.attention.kv_cache import load_kv_scale
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -242,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied checkpoints sometimes carry a copy
+            if load_kv_scale(self, name, tensor):
+                continue
             for piece, (fused, shard) in _STACKED.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)

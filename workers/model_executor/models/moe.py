@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from shoal.workers.model_executor.layers.attention.kv_cache import load_kv_scale
 from shoal.workers.model_executor.layers.fused_moe.layer import W1, W2, W3, FusedMoE
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear
 from shoal.workers.model_executor.layers.norm import RMSNorm
@@ -178,6 +179,8 @@ class MoEForCausalLM(LlamaForCausalLM):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied checkpoints sometimes carry a copy
+            if load_kv_scale(self, name, tensor):
+                continue
             target, shard, keys = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")

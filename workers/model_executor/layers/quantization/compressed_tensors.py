@@ -100,6 +100,24 @@ def _matches(target: str, name: str, layer: nn.Module) -> bool:
     return target == name or target == "Linear" or name.endswith("." + target) or target == type(layer).__name__
 
 
+def check_kv_cache_scheme(scheme) -> None:
+    """A kv_cache_scheme is served as vLLM serves it: 8-bit float with one
+    static, symmetric scale per tensor (the checkpoint's k_scale / v_scale,
+    used by --kv-cache-dtype fp8); any other is refused at start."""
+    if not scheme:
+        return
+    if not isinstance(scheme, dict):
+        raise ValueError("compressed-tensors kv_cache_scheme must be an object")
+    wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    for key, value in wanted.items():
+        # compressed-tensors' defaults are these but for type (int): it must be said
+        if scheme.get(key, None if key == "type" else value) != value:
+            raise ValueError(
+                f"compressed-tensors kv_cache_scheme {key}={scheme.get(key)!r} is not served: "
+                "only 8-bit float with a static, symmetric scale per tensor"
+            )
+
+
 class CompressedTensorsConfig(QuantizationConfig):
     def __init__(self, groups: list[tuple[list[str], Scheme]], ignore: list[str]):
         self.groups, self.ignore = groups, ignore
@@ -113,10 +131,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         qc = config.get("quantization_config", config)
         if qc.get("quant_method") != "compressed-tensors":
             raise ValueError(f"quant_method {qc.get('quant_method')!r} is not compressed-tensors")
-        if qc.get("kv_cache_scheme"):
-            raise ValueError(
-                "compressed-tensors kv_cache_scheme (stored KV scales) is not served; --kv-cache-dtype fp8"
-            )
+        check_kv_cache_scheme(qc.get("kv_cache_scheme"))
         sparsity = qc.get("sparsity_config") or {}
         if sparsity.get("format", "dense") != "dense":
             raise ValueError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is not served")

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install browser serve generate proto docs lint test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu
+.PHONY: install browser serve generate proto docs lint test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -70,6 +70,11 @@ bench-tp: $(STAMP)
 # vs transformers, decode ms/step vs the bandwidth floor, offline vs transformers CB.
 bench-gpu: $(STAMP)
 	$(VENV)/bin/shoal bench gpu
+
+# On the GPU machine as it is (torch, transformers, triton; no venv, no Ray, no pip): the gpu tests, greedy
+# tokens vs transformers, decode and offline on both shapes in bfloat16 and fp8, JSON under $$OUT (7.5 min at most).
+gpu-check:
+	python3 scripts/gpu_check.py
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or a page missing from
 # the nav. The flag reference it includes is generated: scripts/gen_config_reference.py (a test fails when stale).

@@ -52,7 +52,8 @@ def check_regimes(args: EngineArgs, n_prompts: int, tokens: int, tie_tol: float,
     results = {}
     for name, kw in regimes(prompts, tokens, args.block_size).items():
         try:
-            with LLM(args.model, dtype="float32", device=args.device, block_size=args.block_size, **kw) as llm:
+            engine = dict(device=args.device, block_size=args.block_size, num_threads=args.num_threads)
+            with LLM(args.model, dtype="float32", cpu_kernels=args.cpu_kernels, **engine, **kw) as llm:
                 ours = [o.token_ids for o in llm.generate(prompts, sp)]
                 preemptions = llm.engine.stats().num_preemptions
             diffs = [(j, first_difference(hf, *por)) for j, por in enumerate(zip(prompts, ours, refs))]

@@ -98,6 +98,7 @@ def test_decode_steps_padded_to_buckets_give_the_plain_steps_tokens(tiny_model, 
     assert runner.pad_block == 48 and runner.kv_cache.shape[2] == 49
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replaying a captured graph needs CUDA")
 def test_a_replayed_graph_equals_the_eager_step(tiny_model):
     eager, _ = _generate_cuda(tiny_model, enforce_eager=True)

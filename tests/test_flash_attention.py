@@ -59,6 +59,7 @@ def reference(
     return torch.cat(outs)
 
 
+@pytest.mark.gpu
 @needs_flash_attn
 @pytest.mark.parametrize("step", [MIXED, DECODES], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (6, 2, 64)])

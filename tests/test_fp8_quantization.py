@@ -135,7 +135,10 @@ def test_apply_takes_a_per_channel_or_per_tensor_scale():
 
 # ---- on CUDA only (the later GPU session): the compiled kernels and torch._scaled_mm ----
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def cuda(test):
+    """CUDA only: the GPU check (scripts/gpu_check.py) runs these, as -m gpu."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def _compiled():

@@ -201,6 +201,7 @@ def test_profile_memory_refuses_a_device_other_than_cuda():
     assert called == []
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a real GPU")
 def test_profile_memory_on_cuda_sees_weights_and_the_forward_peak():
     device = torch.device("cuda")

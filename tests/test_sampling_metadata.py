@@ -134,6 +134,7 @@ def test_a_plain_greedy_batch_asks_for_no_extra_work():
     assert metadata.banned_rows is None and not metadata.num_logprobs
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_a_step_syncs_once_for_its_results():
     rng, cuda = random.Random(4), torch.device("cuda")

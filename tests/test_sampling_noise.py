@@ -86,6 +86,7 @@ def test_sampled_frequencies_match_the_distribution():
     assert chi_square(skewed, probs) > 1000  # the check can tell a wrong mapping
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_same_draws_and_never_a_zero_probability_token():
     cuda, gen = torch.device("cuda"), torch.Generator().manual_seed(5)

@@ -86,6 +86,28 @@ def test_k2_compressed_tensors_w4a16_equals_k1(ray_cluster, tp_models, tmp_path)
     assert diff < 1e-3
 
 
+@pytest.mark.parametrize("name", ["4 heads, 2 KV, untied", "4 heads, 1 KV (replicated)"])
+def test_k2_lora_adapters_equal_k1(ray_cluster, tp_models, name, tmp_path):
+    """LoRA under K = 2: column layers keep A whole and their rows of each
+    part's B (a replicated KV head's too), row layers their columns of A,
+    whose partial update the all-reduce sums; two adapters and the base in
+    one batch, through preemptions and chunked prefills."""
+    from test_lora_adapter import make_adapter
+
+    from shoal.workers.lora import LoRARequest
+
+    model = tp_models[name]
+    reqs = [
+        LoRARequest(f"r{r}", i + 1, make_adapter(model, str(tmp_path / f"r{r}"), r, seed=r))
+        for i, r in enumerate((4, 8))
+    ]
+    prompts = tp_prompts(500, n=10)
+    loras = [[None, *reqs][i % 3] for i in range(len(prompts))]
+    engine = dict(ENGINE, enable_lora=True, max_loras=2)
+    diff, _, stats = compare_with_k1(f"{name}, LoRA", model, 2, prompts, 20, engine, lora_request=loras)
+    assert diff < 1e-3 and stats.num_preemptions > 0
+
+
 def test_k2_guided_sampling_equals_k1(ray_cluster, tp_models):
     """Rank 0 alone builds and applies the grammar's mask: the sharded engine's
     guided, seeded replies equal the single rank's (a padded vocabulary too)."""

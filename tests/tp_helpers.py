@@ -32,11 +32,14 @@ def tp_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def run_recorded(model: str, tp: int, prompts, max_tokens: int, **engine) -> tuple[list[list[int]], list, object]:
+def run_recorded(
+    model: str, tp: int, prompts, max_tokens: int, lora_request=None, **engine
+) -> tuple[list[list[int]], list, object]:
     """Greedy tokens, per-step logits and the engine's final stats."""
     with LLM(model, tensor_parallel_size=tp, **engine) as llm:
         rec = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora_request=lora_request)
         stats = llm.engine.stats()
     return [o.token_ids for o in outs], rec.steps, stats
 
@@ -48,11 +51,11 @@ def max_logit_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(diffs) if diffs else float("nan")
 
 
-def compare_with_k1(label: str, model: str | None, k: int, prompts, max_tokens: int, engine: dict):
+def compare_with_k1(label: str, model: str | None, k: int, prompts, max_tokens: int, engine: dict, lora_request=None):
     """Runs K = 1 and K = k; asserts equal greedy tokens, prints and returns
     the largest logit difference with both runs' stats."""
-    ref, ref_logits, ref_stats = run_recorded(model, 1, prompts, max_tokens, **engine)
-    got, got_logits, stats = run_recorded(model, k, prompts, max_tokens, **engine)
+    ref, ref_logits, ref_stats = run_recorded(model, 1, prompts, max_tokens, lora_request, **engine)
+    got, got_logits, stats = run_recorded(model, k, prompts, max_tokens, lora_request, **engine)
     diff = max_logit_diff(ref_logits, got_logits)
     print(f"\n{label}: K={k} vs K=1 on {len(prompts)} prompts, largest logit difference {diff:.2e}")
     assert got == ref

@@ -154,13 +154,14 @@ class AsyncEngine:
         num_resumed_chars: int = 0,
         block_hashes: list[bytes] | None = None,
         parent_request_id: str | None = None,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; the last has finish_reason set.
         Bad input raises InvalidRequestError before anything is queued; a
         dead engine raises EngineDeadError (before or amid the deltas).
         num_resumed_*: a failover's reply so far; block_hashes: the router's
         prefix-cache keys of the prompt; parent_request_id: its parallel-sampling
-        group (LLMEngine.add_request)."""
+        group; lora_request: its LoRA adapter (LLMEngine.add_request)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
         request_id = request_id or f"req-{next(self._ids)}"
@@ -171,6 +172,8 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params, num_resumed_tokens)
+        if lora_request is not None:  # its files read and checked before it is queued
+            self.engine.register_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None:  # compiled on the grammar threads, never in a step
             grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
@@ -190,6 +193,7 @@ class AsyncEngine:
                     block_hashes,
                     grammar,
                     parent_request_id,
+                    lora_request,
                 )
             )
             while True:
@@ -267,6 +271,7 @@ class AsyncEngine:
                         block_hashes=cmd.block_hashes,
                         grammar=cmd.grammar,
                         parent_request_id=cmd.parent_request_id,
+                        lora_request=cmd.lora_request,
                     )
                 except Exception as e:  # validated already; never let one request stop the loop
                     delivered.append((cmd.request_id, e))

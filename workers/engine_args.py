@@ -105,7 +105,7 @@ class EngineArgs:
     kv_cache_dtype: str = cli_field(
         "auto",
         "the KV cache's storage: auto = the model's dtype; fp8 (= fp8_e4m3) = float8_e4m3fn "
-        "with a per-tensor scale per layer (1.0): one byte an "
+        "with a per-tensor scale per layer (the checkpoint's, else 1.0): one byte an "
         "element, so the same budget holds 2x the blocks of bfloat16, 4x of float32; needs "
         "attention backend torch or triton (auto picks one)",
         choices=("auto", "fp8", "fp8_e4m3"),
@@ -176,6 +176,13 @@ class EngineArgs:
         "separately; `shoal bench structured` compares them)",
         choices=("guidance", "xgrammar"),
     )
+    # LoRA adapters (vLLM's flags): requests for different adapters and for the base share a step.
+    enable_lora: bool = cli_field(
+        False, "serve LoRA adapters (peft's format) on the base model; a request names one (lora_request)"
+    )
+    max_loras: int = cli_field(1, "adapters one step may use, each in a device slot")
+    max_lora_rank: int = cli_field(16, "the largest adapter rank served (the slots are padded to it)")
+    max_cpu_loras: int | None = cli_field(None, "adapters kept in host memory (default: --max-loras)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

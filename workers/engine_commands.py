@@ -21,6 +21,7 @@ class AddRequest:
     block_hashes: list[bytes] | None = None
     grammar: object | None = None  # params.structured_outputs, compiled (structured_output/manager.py)
     parent_request_id: str | None = None  # its parallel-sampling group (n > 1)
+    lora_request: object | None = None  # the LoRA adapter it runs under (workers/lora/)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from shoal.workers.core.outputs import CompletionOutput
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.llm_engine import LLMEngine
+from shoal.workers.lora.request import LoRARequest
 
 
 class LLM:
@@ -38,24 +39,31 @@ class LLM:
         self,
         prompts: str | list[int] | list[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
         """One output per prompt, in order. A prompt is a string or a list of
-        token ids; `params` is one SamplingParams for all or one per prompt.
-        Every prompt is validated before any runs."""
+        token ids; `params` is one SamplingParams for all or one per prompt;
+        `lora_request` one adapter for all, or one per prompt (None: the
+        base model). Every prompt and adapter is validated before any runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         engine = self.engine
         encoded = [engine.tokenize(p) for p in prompts]
-        for ids, sp in zip(encoded, params):
+        for ids, sp, lora in zip(encoded, params, loras):
             engine.validate(ids, sp)
+            if lora is not None:
+                engine.register_lora(lora)
         outputs: dict[str, CompletionOutput] = {}
-        for ids, sp in zip(encoded, params):
+        for ids, sp, lora in zip(encoded, params, loras):
             rid = f"llm-{next(self._ids)}"
-            engine.add_request(rid, ids, sp)
+            engine.add_request(rid, ids, sp, lora_request=lora)
             outputs[rid] = CompletionOutput(rid, ids)
         while any(o.finish_reason is None for o in outputs.values()):
             for delta in engine.step():

@@ -17,6 +17,7 @@ import torch
 
 from shoal.workers.core.block_hash import adopt_chain
 from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
 from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
@@ -25,6 +26,8 @@ from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
 from shoal.workers.core.stats import EngineStats
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import EngineFaultError, InvalidRequestError
+from shoal.workers.lora.peft_adapter import load_peft_adapter
+from shoal.workers.lora.request import LoRARequest
 from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
@@ -62,6 +65,8 @@ class LLMEngine:
             raise ValueError("load_format 'simulated' runs one rank: tensor_parallel_size must be 1")
         if args.structured_outputs_backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
             raise ValueError("structured_outputs_backend 'xgrammar' needs the xgrammar package: pip install xgrammar")
+        if args.enable_lora:
+            _check_lora_args(args)
         loaded = load_model_files(args.model)  # config and tokenizer now; rank 0 reads the weights as it builds
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
@@ -83,6 +88,7 @@ class LLMEngine:
                 self.block_manager,
                 max_len,
                 self.eos_token_ids,
+                LoRASlotTable(args.max_loras) if args.enable_lora else None,
             )
             self.model_executor.initialize_cache(num_blocks)
         except BaseException:
@@ -95,6 +101,7 @@ class LLMEngine:
                 self._grammar_backend, compile_timeout_s=args.grammar_compile_timeout_s
             )
         self.requests: dict[str, _Request] = {}
+        self.lora_requests: dict[int, LoRARequest] = {}  # adapters checked and registered, by id
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
@@ -164,6 +171,7 @@ class LLMEngine:
         block_hashes: list[bytes] | None = None,
         grammar=None,
         parent_request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (a ValueError) at once
         for bad input, leaving everything else untouched.
@@ -179,7 +187,9 @@ class LLMEngine:
         grammar: params.structured_outputs compiled already (AsyncEngine
         compiles off this thread); else it is compiled here (or found in
         the cache). parent_request_id: the request's parallel-sampling group
-        (n > 1), whose members share one prefill of the prompt (Scheduler)."""
+        (n > 1), whose members share one prefill of the prompt (Scheduler).
+        lora_request: the adapter it runs under (--enable-lora), checked
+        and registered the first time its id is seen."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
@@ -189,6 +199,8 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params, num_resumed_tokens)
+        if lora_request is not None:
+            self.register_lora(lora_request)
         num_prompt = len(prompt_ids) - num_resumed_tokens
         detok = None
         if self.tokenizer is not None:
@@ -216,7 +228,11 @@ class LLMEngine:
                     field="n",
                 )
             seq.parent_request_id = parent_request_id
-        if block_hashes:
+        if lora_request is not None:
+            seq.lora_request = lora_request
+            # Its blocks hold the adapter's keys and values: a prefix cached under another never serves it.
+            seq.block_hash_extra = b"lora:" + lora_request.lora_int_id.to_bytes(8, "little")
+        elif block_hashes:  # the router's keys carry no adapter: a LoRA request's prompt is hashed here
             seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
         if params.structured_outputs is not None:
             sor = self.structured_output.new_request(params.structured_outputs, grammar)
@@ -232,6 +248,27 @@ class LLMEngine:
         self.requests[request_id] = _Request(seq, detok)
         self.scheduler.add(seq)
         self.num_prompt_tokens += num_prompt
+
+    def register_lora(self, request: LoRARequest) -> None:
+        """Check an adapter (its files, against the base model) the first
+        time its id is seen, and keep its request; a different adapter
+        under a known id, or any adapter without --enable-lora, is refused."""
+        if not self.args.enable_lora:
+            raise InvalidRequestError("LoRA adapters need --enable-lora", field="lora_request")
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequestError("lora_request must be a LoRARequest", field="lora_request")
+        known = self.lora_requests.get(request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+                raise InvalidRequestError(
+                    f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} already", field="lora_request"
+                )
+            return
+        try:
+            load_peft_adapter(request, self.model_config, self.args.max_lora_rank, self.model_name)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), field="lora_request") from None
+        self.lora_requests[request.lora_int_id] = request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks are free when this returns."""
@@ -406,3 +443,17 @@ class LLMEngine:
             self.structured_output.shutdown()
         if getattr(self, "model_executor", None) is not None:
             self.model_executor.shutdown()
+
+
+def _check_lora_args(args: EngineArgs) -> None:
+    """--enable-lora's settings, before anything loads."""
+    if args.load_format == "simulated":
+        raise ValueError("load_format 'simulated' has no layers to adapt: LoRA needs a real model")
+    for name in ("max_loras", "max_lora_rank"):
+        value = getattr(args, name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+    if args.max_cpu_loras is not None and (type(args.max_cpu_loras) is not int or args.max_cpu_loras < args.max_loras):
+        raise ValueError(
+            f"max_cpu_loras must be an integer >= max_loras ({args.max_loras}); got {args.max_cpu_loras!r}"
+        )

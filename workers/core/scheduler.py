@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
 
@@ -39,6 +40,8 @@ class SchedulerOutput:
     # The constrained rows' token masks (structured_output/manager.py GrammarBitmask), made on rank 0
     # by the engine once the batch is known; only rank 0 samples, so no other rank is sent it.
     grammar_bitmask: object | None = None
+    # slot -> LoRARequest of every adapter the scheduled sequences run under (the runner fills the slots)
+    lora_slots: dict = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -62,7 +65,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int, eos_token_ids: list[int]
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        lora_table: LoRASlotTable | None = None,
     ):
         self.config = config
         self.block_manager = block_manager
@@ -76,6 +84,10 @@ class Scheduler:
         self.num_preemptions = 0
         # parent_request_id -> the group's unfinished members, in arrival order (parallel sampling)
         self.groups: dict[str, list[Sequence]] = {}
+        # Which adapter is in which device slot (LoRA, else None); a waiting sequence whose adapter
+        # cannot have a slot this step (every slot held by running sequences) stays waiting.
+        self.lora_table = lora_table
+        self.num_waiting_for_lora = 0  # such sequences in the last schedule()
 
     @property
     def num_waiting(self) -> int:
@@ -129,6 +141,9 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0  # none of its keys and values are cached for it now
+        if seq.lora_slot is not None:  # its adapter's slot may be given to another now
+            self.lora_table.release(seq.lora_request)
+            seq.lora_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: drop the KV and prefill it again later (the
@@ -174,6 +189,7 @@ class Scheduler:
         # sibling is held (set aside) until a member's prompt is computed by
         # the end of this step: one prefill, not n.
         held = []
+        self.num_waiting_for_lora = 0
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][2]
             donor = None
@@ -182,11 +198,20 @@ class Scheduler:
                 if wait:
                     held.append(heapq.heappop(self.waiting))
                     continue
+            if seq.lora_request is not None:
+                seq.lora_slot = self.lora_table.acquire(seq.lora_request)
+                if seq.lora_slot is None:  # every slot is held: it waits, and later arrivals may go
+                    self.num_waiting_for_lora += 1
+                    held.append(heapq.heappop(self.waiting))
+                    continue
             hits = bm.get_computed_blocks(seq)
             if donor is not None and len(shared := bm.shared_blocks(seq, donor, ready)) > len(hits):
                 hits = shared  # the cache is off, or did not keep them all
             n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
             if not bm.allocate_slots(seq, n, hits):
+                if seq.lora_slot is not None:
+                    self.lora_table.release(seq.lora_request)
+                    seq.lora_slot = None
                 break
             heapq.heappop(self.waiting)
             seq.num_computed_tokens = len(hits) * bm.block_size  # the prefix-cache hits
@@ -202,6 +227,7 @@ class Scheduler:
             budget -= n
         for item in held:
             heapq.heappush(self.waiting, item)
+        out.lora_slots = {s.lora_slot: s.lora_request for s, _ in out.scheduled if s.lora_slot is not None}
         return out
 
     def _sibling_source(self, seq: Sequence, this_step: dict[int, int]) -> tuple[bool, Sequence | None, int]:

@@ -58,13 +58,17 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     sampling_seed: int | None = None  # set for sampled requests: with the output index, fixes each draw
-    block_hash_extra: bytes = b""  # salts every block's key: what else changes its contents (none yet)
+    block_hash_extra: bytes = b""  # salts every block's key: what else changes its contents (the LoRA adapter)
     # Its grammar's matcher (structured_output/request.py), when its output is constrained. Not part of
     # any block's key: only sampled tokens are constrained, so a prompt's blocks are the same either way.
     structured_output_request: object | None = None
     # Its parallel-sampling group (n > 1: the router's siblings of one prompt share this key): a member
     # waits until another has computed the prompt, then takes that one's full prompt blocks.
     parent_request_id: str | None = None
+    # The LoRA adapter it runs under (workers/lora/; None: the base model), and the device slot the
+    # scheduler's table gave it while it holds one (from admission until it finishes or is preempted).
+    lora_request: object | None = None
+    lora_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,9 @@ step, only what changed: a sequence seen for the first time (or again after
 preemption) comes whole; after that only its newly sampled tokens and newly
 allocated blocks, as in vLLM v1's NewRequestData / CachedRequestData.
 Each rank advances its mirrors' computed counts itself after the step.
+Under LoRA a sequence comes with its adapter's slot (fixed until it is
+preempted, when it comes whole again), and each step with the adapters its
+slots must hold.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class NewSeqData:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int
+    lora_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -31,6 +35,7 @@ class StepInput:
     new_token_ids: dict[int, list[int]] = field(default_factory=dict)  # since last sent
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # since last sent
     finished: list[int] = field(default_factory=list)  # forget these (ended or preempted)
+    lora_slots: dict = field(default_factory=dict)  # slot -> LoRARequest (SchedulerOutput.lora_slots)
 
 
 @dataclass(slots=True)
@@ -47,7 +52,7 @@ class StepInputEncoder:
         self.sent: dict[int, _Sent] = {}
 
     def encode(self, sched: SchedulerOutput) -> StepInput:
-        step = StepInput([(seq.arrival_order, n) for seq, n in sched.scheduled])
+        step = StepInput([(seq.arrival_order, n) for seq, n in sched.scheduled], lora_slots=sched.lora_slots)
         # Preempted sequences lost their blocks; finished ones are gone.
         gone = {seq.arrival_order for seq in sched.preempted}
         gone |= {sid for sid, s in self.sent.items() if s.seq.status is SequenceStatus.FINISHED}
@@ -58,7 +63,7 @@ class StepInputEncoder:
             sid, s = seq.arrival_order, self.sent.get(seq.arrival_order)
             if s is None:
                 step.new_seqs.append(
-                    NewSeqData(sid, list(seq.token_ids), list(seq.block_table), seq.num_computed_tokens)
+                    NewSeqData(sid, list(seq.token_ids), list(seq.block_table), seq.num_computed_tokens, seq.lora_slot)
                 )
                 self.sent[sid] = _Sent(seq, seq.num_tokens, len(seq.block_table))
                 continue
@@ -78,6 +83,7 @@ class SeqMirror:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int
+    lora_slot: int | None = None
 
 
 class StepInputDecoder:
@@ -91,7 +97,7 @@ class StepInputDecoder:
         for sid in step.finished:
             del self.seqs[sid]
         for new in step.new_seqs:
-            self.seqs[new.seq_id] = SeqMirror(new.token_ids, new.block_table, new.num_computed_tokens)
+            self.seqs[new.seq_id] = SeqMirror(new.token_ids, new.block_table, new.num_computed_tokens, new.lora_slot)
         for sid, tokens in step.new_token_ids.items():
             self.seqs[sid].token_ids.extend(tokens)
         for sid, blocks in step.new_block_ids.items():

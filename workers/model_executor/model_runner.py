@@ -25,6 +25,9 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
+from shoal.workers.lora.layers import lora_context
+from shoal.workers.lora.manager import LoRAModelManager
+from shoal.workers.lora.ops import NO_LORA, Segment, lora_segments
 from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
 from shoal.workers.model_executor.cpu_memory import release_free_heap
 from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
@@ -98,6 +101,17 @@ class ModelRunner:
         bound = bind_cpu_kernels(model, self.attn_backend.cpu_kernels)
         self.sampler.cpu_kernels = bound
         self.cpu_decode_step = CPUDecodeStep.create(model, bound)
+        self.lora_manager: LoRAModelManager | None = None
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> None:
+        """LoRA slots beside the model's projections (workers/lora/). Every
+        step then runs the layers' own forward, which adds each row's adapter:
+        no one-call CPU decode step, no CUDA graphs (yet)."""
+        self.lora_manager = LoRAModelManager(
+            self.model, max_loras, max_lora_rank, max_cpu_loras, self.dtype, self.device
+        )
+        self.cpu_decode_step = None
+        self.enforce_eager = True
 
     @property
     def varlen(self) -> bool:
@@ -207,6 +221,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step: the sequences due a token and what was sampled for
         them, in order."""
+        if self.lora_manager is not None:
+            with step_range("lora_slots"):
+                self.lora_manager.set_active(sched.lora_slots)
         seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
         if not seqs:
             return ModelRunnerOutput([], [], [])
@@ -216,9 +233,12 @@ class ModelRunner:
             out = self.sampler(logits, metadata)
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
 
-    def execute_model(self, scheduled: list) -> tuple[list, torch.Tensor | None]:
+    def execute_model(self, scheduled: list, lora_slots: dict | None = None) -> tuple[list, torch.Tensor | None]:
         """The forward pass alone (tensor-parallel ranks other than 0): the
-        sequences due a token and their logits (None on those ranks)."""
+        sequences due a token and their logits (None on those ranks).
+        lora_slots: the adapters the step's slots must hold (rank 0's SchedulerOutput.lora_slots)."""
+        if self.lora_manager is not None and lora_slots:
+            self.lora_manager.set_active(lora_slots)
         seqs, logits, _ = self._run(scheduled, sample=False)
         return seqs, logits
 
@@ -271,9 +291,19 @@ class ModelRunner:
             elif self.cpu_decode_step is not None and meta.decode_only:
                 logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
             else:
-                with set_forward_context(meta):
+                with set_forward_context(meta), lora_context(self._lora_segments(rows)):
                     logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
         return due, logits, metadata
+
+    def _lora_segments(self, rows: list[_Row]) -> list[Segment] | None:
+        """The step's runs of tokens under one adapter slot (each row's tokens in the flat batch's order)."""
+        if self.lora_manager is None:
+            return None
+        row_slots = []
+        for r in rows:
+            slot = getattr(r.seq, "lora_slot", None)
+            row_slots.extend([NO_LORA if slot is None else slot] * r.num_new)
+        return lora_segments(torch.tensor(row_slots, dtype=torch.long))
 
     @staticmethod
     def _common_metadata(t: dict[str, torch.Tensor], max_query_len: int, **rows) -> CommonAttentionMetadata:

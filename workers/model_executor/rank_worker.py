@@ -140,6 +140,8 @@ class RankWorker:
             cpu_kernels=args.cpu_kernels,
             kv_cache_dtype=args.kv_cache_dtype,
         )
+        if args.enable_lora:
+            self.runner.enable_lora(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank's budget holds: as asked; on one GPU, vLLM's
@@ -194,7 +196,7 @@ class RankWorker:
     def warm_up(self) -> None:
         """Capture CUDA graphs of decode steps: on CUDA, with a varlen
         backend, on one rank, unless enforce_eager."""
-        if self.device.type == "cuda" and self.runner.varlen and not self.args.enforce_eager and self.size == 1:
+        if self.device.type == "cuda" and self.runner.varlen and not self.runner.enforce_eager and self.size == 1:
             self.cuda_graphs = self.runner.capture_cudagraphs()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -218,7 +220,7 @@ class RankWorker:
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:
                 scheduled = decoder.decode(step)
-                runner.execute_model(scheduled)
+                runner.execute_model(scheduled, step.lora_slots)
                 decoder.advance(scheduled)
         except BaseException as e:  # rank 0 gone (the usual end of a replica), or this rank failed
             first_line = (str(e).splitlines() or [""])[0]

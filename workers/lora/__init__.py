@@ -1,0 +1,10 @@
+"""LoRA adapters on a shared base model: the request that names one
+(request.py), an adapter read from peft's format and checked against the
+base model (peft_adapter.py), the grouped low-rank update that adds each
+row's adapter to a linear layer's output (ops.py), the layers that hold
+the adapters' slots (layers.py) and a rank's manager of them (manager.py).
+Which adapter sits in which slot is the scheduler's (core/lora_slots.py)."""
+
+from shoal.workers.lora.request import LoRARequest
+
+__all__ = ["LoRARequest"]

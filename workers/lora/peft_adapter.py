@@ -1,0 +1,176 @@
+"""A LoRA adapter as peft saves it (adapter_config.json beside
+adapter_model.safetensors), read and checked against the base model before
+it is registered.
+
+peft's update of a linear layer is y += scaling * x A^T B^T, A [r, in] and
+B [out, r] per target module, with scaling = lora_alpha / r, or
+lora_alpha / sqrt(r) under use_rslora. Served: the seven projections of a
+decoder layer (q, k, v, o, gate, up, down), one rank and alpha for all of
+them. Refused with the reason, before anything is kept: a rank above
+max_lora_rank, another base model's name or shapes, a layer or module the
+model lacks (embeddings and the LM head included), DoRA, trained biases,
+modules_to_save, and per-module rank or alpha patterns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.workers.lora.request import LoRARequest
+from shoal.workers.model_executor.models.config import ModelConfig
+
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (peft's names, the adapter name dropped)
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights in float32, by (layer index, module name): (A [r, in], B [out, r])."""
+
+    name: str
+    int_id: int
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    base_model_name: str | None = None
+
+    @property
+    def modules(self) -> set[str]:
+        return {m for _, m in self.weights}
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each target module of the base model, unsharded."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+
+
+def peft_scaling(lora_alpha: float, rank: int, use_rslora: bool) -> float:
+    """peft's LoraLayer.update_layer: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return lora_alpha / math.sqrt(rank) if use_rslora else lora_alpha / rank
+
+
+def _read_config(request: LoRARequest) -> dict:
+    path = os.path.join(request.lora_path, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: no {CONFIG_FILE} in {request.lora_path!r}")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {CONFIG_FILE} cannot be read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {CONFIG_FILE} is not an object")
+    return cfg
+
+
+def _check_config(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of a peft LoraConfig shoal serves, else a ValueError saying what it is not."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: rank r must be a positive integer; got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a finite number; got {alpha!r}")
+    unsupported = {
+        "use_dora": "DoRA",
+        "modules_to_save": "modules_to_save (fully trained layers)",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+    }
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise ValueError(f"LoRA adapter {name!r}: {what} is not served")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {name!r}: trained biases (bias={cfg.get('bias')!r}) are not served")
+    if cfg.get("fan_in_fan_out"):
+        raise ValueError(f"LoRA adapter {name!r}: fan_in_fan_out (Conv1D layers) is not served")
+    return rank, peft_scaling(float(alpha), rank, bool(cfg.get("use_rslora")))
+
+
+def load_peft_adapter(
+    request: LoRARequest, config: ModelConfig, max_rank: int, base_model_name: str | None = None
+) -> LoRAAdapter:
+    """The adapter request.lora_path holds, checked against `config`'s
+    shapes, and against base_model_name (the served model's) where the
+    request names the base it is for (--lora-modules' base_model_name). The
+    adapter's own base_model_name_or_path is kept, not compared: it is often
+    a hub id where the served model is a local path."""
+    from safetensors import safe_open
+
+    name = request.lora_name
+    cfg = _read_config(request)
+    rank, scaling = _check_config(name, cfg, max_rank)
+    wanted = request.base_model_name
+    if wanted and base_model_name and wanted != base_model_name:
+        raise ValueError(f"LoRA adapter {name!r} is for base model {wanted!r}, not {base_model_name!r}")
+    path = os.path.join(request.lora_path, WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {request.lora_path!r}")
+    shapes = module_shapes(config)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():
+            m = _KEY.match(key)
+            if m is None:
+                raise ValueError(
+                    f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B of a decoder layer's "
+                    f"projection (embeddings, the LM head and other modules are not served)"
+                )
+            layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+            if module not in shapes:
+                raise ValueError(
+                    f"LoRA adapter {name!r}: target module {module!r} is not one of {', '.join(LINEAR_MODULES)}"
+                )
+            if layer >= config.num_hidden_layers:
+                raise ValueError(
+                    f"LoRA adapter {name!r}: layer {layer} is beyond the base model's {config.num_hidden_layers}"
+                )
+            parts.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    if not parts:
+        raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    adapter = LoRAAdapter(
+        name, request.lora_int_id, request.lora_path, rank, scaling, base_model_name=cfg.get("base_model_name_or_path")
+    )
+    for (layer, module), ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise ValueError(f"LoRA adapter {name!r}: layers.{layer}.{module} lacks its lora_{missing}")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[module]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise ValueError(
+                f"LoRA adapter {name!r}: layers.{layer}.{module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                f"where the base model and rank {rank} need {(rank, fan_in)} and {(fan_out, rank)}"
+            )
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise ValueError(f"LoRA adapter {name!r}: layers.{layer}.{module} is not floating point")
+        a, b = a.float().contiguous(), b.float().contiguous()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"LoRA adapter {name!r}: layers.{layer}.{module} holds NaN or infinite values")
+        adapter.weights[(layer, module)] = (a, b)
+    return adapter

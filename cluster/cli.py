@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         calibrate,
         gpu,
         latency,
+        lora,
         offline,
         prepare_cost,
         routing,
@@ -75,7 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
         tune_cb,
     )
 
-    benches = (offline, tune_cb, serve, latency, scheduler, tp, gpu, calibrate, routing, soak, prepare_cost, structured)
+    benches = (
+        offline,
+        tune_cb,
+        serve,
+        latency,
+        scheduler,
+        tp,
+        gpu,
+        calibrate,
+        routing,
+        soak,
+        prepare_cost,
+        structured,
+        lora,
+    )
     for bench in benches:
         bench.add_parser(bsub)
     return parser

@@ -157,3 +157,41 @@ def test_the_async_engine_streams_an_adapter_as_the_offline_front_runs_it(tiny_m
             await engine.shutdown()
 
     assert asyncio.run(main()) == want
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_other_architectures_give_transformers_peft_tokens(kind, tmp_path):
+    """Qwen3 (q/k norms) with all seven projections; a mixture of experts
+    with adapters on attention (its experts take none: an adapter on a sparse
+    layer's MLP is refused by name)."""
+    from tiny_models import make_tiny_model
+
+    from shoal.benchmarks.lora import write_adapter
+    from shoal.workers.model_executor.model_loader import load_model_files
+
+    base = make_tiny_model(str(tmp_path / kind), kind)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj"] if kind == "qwen3_moe" else None
+    extra = {} if modules is None else {"target_modules": modules}
+    reqs = [
+        LoRARequest(f"{kind}-{r}", i + 1, make_adapter(base, str(tmp_path / f"a{r}"), r, 20 + r, **extra))
+        for i, r in enumerate((4, 8))
+    ]
+    prompts = prompts_for("plain", 512)[:9]
+    loras = [[None, *reqs][i % 3] for i in range(len(prompts))]
+    with LLM(base, dtype="float32", enable_lora=True, max_loras=2) as llm:
+        outs = llm.generate(prompts, GREEDY, lora_request=loras)
+        eos = llm.engine.eos_token_ids
+        if kind == "qwen3_moe":
+            mlp = write_adapter(str(tmp_path / "mlp"), load_model_files(base).config, 4, 0)  # all seven, every layer
+            with pytest.raises(InvalidRequestError, match="MLP is a mixture of experts, whose experts take no adapter"):
+                llm.generate([prompts[0]], GREEDY, lora_request=LoRARequest("mlp", 9, mlp))
+    from transformers import AutoModelForCausalLM
+
+    notes = []
+    for p, o, lora in zip(prompts, outs, loras):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        if lora is not None:
+            model = peft.PeftModel.from_pretrained(model, lora.lora_path).eval()
+        (ref,) = hf_greedy(model, [p], MAX_NEW, eos)
+        notes.append(check_tokens(model, p, o.token_ids, ref))
+    assert sum(n is not None for n in notes) <= 1, notes

@@ -8,7 +8,8 @@ lora_alpha / sqrt(r) under use_rslora. Served: the seven projections of a
 decoder layer (q, k, v, o, gate, up, down), one rank and alpha for all of
 them. Refused with the reason, before anything is kept: a rank above
 max_lora_rank, another base model's name or shapes, a layer or module the
-model lacks (embeddings and the LM head included), DoRA, trained biases,
+model lacks (embeddings, the LM head and a mixture of experts' MLP
+included), DoRA, trained biases,
 modules_to_save, and per-module rank or alpha patterns.
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from shoal.workers.lora.request import LoRARequest
 from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.model_executor.models.moe import is_moe_layer
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -149,6 +151,11 @@ def load_peft_adapter(
             if layer >= config.num_hidden_layers:
                 raise ValueError(
                     f"LoRA adapter {name!r}: layer {layer} is beyond the base model's {config.num_hidden_layers}"
+                )
+            if module in ("gate_proj", "up_proj", "down_proj") and is_moe_layer(config, layer):
+                raise ValueError(
+                    f"LoRA adapter {name!r}: layers.{layer}.{module}: that layer's MLP is a mixture of experts, "
+                    "whose experts take no adapter"
                 )
             parts.setdefault((layer, module), {})[which] = f.get_tensor(key)
     if not parts:

@@ -172,8 +172,8 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params, num_resumed_tokens)
-        if lora_request is not None:  # its files read and checked before it is queued
-            self.engine.register_lora(lora_request)
+        if lora_request is not None:  # its files read and checked before it is queued, off the event loop
+            await asyncio.to_thread(self.engine.register_lora, lora_request)
         grammar = None
         if params.structured_outputs is not None:  # compiled on the grammar threads, never in a step
             grammar = await self.engine.structured_output.compile_async(params.structured_outputs)

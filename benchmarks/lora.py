@@ -123,7 +123,7 @@ def run(ns) -> int:
             r["goal"] = goal
             report["runs"][f"{count} adapters"] = r
             print(
-                f"  {count:3d} adapters / {args.max_loras} slots {r['seconds']:7.1f} s  {r['output_tok_s']:7.1f} tok/s"
+                f"  {count:3d} adapters / {args.max_loras} slots ({args.lora_dtype}) {r['seconds']:7.1f} s  {r['output_tok_s']:7.1f} tok/s"
                 f"  {r['vs_base']:.2f}x the base (goal {goal}x)  adapters read and slots filled: "
                 f"{r['adapter_load_s']:.2f} s over {r['slot_fills']} fills"
             )

@@ -195,3 +195,25 @@ def test_other_architectures_give_transformers_peft_tokens(kind, tmp_path):
         (ref,) = hf_greedy(model, [p], MAX_NEW, eos)
         notes.append(check_tokens(model, p, o.token_ids, ref))
     assert sum(n is not None for n in notes) <= 1, notes
+
+
+def test_bfloat16_slots_compute_the_rounded_adapters_in_float32(tiny_model, adapters):
+    """--lora-dtype bfloat16 under a float32 model: half the bytes, and the
+    tokens of transformers + peft with the adapters' weights rounded to bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = prompts_for("plain", 512)[2:10]
+    req = adapters["beta"]
+    with LLM(tiny_model, dtype="float32", enable_lora=True, lora_dtype="bfloat16") as llm:
+        layer = llm.engine.runner.lora_manager.layers[0]["q_proj"]
+        assert layer.parts[0].lora_a.dtype == torch.bfloat16
+        outs = llm.generate(prompts, GREEDY, lora_request=req)
+        eos = llm.engine.eos_token_ids
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = peft.PeftModel.from_pretrained(base, req.lora_path).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(p.bfloat16().float())
+    notes = [check_tokens(model, p, o.token_ids, hf_greedy(model, [p], MAX_NEW, eos)[0]) for p, o in zip(prompts, outs)]
+    assert sum(n is not None for n in notes) <= 1, notes

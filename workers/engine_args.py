@@ -183,6 +183,12 @@ class EngineArgs:
     max_loras: int = cli_field(1, "adapters one step may use, each in a device slot")
     max_lora_rank: int = cli_field(16, "the largest adapter rank served (the slots are padded to it)")
     max_cpu_loras: int | None = cli_field(None, "adapters kept in host memory (default: --max-loras)")
+    lora_dtype: str = cli_field(
+        "auto",
+        "the adapters' slots: auto = --dtype; bfloat16 (or float16) under a float32 model keeps A and B in half "
+        "the bytes a step reads, computed in float32",
+        choices=("auto", *_DTYPES),
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -208,6 +214,16 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return getattr(torch, self.dtype)
+
+    def resolved_lora_dtype(self, device: torch.device) -> torch.dtype:
+        """The LoRA slots' storage dtype."""
+        import torch
+
+        if self.lora_dtype == "auto":
+            return self.resolved_dtype(device)
+        if self.lora_dtype not in _DTYPES:
+            raise ValueError(f"lora_dtype must be one of auto, {', '.join(_DTYPES)}; got {self.lora_dtype!r}")
+        return getattr(torch, self.lora_dtype)
 
     def resolved_weight_dtype(self, device: torch.device) -> torch.dtype:
         """The weight matrices' storage dtype (the compute dtype unless narrowed)."""

@@ -103,12 +103,15 @@ class ModelRunner:
         self.cpu_decode_step = CPUDecodeStep.create(model, bound)
         self.lora_manager: LoRAModelManager | None = None
 
-    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> None:
-        """LoRA slots beside the model's projections (workers/lora/). Every
-        step then runs the layers' own forward, which adds each row's adapter:
-        no one-call CPU decode step, no CUDA graphs (yet)."""
+    def enable_lora(
+        self, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, lora_dtype: torch.dtype | None = None
+    ) -> None:
+        """LoRA slots beside the model's projections (workers/lora/), kept in
+        lora_dtype (default: the model's). Every step then runs the layers'
+        own forward, which adds each row's adapter: no one-call CPU decode
+        step, no CUDA graphs (yet)."""
         self.lora_manager = LoRAModelManager(
-            self.model, max_loras, max_lora_rank, max_cpu_loras, self.dtype, self.device
+            self.model, max_loras, max_lora_rank, max_cpu_loras, lora_dtype or self.dtype, self.device
         )
         self.cpu_decode_step = None
         self.enforce_eager = True

@@ -141,7 +141,9 @@ class RankWorker:
             kv_cache_dtype=args.kv_cache_dtype,
         )
         if args.enable_lora:
-            self.runner.enable_lora(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+            self.runner.enable_lora(
+                args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.resolved_lora_dtype(self.device)
+            )
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank's budget holds: as asked; on one GPU, vLLM's

@@ -113,3 +113,48 @@ def _generate_cuda(tiny_model: str, enforce_eager: bool):
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 30, 5, 41, 9)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params)], llm.engine.runner
+
+
+def _generate_lora(tiny_model: str, adapters: list[str], padded: bool, **engine):
+    """Ragged prompts, each under an adapter (or the base) in turn, over fewer slots than adapters."""
+    from shoal.workers.lora import LoRARequest
+
+    llm = LLM(tiny_model, dtype="float32", num_kv_blocks=48, max_num_seqs=4, enable_lora=True, max_loras=2, **engine)
+    if padded:
+        assert llm.engine.runner.capture_cudagraphs().num_graphs == 0  # no CUDA: replayed eagerly
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 30, 5, 12, 8)]
+    loras = [None, *(LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters))]
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 2, 4, 5, 7, 3)]
+    out = [o.token_ids for o in llm.generate(prompts, params, lora_request=per_prompt)]
+    return out, llm.engine.runner
+
+
+def test_lora_decode_steps_padded_to_buckets_give_the_plain_steps_tokens(tiny_model, tmp_path):
+    """Each token's adapter slot rides in the static buffer (padding rows: the
+    base), so a LoRA step replays a captured graph: same tokens as plain steps."""
+    pytest.importorskip("peft")
+    from test_lora_adapter import make_adapter
+
+    adapters = [make_adapter(tiny_model, str(tmp_path / f"a{r}"), r, seed=r) for r in (4, 8, 16)]
+    plain, runner = _generate_lora(tiny_model, adapters, padded=False, attention_backend="triton")
+    assert runner.graphs is None
+    padded, runner = _generate_lora(tiny_model, adapters, padded=True, attention_backend="triton")
+    assert runner.graphs.num_replays > 0 and runner.lora_manager.num_slot_fills > 2
+    assert padded == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replaying a captured graph needs CUDA")
+def test_a_replayed_lora_graph_equals_the_eager_step(tiny_model, tmp_path):
+    """On a GPU: LoRA decode steps through the Triton kernels, captured once and
+    replayed while adapters swap through the slots, equal the eager steps."""
+    pytest.importorskip("peft")
+    from test_lora_adapter import make_adapter
+
+    adapters = [make_adapter(tiny_model, str(tmp_path / f"a{r}"), r, seed=r) for r in (4, 8, 16)]
+    eager, _ = _generate_lora(tiny_model, adapters, padded=False, device="cuda", enforce_eager=True)
+    graphed, runner = _generate_lora(tiny_model, adapters, padded=False, device="cuda")
+    assert runner.graphs is not None and runner.graphs.num_replays > 0
+    assert graphed == eager

@@ -7,7 +7,9 @@ B [slots, R, out]. Sharded as the base layer is: a column-parallel layer
 keeps A whole and this rank's rows of each part's B; a row-parallel layer
 keeps its columns of A and B whole, and adds its partial update before the
 all-reduce (the sum over ranks of (x_r A_r) B is x A B). Filling a slot
-is a copy; the step's segments come from lora_context().
+is a copy; the step's rows come from lora_context(): on CUDA the Triton
+kernels (triton_ops.py) read each token's slot from a device tensor, so a
+decode step's launches are fixed and a CUDA graph captures them once.
 """
 
 from __future__ import annotations
@@ -18,21 +20,50 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shoal.workers.lora.ops import Segment, add_lora
+from shoal.workers.lora import triton_ops
+from shoal.workers.lora.ops import Segment, add_lora, lora_segments
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-_segments: list[Segment] | None = None  # this step's (lora_context)
+
+@dataclass
+class _Step:
+    """The step's rows under each adapter slot: on CUDA the per-token slot
+    tensor the Triton kernel reads (a CUDA graph's static input, so the
+    launches never change); elsewhere the runs of rows of one slot, made
+    from that tensor once per step when the runner has no host list (a
+    padded decode step)."""
+
+    segments: list[Segment] | None
+    row_slots: torch.Tensor | None
+
+    def cpu_segments(self) -> list[Segment]:
+        if self.segments is None:
+            self.segments = lora_segments(self.row_slots) if self.row_slots is not None else []
+        return self.segments
+
+    @property
+    def active(self) -> bool:
+        """Whether the layers add anything (a CUDA step always launches: its graph may be captured)."""
+        if self.row_slots is not None and self.row_slots.is_cuda:
+            return True
+        return bool(self.cpu_segments())
+
+
+_step: _Step | None = None  # this step's (lora_context)
 
 
 @contextlib.contextmanager
-def lora_context(segments: list[Segment] | None):
-    """The step's rows under each adapter slot, for every LoRA layer's forward."""
-    global _segments
-    previous, _segments = _segments, segments
+def lora_context(segments: list[Segment] | None, row_slots: torch.Tensor | None = None):
+    """The step's rows under each adapter slot, for every LoRA layer's
+    forward: `segments` (the runs of rows, when the runner built them) and/or
+    `row_slots` (each token's slot, NO_LORA for the base, on the step's device)."""
+    global _step
+    previous = _step
+    _step = None if segments is None and row_slots is None else _Step(segments, row_slots)
     try:
         yield
     finally:
-        _segments = previous
+        _step = previous
 
 
 @dataclass
@@ -95,25 +126,31 @@ class LoRALinear(nn.Module):
             p.lora_b[slot, :r].copy_(b.narrow(0, *p.rows).t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base, segments = self.base, _segments
+        base, step = self.base, _step
+        active = step is not None and step.active
         if not self.row_parallel:
             y = base(x)
-            if segments:
-                self._add(y, x, segments)
+            if active:
+                self._add(y, x, step)
             return y
         if base.tp.size == 1:
             y = base.quant_method.apply(base, x, base.bias)
-            if segments:
-                self._add(y, x, segments)
+            if active:
+                self._add(y, x, step)
             return y
         y = base.quant_method.apply(base, x)
-        if segments:
-            self._add(y, x, segments)  # this rank's partial update, summed by the reduction
+        if active:
+            self._add(y, x, step)  # this rank's partial update, summed by the reduction
         y = base.tp.all_reduce(y)
         return y if base.bias is None else y + base.bias
 
-    def _add(self, y: torch.Tensor, x: torch.Tensor, segments: list[Segment]) -> None:
+    def _add(self, y: torch.Tensor, x: torch.Tensor, step: _Step) -> None:
         shape = y.shape
         y2, x2 = y.view(-1, shape[-1]), x.reshape(-1, x.shape[-1])
+        if step.row_slots is not None and x2.is_cuda and triton_ops.available_for(x2):
+            for p in self.parts:
+                triton_ops.add_lora_triton(y2, x2, p.lora_a, p.lora_b, self.scalings, step.row_slots, p.out_offset)
+            return
+        segments = step.cpu_segments()
         for p in self.parts:
             add_lora(y2, x2, p.lora_a, p.lora_b, self.scalings, segments, p.out_offset)

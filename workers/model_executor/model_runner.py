@@ -108,13 +108,14 @@ class ModelRunner:
     ) -> None:
         """LoRA slots beside the model's projections (workers/lora/), kept in
         lora_dtype (default: the model's). Every step then runs the layers'
-        own forward, which adds each row's adapter: no one-call CPU decode
-        step, no CUDA graphs (yet)."""
+        own forward, which adds each row's adapter (no one-call CPU decode
+        step); each token's slot is staged with the step's inputs, so a
+        decode step's CUDA graph reads it from its static buffer and filling
+        a slot (a copy into fixed tensors) never calls for a new capture."""
         self.lora_manager = LoRAModelManager(
             self.model, max_loras, max_lora_rank, max_cpu_loras, lora_dtype or self.dtype, self.device
         )
         self.cpu_decode_step = None
-        self.enforce_eager = True
 
     @property
     def varlen(self) -> bool:
@@ -216,7 +217,7 @@ class ModelRunner:
     def _forward_decode(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """A decode step of the graphs' layout: its rows are known by the staged tensors alone."""
         meta = self.attn_metadata_builder.build(self._common_metadata(t, 1))
-        with set_forward_context(meta):
+        with set_forward_context(meta), lora_context(None, t.get("lora_slots")):
             return self.model(t["input_ids"], t["positions"], t["logits_indices"])
 
     # ---- one step ------------------------------------------------------
@@ -294,19 +295,25 @@ class ModelRunner:
             elif self.cpu_decode_step is not None and meta.decode_only:
                 logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
             else:
-                with set_forward_context(meta), lora_context(self._lora_segments(rows)):
+                with set_forward_context(meta), lora_context(self._lora_segments(rows), t.get("lora_slots")):
                     logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
         return due, logits, metadata
 
     def _lora_segments(self, rows: list[_Row]) -> list[Segment] | None:
-        """The step's runs of tokens under one adapter slot (each row's tokens in the flat batch's order)."""
-        if self.lora_manager is None:
+        """The step's runs of tokens under one adapter slot, for the CPU's
+        grouped update (CUDA's kernels read the staged lora_slots instead)."""
+        if self.lora_manager is None or self.device.type == "cuda":
             return None
-        row_slots = []
+        return lora_segments(torch.tensor(self._lora_token_slots(rows), dtype=torch.long))
+
+    @staticmethod
+    def _lora_token_slots(rows: list[_Row]) -> list[int]:
+        """Each token's adapter slot (NO_LORA: the base model), in the flat batch's order."""
+        out: list[int] = []
         for r in rows:
             slot = getattr(r.seq, "lora_slot", None)
-            row_slots.extend([NO_LORA if slot is None else slot] * r.num_new)
-        return lora_segments(torch.tensor(row_slots, dtype=torch.long))
+            out.extend([NO_LORA if slot is None else slot] * r.num_new)
+        return out
 
     @staticmethod
     def _common_metadata(t: dict[str, torch.Tensor], max_query_len: int, **rows) -> CommonAttentionMetadata:
@@ -340,6 +347,8 @@ class ModelRunner:
 
     def _stage_flat(self, rows: list[_Row], batch: StagedBatch) -> None:
         self._stage_flat_lists(batch, *self._token_lists(rows))
+        if self.lora_manager is not None:
+            batch.add("lora_slots", self._lora_token_slots(rows), torch.int32)
 
     def _stage_varlen(
         self, rows: list[_Row], seq_lens: list[int], query_lens: list[int], pad_to: int | None, batch: StagedBatch
@@ -370,6 +379,10 @@ class ModelRunner:
         batch.add("block_tables", tables, torch.int32, tables.shape)
         batch.add("seq_lens", seq_lens, torch.int32)
         batch.add("query_start_loc", np.concatenate(([0], np.cumsum(query_lens))), torch.int32)
+        if self.lora_manager is not None:  # padding rows: the base model
+            lora_slots = self._lora_token_slots(rows)
+            pad = 0 if pad_to is None else pad_to - len(lora_slots)
+            batch.add("lora_slots", lora_slots + [NO_LORA] * pad, torch.int32)
         return batch
 
     @staticmethod

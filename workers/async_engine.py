@@ -15,7 +15,13 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
-from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
+from shoal.workers.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    LoRAAdapterError,
+    RequestFailedError,
+    RequestMoved,
+)
 from shoal.workers.llm_engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,7 @@ class AsyncEngine:
         self._progress_at = time.monotonic()
         self._watchdog: asyncio.Task | None = None
         self._unstall = threading.Event()  # ends a stall() early (shutdown)
+        self._lora_of: dict[str, int] = {}  # request id -> its adapter's id, from generate() to its end
 
     @classmethod
     def from_engine_args(
@@ -172,15 +179,17 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params, num_resumed_tokens)
-        if lora_request is not None:  # its files read and checked before it is queued, off the event loop
-            await asyncio.to_thread(self.engine.register_lora, lora_request)
-        grammar = None
-        if params.structured_outputs is not None:  # compiled on the grammar threads, never in a step
-            grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
         try:
             self._queues[request_id] = queue  # inside the try: every way out removes it
+            if lora_request is not None:  # in use from here: an unload is refused (remove_named_lora)
+                self._lora_of[request_id] = getattr(lora_request, "lora_int_id", None)
+                # its files read and checked before it is queued, off the event loop
+                await asyncio.to_thread(self.engine.register_lora, lora_request)
+            grammar = None
+            if params.structured_outputs is not None:  # compiled on the grammar threads, never in a step
+                grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
             self._ensure_loop()
             self._submit(
                 AddRequest(
@@ -216,6 +225,33 @@ class AsyncEngine:
             if not finished:  # the consumer went away (cancelled, closed)
                 self.abort(request_id)
             self._queues.pop(request_id, None)
+            self._lora_of.pop(request_id, None)
+
+    # ---- LoRA adapters served by name (the worker's runtime loads) ---------------
+
+    async def add_named_lora(self, request) -> None:
+        """LLMEngine.add_named_lora, its files read off the event loop."""
+        await asyncio.to_thread(self.engine.add_named_lora, request)
+
+    def num_lora_requests(self, name: str) -> int:
+        """Requests under the adapter served as `name`, from generate() to
+        their end (those still checking the adapter or queued included)."""
+        request = self.engine.lora_by_name.get(name)
+        if request is None:
+            return 0
+        return sum(1 for i in list(self._lora_of.values()) if i == request.lora_int_id)
+
+    def remove_named_lora(self, name: str):
+        """LLMEngine.remove_named_lora, counting the requests not in the
+        engine yet (checking the adapter, queued for the next step) as in use."""
+        request = self.engine.lora_by_name.get(name)
+        if request is not None:
+            n = self.num_lora_requests(name)
+            if n:
+                raise LoRAAdapterError(
+                    f"LoRA adapter {name!r} is in use by {n} request(s); unload it once they end", "conflict"
+                )
+        return self.engine.remove_named_lora(name)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step."""

@@ -41,7 +41,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, s
         names = [f"--{f.name.replace('_', '-')}", *meta.pop("aliases", ())]
         help = meta.pop("help").replace("%", "%%") + ("" if f.default is None else " (default: %(default)s)")
         kind = _flag_type(hints[f.name])
-        how = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        if kind is bool:
+            how = {"action": argparse.BooleanOptionalAction}
+        elif typing.get_origin(kind) is list:  # repeatable, several values each time: --x a b --x c
+            how = {"type": typing.get_args(kind)[0], "nargs": "+", "action": "extend"}
+        else:
+            how = {"type": kind}
         group.add_argument(*names, dest=f.name, default=f.default, help=help, **how, **meta)
 
 
@@ -179,6 +184,11 @@ class EngineArgs:
     # LoRA adapters (vLLM's flags): requests for different adapters and for the base share a step.
     enable_lora: bool = cli_field(
         False, "serve LoRA adapters (peft's format) on the base model; a request names one (lora_request)"
+    )
+    lora_modules: list[str] | None = cli_field(
+        None,
+        'LoRA adapters served by name: name=path, or JSON {"name", "path", "base_model_name"}; '
+        "repeatable. A request names one in its model field",
     )
     max_loras: int = cli_field(1, "adapters one step may use, each in a device slot")
     max_lora_rank: int = cli_field(16, "the largest adapter rank served (the slots are padded to it)")

@@ -10,6 +10,15 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
+class LoRAAdapterError(InvalidRequestError):
+    """A runtime adapter load or unload refused: `kind` is 'not_found' (no
+    adapter by that name: 404) or 'conflict' (loaded already, or in use: 409)."""
+
+    def __init__(self, message: str, kind: str, field: str | None = "lora_name"):
+        super().__init__(message, field)
+        self.kind = kind
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot go on: its loop failed, made no progress for the
     stall timeout while it had work, or lost a tensor-parallel rank. Its

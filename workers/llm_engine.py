@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.core.block_hash import adopt_chain
+from shoal.workers.core.block_hash import adopt_chain, lora_extra
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
@@ -25,7 +25,8 @@ from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
 from shoal.workers.core.stats import EngineStats
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineFaultError, InvalidRequestError
+from shoal.workers.errors import EngineFaultError, InvalidRequestError, LoRAAdapterError
+from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
 from shoal.workers.lora.peft_adapter import load_peft_adapter
 from shoal.workers.lora.request import LoRARequest
 from shoal.workers.model_executor.cuda_graph import CaptureStats
@@ -102,6 +103,16 @@ class LLMEngine:
             )
         self.requests: dict[str, _Request] = {}
         self.lora_requests: dict[int, LoRARequest] = {}  # adapters checked and registered, by id
+        self.lora_by_name: dict[str, LoRARequest] = {}  # those served by name (--lora-modules, runtime loads)
+        try:
+            for module in parse_lora_modules(args.lora_modules):
+                try:
+                    self.add_named_lora(module.lora_request())
+                except InvalidRequestError as e:
+                    raise ValueError(f"lora_modules: adapter {module.name!r}: {e}") from None
+        except BaseException:
+            self.shutdown()
+            raise
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
@@ -231,7 +242,7 @@ class LLMEngine:
         if lora_request is not None:
             seq.lora_request = lora_request
             # Its blocks hold the adapter's keys and values: a prefix cached under another never serves it.
-            seq.block_hash_extra = b"lora:" + lora_request.lora_int_id.to_bytes(8, "little")
+            seq.block_hash_extra = lora_extra(lora_request.lora_int_id)
         elif block_hashes:  # the router's keys carry no adapter: a LoRA request's prompt is hashed here
             seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
         if params.structured_outputs is not None:
@@ -269,6 +280,62 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidRequestError(str(e), field="lora_request") from None
         self.lora_requests[request.lora_int_id] = request
+
+    def add_named_lora(self, request: LoRARequest) -> None:
+        """Serve an adapter under its name (--lora-modules, or a runtime load):
+        checked and registered as register_lora does; a name served already
+        is a LoRAAdapterError 'conflict'."""
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequestError("lora_request must be a LoRARequest", field="lora_request")
+        if request.lora_name in self.lora_by_name:
+            raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} is loaded already", "conflict")
+        self.register_lora(request)
+        self.lora_by_name[request.lora_name] = request
+
+    def remove_named_lora(self, name: str) -> LoRARequest:
+        """Stop serving an adapter by name: 'not_found' if none is, 'conflict'
+        while a request under it is in the engine (it stays served). Its slot
+        and host copy go by LRU; a reload gets a new id, never these."""
+        request = self.lora_by_name.get(name)
+        if request is None:
+            raise LoRAAdapterError(f"no LoRA adapter named {name!r} is loaded", "not_found")
+        n = self.num_lora_requests(request.lora_int_id)
+        if n:
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r} is in use by {n} request(s); unload it once they end", "conflict"
+            )
+        del self.lora_by_name[name]
+        self.lora_requests.pop(request.lora_int_id, None)
+        return request
+
+    def num_lora_requests(self, lora_int_id: int) -> int:
+        """Requests in the engine (waiting or running) under the adapter."""
+        reqs = list(self.requests.values())  # one atomic copy: the engine thread may add meanwhile
+        return sum(1 for r in reqs if r.seq.lora_request is not None and r.seq.lora_request.lora_int_id == lora_int_id)
+
+    def lora_stats(self) -> tuple[dict[str, tuple[int, int]], tuple[str, ...], tuple[str, ...]]:
+        """Where each adapter served by name is (name -> (lora_int_id, LORA_ON_DEVICE /
+        LORA_IN_HOST / LORA_ON_DISK)), and the adapters of the running and the
+        waiting requests (vLLM's lora_requests_info), by name."""
+        if not self.args.enable_lora:
+            return {}, (), ()
+        table = self.scheduler.lora_table
+        device = set(table.slot_of) if table is not None else set()
+        manager = getattr(self.runner, "lora_manager", None)
+        host = manager.host_ids() if manager is not None else set()
+        where = {
+            name: (
+                r.lora_int_id,
+                LORA_ON_DEVICE if r.lora_int_id in device else LORA_IN_HOST if r.lora_int_id in host else LORA_ON_DISK,
+            )
+            for name, r in list(self.lora_by_name.items())
+        }
+        running, waiting = set(), set()
+        for r in list(self.requests.values()):
+            lora = r.seq.lora_request
+            if lora is not None:
+                (running if r.seq.lora_slot is not None else waiting).add(lora.lora_name)
+        return where, tuple(sorted(running)), tuple(sorted(waiting))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks are free when this returns."""

@@ -8,7 +8,7 @@ module; the workers never import the router.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
@@ -43,6 +43,9 @@ class GenerateRequest:
     # every sibling of one prompt (the first too). The router sends them all
     # to one worker, whose engine prefills the prompt once for them.
     parent_request_id: str | None = None
+    # The LoRA adapter it runs under, by the name it is served as (never a
+    # path: the worker knows its adapters); None is the base model.
+    lora_name: str | None = None
 
     @property
     def log_name(self) -> str:
@@ -109,7 +112,8 @@ class WorkerError:
     # "full" (429 / RESOURCE_EXHAUSTED), "invalid" (400 / INVALID_ARGUMENT),
     # "failed" (500: the request alone failed in the engine); for the router
     # to act on: "unavailable" (the engine was dead already: not taken),
-    # "died" (the engine died holding it), "moved" (handed back unrun)
+    # "died" (the engine died holding it), "moved" (handed back unrun);
+    # LoRA: "not_found" (404: no adapter by that name), "conflict" (409)
     kind: str
     message: str
     field: str | None = None  # the request field at fault, for "invalid"
@@ -130,6 +134,10 @@ class WorkerInfo:
     max_stop_strings: int = 64
     max_n: int = 16
     grammar_compile_timeout_s: float = 10.0
+    enable_lora: bool = False
+    max_loras: int = 0  # adapters one step may use (0: LoRA off)
+    # The adapters it serves by name (--lora-modules and runtime loads) -> lora_int_id.
+    loras: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -141,9 +149,15 @@ class WorkerLoad(EngineStats):
 
     worker: str
     time: float = 0.0  # wall time the figures were read
+    # LoRA (--enable-lora): each adapter served by name -> (lora_int_id, where
+    # it is: workers/lora/modules.py's LORA_ON_DEVICE, LORA_IN_HOST or
+    # LORA_ON_DISK), and the adapters of the running and the waiting requests.
+    loras: dict[str, tuple[int, int]] = field(default_factory=dict)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> WorkerLoad:
         """The report back from `dataclasses.asdict` (Serve's poll carries a
         dict), ignoring what else the dict carries."""
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})

@@ -20,7 +20,14 @@ from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
+from shoal.workers.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    LoRAAdapterError,
+    RequestFailedError,
+    RequestMoved,
+)
+from shoal.workers.lora.request import LoRARequest
 from shoal.workers.messages import (
     GenerateDelta,
     GenerateRequest,
@@ -74,11 +81,15 @@ class Worker:
             eng.limits.max_stop_strings,
             eng.limits.max_n,
             eng.args.grammar_compile_timeout_s,
+            eng.args.enable_lora,
+            eng.args.max_loras if eng.args.enable_lora else 0,
+            {name: r.lora_int_id for name, r in list(eng.lora_by_name.items())},
         )
 
     def stats(self) -> WorkerLoad:
         load = WorkerLoad(**asdict(self.engine.stats()), worker=self.name, time=time.time())
         load.num_waiting = self.engine.num_waiting  # counting requests added since the engine's last step
+        load.loras, load.running_lora_adapters, load.waiting_lora_adapters = self.engine.engine.lora_stats()
         return load
 
     def check_health(self) -> None:
@@ -103,12 +114,20 @@ class Worker:
             logger.info("%s refused: %d requests waiting", name, self.max_waiting)
             yield WorkerError("full", f"worker {self.name} has {self.max_waiting} requests waiting; try again later")
             return
+        lora = None
+        if request.lora_name is not None:
+            lora = self.engine.engine.lora_by_name.get(request.lora_name)
+            if lora is None:  # unloaded here since the router chose this worker, or never loaded here
+                logger.info("%s refused: no LoRA adapter %r here", name, request.lora_name)
+                yield WorkerError(
+                    "not_found", f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.name}", "model"
+                )
+                return
         logged, num_output_tokens = False, 0
-        span = tracing.start_worker_span(
-            request.trace_context,
-            request.request_id,
-            {"shoal.worker": self.name, "shoal.resumed_tokens": request.num_resumed_tokens},
-        )
+        attrs = {"shoal.worker": self.name, "shoal.resumed_tokens": request.num_resumed_tokens}
+        if lora is not None:
+            attrs |= {"gen_ai.request.model": lora.lora_name, "shoal.lora": lora.lora_int_id}
+        span = tracing.start_worker_span(request.trace_context, request.request_id, attrs)
         box = self._outboxes.get(request.mux) if request.mux is not None else None
         if box is not None:  # the whole request rides there: its deltas keep their order
             box.join()
@@ -124,6 +143,7 @@ class Worker:
                 request.num_resumed_chars,
                 request.block_hashes,
                 request.parent_request_id,
+                lora,
             )
             async with aclosing(stream):
                 async for out in stream:
@@ -254,12 +274,42 @@ class Worker:
             load.num_running,
             load.num_waiting,
             load.num_waiting_tokens,
+            tuple(load.loras.items()),
         )
         if key != self._routing_key:
             cached = self.engine.engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
             self._routing_key = key
             self._routing_stats = asdict(load) | {"cached": cached}
         return self._routing_stats
+
+    # ---- LoRA adapters loaded and unloaded at run time (the router's /v1/load_lora_adapter)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, lora_int_id: int) -> WorkerError | None:
+        """Serve a peft adapter from lora_path as lora_name (its files read and
+        checked against the base model off the event loop). None when done;
+        a WorkerError ('invalid', or 'conflict': the name is loaded already)."""
+        try:
+            await self.engine.add_named_lora(LoRARequest(lora_name, lora_int_id, lora_path))
+        except LoRAAdapterError as e:
+            return WorkerError(e.kind, f"worker {self.name}: {e}", e.field)
+        except (InvalidRequestError, ValueError) as e:
+            return WorkerError("invalid", f"worker {self.name}: {e}", "lora_path")
+        logger.info("loaded LoRA adapter %r (id %d)", lora_name, lora_int_id)
+        return None
+
+    def num_lora_requests(self, lora_name: str) -> int:
+        """Requests here under the adapter, from their arrival to their end."""
+        return self.engine.num_lora_requests(lora_name)
+
+    def unload_lora_adapter(self, lora_name: str) -> WorkerError | None:
+        """Stop serving lora_name. None when done; a WorkerError 'not_found',
+        or 'conflict' while requests under it are here (it stays loaded)."""
+        try:
+            self.engine.remove_named_lora(lora_name)
+        except LoRAAdapterError as e:
+            return WorkerError(e.kind, f"worker {self.name}: {e}", e.field)
+        logger.info("unloaded LoRA adapter %r", lora_name)
+        return None
 
     # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/routing/rebalance.py)
 

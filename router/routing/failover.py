@@ -116,6 +116,9 @@ class FailoverPool:
     async def stats(self) -> list[WorkerLoad | BaseException]:
         return await self.pool.stats()
 
+    async def broadcast(self, method: str, *args) -> list:
+        return await self.pool.broadcast(method, *args)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         request = with_seed(request)
         lost = _lost_errors()

@@ -19,6 +19,17 @@ before those where it does not, where
 
 `hit` is how many of the prompt's leading blocks the replica holds (the
 chain hashes it reported, plus those this process sent it since).
+A request under a LoRA adapter adds what getting the adapter into a slot
+costs there, like a prefix miss: nothing where it sits in a device slot (or
+this process just sent it a request under it), LORA_HOST_TOKENS where it is
+in host memory, LORA_DISK_TOKENS where only its files are registered (both
+plus LORA_SLOT_TOKENS for each other adapter in a slot there, which the new
+one may evict: a new adapter goes to the replica with the fewest), and
+DOES_NOT_FIT where the replica does not serve it at all (an adapter loaded
+at run time after the replica started): such a replica comes last under
+every policy, while `least-requests`, `pow2` and `round-robin` are otherwise
+blind to where adapters are.
+
 `waiting_tokens` is what the replica reported still to prefill (its waiting
 requests' prompts less the prefix each found cached, and the rest of
 chunked prompts in progress); `sent`, `sent_tokens` and `sent_blocks` are
@@ -35,6 +46,7 @@ from dataclasses import dataclass
 
 from shoal.router.observability import tracing
 from shoal.router.routing.replica_stats import ReplicaFigures, ReplicaStats
+from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK
 from shoal.workers.utils import cdiv
 
 # The output a request is expected to need room for: max_tokens is only a
@@ -55,6 +67,13 @@ RUNNING_TOKENS = 128.0
 # Memory pressure breaks ties between equally loaded replicas (the emptier
 # wins), small beside a hit or a queued request: a full replica preempts.
 MEM_TOKENS = 256.0
+# LoRA: copying an adapter from host memory into a slot (and perhaps waiting
+# for a slot to free), and reading it from disk first, in prompt tokens of
+# prefill: a request goes to the replica that holds its adapter unless that
+# one is busier by a few queued requests.
+LORA_HOST_TOKENS = 256.0
+LORA_DISK_TOKENS = 1024.0
+LORA_SLOT_TOKENS = 128.0
 # Added to the cost where the request does not fit: past any cost a
 # replica that fits can have, so those always come first.
 DOES_NOT_FIT = 1e12
@@ -69,10 +88,15 @@ class RequestNeed:
     prompt_tokens: int
     blocks: int  # prompt + expected output
     block_size: int
+    lora: str | None = None  # its LoRA adapter's name
 
 
 def request_need(
-    num_prompt_tokens: int, max_tokens: int, block_size: int, hashes: Sequence[bytes] | None
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    hashes: Sequence[bytes] | None,
+    lora: str | None = None,
 ) -> RequestNeed:
     expected = num_prompt_tokens + min(max_tokens, EXPECTED_OUTPUT_TOKENS)
     return RequestNeed(
@@ -81,12 +105,39 @@ def request_need(
         num_prompt_tokens,
         cdiv(expected, block_size),
         block_size,
+        lora,
     )
 
 
 def need_of(request, block_size: int) -> RequestNeed:
     """A GenerateRequest's need, in blocks of the model's `block_size` (WorkerInfo's)."""
-    return request_need(len(request.prompt_token_ids), request.params.max_tokens, block_size, request.block_hashes)
+    return request_need(
+        len(request.prompt_token_ids),
+        request.params.max_tokens,
+        block_size,
+        request.block_hashes,
+        getattr(request, "lora_name", None),
+    )
+
+
+def lora_cost(f: ReplicaFigures, lora: str) -> float:
+    """What getting adapter `lora` into a slot costs at replica f (module docstring)."""
+    if lora in f.lora_sent:
+        return 0.0
+    held = f.loras.get(lora)
+    if held is None and f.total_blocks:
+        return DOES_NOT_FIT
+    where = LORA_ON_DISK if held is None else held[1]  # (unreported: taken to serve it)
+    if where == LORA_ON_DEVICE:
+        return 0.0
+    in_slots = len(f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w == LORA_ON_DEVICE})
+    return (LORA_HOST_TOKENS if where == LORA_IN_HOST else LORA_DISK_TOKENS) + LORA_SLOT_TOKENS * in_slots
+
+
+def serving_first(order: list[int], figs: Sequence[ReplicaFigures], lora: str) -> list[int]:
+    """`order` with the replicas that do not serve adapter `lora` moved last."""
+    serves = [i for i in order if lora_cost(figs[i], lora) < DOES_NOT_FIT]
+    return serves + [i for i in order if lora_cost(figs[i], lora) >= DOES_NOT_FIT]
 
 
 def choose(
@@ -101,6 +152,8 @@ def choose(
         ranked = kv_rank(figs, need_of(request, block_size))
         return [r[0] for r in ranked], *(ranked[0][1:] if ranked else (0, 0))
     order = least_requests_rank(figs) if policy == "least-requests" else round_robin_rank(len(figs), turn)
+    if (lora := getattr(request, "lora_name", None)) is not None:
+        order = serving_first(order, figs, lora)
     return order, 0, 0
 
 
@@ -125,7 +178,13 @@ def route(
                 blocks, tokens = blocks_at(request, figs[pinned], stats.block_size)
     if request is not None and order:
         stats.reserve(
-            request.request_id, names[order[0]], blocks, request.block_hashes or (), tokens=tokens, group=group
+            request.request_id,
+            names[order[0]],
+            blocks,
+            request.block_hashes or (),
+            tokens=tokens,
+            group=group,
+            lora=request.lora_name,
         )
         if request.trace_context:  # the request's routing span: what each candidate looked like
             tracing.trace_route(request.trace_context, list(names), figs, order[0], policy)
@@ -172,6 +231,7 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
     (it runs once per request over every replica): the module docstring's
     formula, unrolled, the fits-first key folded into one float."""
     hashes, usable, bs, blocks, prompt = need.hashes, need.usable, need.block_size, need.blocks, need.prompt_tokens
+    lora = need.lora
     usable = min(usable, len(hashes))
     h0 = hashes[0] if usable else None
     last = usable - 1
@@ -205,6 +265,8 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
                 cost += DOES_NOT_FIT
         else:
             cost -= mem
+        if lora is not None:
+            cost += lora_cost(f, lora)
         keys.append(cost)
         hits.append(hit)
     order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties keep the lower index

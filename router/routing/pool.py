@@ -24,3 +24,8 @@ class WorkerPool(Protocol):
     async def stats(self) -> list[WorkerLoad | BaseException]:
         """Each worker's load, or the error that asking it raised."""
         ...
+
+    async def broadcast(self, method: str, *args) -> list:
+        """Call a Worker method on every worker (a control-plane call: LoRA
+        loads); each one's result, or the error that calling it raised."""
+        ...

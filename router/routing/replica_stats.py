@@ -71,6 +71,12 @@ class ReplicaFigures:
     sent_blocks: int = 0
     sent_tokens: int = 0
     in_flight: int = 0  # this process's streams to it, from send to end
+    # LoRA: each adapter it serves by name -> (lora_int_id, where: workers/lora/modules.py's
+    # LORA_ON_DEVICE / LORA_IN_HOST / LORA_ON_DISK), as reported; adapter name ->
+    # when this process sent it a request under it (taken as on the device until
+    # a report GRACE_S later says where it is).
+    loras: dict[str, tuple[int, int]] = field(default_factory=dict)
+    lora_sent: dict[str, float] = field(default_factory=dict)
 
 
 class ReplicaStats:
@@ -109,6 +115,7 @@ class ReplicaStats:
         waiting: int,
         taken_at: float | None = None,
         waiting_tokens: int = 0,
+        loras: dict | None = None,
     ) -> None:
         """A replica's figures (a delta's `load`, or a poll's)."""
         taken_at = time.time() if taken_at is None else taken_at
@@ -120,6 +127,11 @@ class ReplicaStats:
             f.running, f.waiting, f.waiting_tokens = running, waiting, waiting_tokens
             f.reported_at = taken_at
             self._supersede(f, taken_at - self.grace_s)
+            if loras is not None:
+                f.loras = {name: tuple(v) for name, v in loras.items()}
+                cutoff = taken_at - self.grace_s
+                if f.lora_sent:
+                    f.lora_sent = {name: at for name, at in f.lora_sent.items() if at > cutoff}
 
     def observe_worker_load(self, load: WorkerLoad, taken_at: float | None = None) -> None:
         """A WorkerLoad: a GenerateDelta's, taken as of now (its hop back is
@@ -135,6 +147,7 @@ class ReplicaStats:
             load.num_waiting,
             taken_at,
             load.num_waiting_tokens,
+            load.loras,
         )
 
     def observe_poll(self, replica: str, stats: dict) -> None:
@@ -155,6 +168,7 @@ class ReplicaStats:
             load.num_waiting,
             t,
             load.num_waiting_tokens,
+            load.loras,
         )
         cutoff = t - self.grace_s
         # Least recent first; assumed hashes sent since the poll's cutoff stay.
@@ -186,11 +200,13 @@ class ReplicaStats:
         now: float | None = None,
         tokens: int = 0,
         group: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Count a request as sent to `replica` (again: moved there): the
         KV blocks and the prefill tokens it takes there. `group`: its
         parallel-sampling group (GenerateRequest.parent_request_id), placed
-        where its first member is reserved (group_replica)."""
+        where its first member is reserved (group_replica); `lora`: its
+        adapter, taken as loaded there from now on."""
         prev = self._where.get(request_id)
         if prev == replica:
             return
@@ -210,6 +226,8 @@ class ReplicaStats:
             f.sent_blocks += blocks
             f.sent_tokens += tokens
             f.in_flight += 1
+            if lora is not None:
+                f.lora_sent[lora] = now
             if hashes and hashes[-1] not in f.held:  # (all held already: a repeat; leave them as they are)
                 f.held.update(dict.fromkeys(hashes, now))
                 if len(f.held) > MAX_HELD:

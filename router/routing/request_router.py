@@ -94,7 +94,15 @@ class KVRequestRouter(RequestRouter):
             if self.policy == "kv" and stats.block_size:
                 blocks, tokens = policies.blocks_at(request, stats.get(replica), stats.block_size)
             hashes = request.block_hashes or ()
-            stats.reserve(request.request_id, replica, blocks, hashes, tokens=tokens, group=request.parent_request_id)
+            stats.reserve(
+                request.request_id,
+                replica,
+                blocks,
+                hashes,
+                tokens=tokens,
+                group=request.parent_request_id,
+                lora=request.lora_name,
+            )
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """The replica set or a replica's routing stats changed (Serve's long poll)."""

@@ -4,6 +4,7 @@ Worker objects in this process (tests, benchmarks of the router itself)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -108,6 +109,14 @@ class ServeWorkerPool:
         resp = self._handle.broadcast("stats")
         return await resp.results_async(timeout_s=5.0, return_exceptions=True)
 
+    # A control-plane call may read an adapter's files: it gets longer than the stats poll.
+    BROADCAST_TIMEOUT_S = 120.0
+
+    async def broadcast(self, method: str, *args) -> list:
+        """Every live worker's answer to `method`."""
+        resp = self._handle.broadcast(method, *args)
+        return await resp.results_async(timeout_s=self.BROADCAST_TIMEOUT_S, return_exceptions=True)
+
 
 class LocalWorkerPool:
     """Workers in this process, chosen as the cluster's request router would
@@ -161,3 +170,14 @@ class LocalWorkerPool:
     async def stats(self) -> list[WorkerLoad | BaseException]:
         await asyncio.sleep(0)
         return [w.stats() for w in self.workers]
+
+    async def broadcast(self, method: str, *args) -> list:
+        out = []
+        for w in self.workers:
+            try:
+                result = getattr(w, method)(*args)
+                out.append(await result if inspect.isawaitable(result) else result)
+            except Exception as e:
+                out.append(e)
+        self._polled = -self.POLL_S  # what the call changed is in the next routing
+        return out

@@ -58,6 +58,10 @@ class LoRAModelManager:
         self.load_seconds = 0.0  # reading adapters from disk and filling slots
         self.num_slot_fills = 0
 
+    def host_ids(self) -> set[int]:
+        """Ids of the adapters in host memory (a copy read from another thread)."""
+        return set(list(self._host))
+
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter from host memory, else read (and checked) from disk."""
         a = self._host.get(request.lora_int_id)

@@ -66,6 +66,11 @@ class ServeOptions:
         "hermes (Qwen 2.5/3, Hermes), llama3_json (Llama 3.x), pythonic (Llama 3.2/4); unset, auto is refused",
         choices=tuple(sorted(TOOL_PARSERS)),
     )
+    allow_runtime_lora_updating: bool = cli_field(
+        False,
+        "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): clients "
+        "then make the workers read adapter files from paths they name, so set an API key too",
+    )
     drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
     cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
     max_retries: int = cli_field(
@@ -160,6 +165,8 @@ class ServeOptions:
         self._validate_autoscaling()
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
+        if self.allow_runtime_lora_updating and not self.engine.enable_lora:
+            raise ValueError("allow_runtime_lora_updating needs enable_lora")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))}; got {self.tool_call_parser!r}"
@@ -246,4 +253,5 @@ class ServeOptions:
             allow_client_priority=self.allow_client_priority,
             allowed_hosts=self.allowed_hosts,
             tool_call_parser=self.tool_call_parser,
+            allow_runtime_lora_updating=self.allow_runtime_lora_updating,
         )

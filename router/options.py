@@ -30,6 +30,7 @@ class RouterOptions:
     allow_client_priority: bool = False  # honour gRPC's priority field
     allowed_hosts: str | None = None  # comma-separated Host headers answered (None: the default rule)
     tool_call_parser: str | None = None  # reads tool_choice auto replies (router/fronts/tool_parsers); None: no auto
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     # Only for a router built in this process (tests); one that Serve deploys reads $SHOAL_API_KEY.
     api_key: str | None = None
 

@@ -3,6 +3,7 @@ on one grpc.aio server."""
 
 from __future__ import annotations
 
+import logging
 from contextlib import aclosing
 
 import grpc
@@ -20,11 +21,14 @@ from shoal.router.fronts.tool_replies import ToolReply
 from shoal.router.observability import tracing
 from shoal.workers.messages import GenerateDelta
 
+logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Shoal"].full_name
 _CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "not_found": grpc.StatusCode.NOT_FOUND,
+    "forbidden": grpc.StatusCode.PERMISSION_DENIED,
+    "conflict": grpc.StatusCode.FAILED_PRECONDITION,
     "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
@@ -103,12 +107,13 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                 )
             replies = self._tool_replies(g.tool_choice, g.n)
             client_id = self.fe.client_request_id(request.request_id, "request_id")
+            lora = await self.fe.resolve_model(request.lora) if request.lora else None
             rid = self.fe.new_request_id("gen")
             rids = parallel_sampling.request_ids(rid, g.n)
             # One trace span per engine request, each a child of the client's context (traceparent metadata).
             parent = tracing.context_from_metadata(context.invocation_metadata())
             op = "chat" if g.prompt.messages is not None else "text_completion"
-            spans = [self.fe.start_span(parent, op, r, client_id, True) for r in rids]
+            spans = [self.fe.start_span(parent, op, r, client_id, True, lora) for r in rids]
             ids, params = await self.fe.prepare(g.prompt, g.sampling, spans[0])
             group = rids[0] if g.n > 1 else None  # the request router keeps the samples on one worker
             streams = [
@@ -120,6 +125,7 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                     request.priority,
                     span=s,
                     parent_request_id=group,
+                    lora_name=lora,
                 )
                 for k, (r, s) in enumerate(zip(rids, spans))
             ]
@@ -155,7 +161,14 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
 
     async def GetModelInfo(self, request, context):
         i = self.fe.info
+        if i.enable_lora:
+            try:
+                await self.fe.refresh_loras()
+            except Exception as e:  # the list as last known
+                logger.warning("could not read the workers' LoRA adapters: %r", e)
         return pb.ModelInfo(
+            lora_adapters=[pb.LoRAAdapter(name=name, parent=i.model) for name in sorted(self.fe.loras)],
+            max_loras=i.max_loras,
             model=i.model,
             max_model_len=i.max_model_len,
             vocab_size=i.vocab_size,

@@ -107,7 +107,13 @@ class Router:
             options.resolved_api_key(),
             options.max_prompts,
             options.tokenizer_threads,
+            options.allow_runtime_lora_updating,
         )
+        if options.allow_runtime_lora_updating and self.frontend.api_key is None:
+            logger.warning(
+                "--allow-runtime-lora-updating without an API key: any client that reaches this router "
+                "can make the workers read adapter files from paths it names"
+            )
         limit, concurrent = options.max_request_bytes, options.max_concurrent_requests
         self.grpc = GrpcServer(
             self.frontend,

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from shoal.router.fronts import parallel_sampling, strict_json
@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 _ERRORS = {
     "invalid": (400, "invalid_request_error", None),
     "unauthenticated": (401, "authentication_error", "invalid_api_key"),
+    "forbidden": (403, "permission_error", "forbidden"),
     "not_found": (404, "invalid_request_error", "model_not_found"),
+    "conflict": (409, "invalid_request_error", "conflict"),
     "too_large": (413, "invalid_request_error", "request_too_large"),
     "media_type": (415, "invalid_request_error", "unsupported_media_type"),
     "full": (429, "rate_limit_error", "server_full"),
@@ -89,6 +91,8 @@ class OpenAIApp:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
                 *status.routes(self._denied),  # /metrics, the status page and its JSON
             ]
         )
@@ -146,7 +150,7 @@ class OpenAIApp:
         engine id is `rid`; several choices' (several prompts, n, best_of:
         parallel_sampling.py) are `rid-0`, `rid-1`, ..."""
         parsed = _parsed(parse, body)
-        self.fe.check_model(parsed.model)
+        parsed.lora_name = await self.fe.resolve_model(parsed.model)
         self._check_tool_choice(parsed)
         parallel_sampling.check(parsed, self.fe.limits.max_n, chat)
         if parsed.user is not None:  # %r: one log line whatever the client sent
@@ -155,9 +159,8 @@ class OpenAIApp:
         rids = parallel_sampling.request_ids(rid, len(parsed.prompts) * width)
         # One trace span per engine request, each a child of the client's context.
         parent = tracing.context_from_headers(request.headers)
-        spans = [
-            self.fe.start_span(parent, "chat" if chat else "text_completion", r, client_id, parsed.stream) for r in rids
-        ]
+        op = "chat" if chat else "text_completion"
+        spans = [self.fe.start_span(parent, op, r, client_id, parsed.stream, parsed.lora_name) for r in rids]
         try:
             prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans[::width])]
             parsed.num_prompt_tokens = [len(ids) for ids, _ in prepared]
@@ -171,7 +174,7 @@ class OpenAIApp:
                 tracing.fail_request_span(s, e)
             raise
         streams = [
-            self.fe.generate(ids, params, r, client_id, span=s, parent_request_id=group)
+            self.fe.generate(ids, params, r, client_id, span=s, parent_request_id=group, lora_name=parsed.lora_name)
             for r, (ids, params, group), s in zip(rids, parallel_sampling.expand(prepared, rids, parsed), spans)
         ]
         try:
@@ -227,7 +230,7 @@ class OpenAIApp:
         except ServingError as e:
             return error_response(e, headers)
         want_lp = parsed.sampling.get("logprobs") is not None
-        fmt = ChunkFormat(self.fe, rid, chat, want_lp, parallel_sampling.width(parsed))
+        fmt = ChunkFormat(self.fe, rid, chat, want_lp, parallel_sampling.width(parsed), parsed.lora_name)
         replies = None if parsed.tool_choice is None else ToolReplies(parsed.tool_choice, self.tool_call_parser)
         if parsed.stream:
             return StreamingResponse(
@@ -300,7 +303,7 @@ class OpenAIApp:
         """Key, body and model of a call answered at once; parse -> (value, model)."""
         self._authenticate(request)
         value, model = _parsed(parse, await self._read_json(request))
-        self.fe.check_model(model)
+        await self.fe.resolve_model(model)
         return value
 
     async def tokenize(self, request: Request) -> Response:
@@ -330,20 +333,41 @@ class OpenAIApp:
         except ServingError as e:
             return error_response(e)
         info = self.fe.info
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": info.model,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "shoal",
-                        "max_model_len": info.max_model_len,
-                    }
-                ],
-            }
-        )
+        if info.enable_lora:
+            try:
+                await self.fe.refresh_loras()
+            except Exception as e:  # the list as last known
+                logger.warning("could not read the workers' LoRA adapters: %r", e)
+        base = {"object": "model", "created": 0, "owned_by": "shoal", "max_model_len": info.max_model_len}
+        # vLLM's form: the base model, then each LoRA adapter with `parent` the base (root: its name, not its path)
+        data = [{"id": info.model, **base, "root": info.model, "parent": None}]
+        data += [{"id": name, **base, "root": name, "parent": info.model} for name in sorted(self.fe.loras)]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: behind
+        the API key, and only with --allow-runtime-lora-updating (else 403)."""
+        try:
+            self._authenticate(request)
+            body = await self._read_json(request)
+            if not isinstance(body, dict):
+                raise ServingError("invalid", "the request body must be a JSON object")
+            await self.fe.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
+        except ServingError as e:
+            return error_response(e)
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: 409 while it is in use."""
+        try:
+            self._authenticate(request)
+            body = await self._read_json(request)
+            if not isinstance(body, dict):
+                raise ServingError("invalid", "the request body must be a JSON object")
+            await self.fe.unload_lora_adapter(body.get("lora_name"))
+        except ServingError as e:
+            return error_response(e)
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     async def health(self, request: Request) -> Response:
         """200 while this router can route to a worker (what a load balancer

@@ -13,8 +13,10 @@ from shoal.workers.messages import GenerateDelta, RequestFinished
 class ChunkFormat:
     """OpenAI's response shapes for one request."""
 
-    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool, width: int = 1):
+    def __init__(self, fe: Frontend, rid: str, chat: bool, want_lp: bool, width: int = 1, model: str | None = None):
+        """model: what the response names (the LoRA adapter asked for; default the base model)."""
         self.fe, self.rid, self.chat, self.want_lp = fe, rid, chat, want_lp
+        self.model = model or fe.info.model
         self.width = width  # engine requests per prompt (parallel sampling: n, or best_of)
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -55,7 +57,7 @@ class ChunkFormat:
     def _chunk_head(self) -> dict:
         """The fields every streamed chunk starts with."""
         obj = self.object + ".chunk" if self.chat else self.object
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.fe.info.model}
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
     def delta(self, i: int, msg: GenerateDelta) -> dict:
         text, finished = msg.text, msg.finished
@@ -112,7 +114,7 @@ class ChunkFormat:
             "id": self.rid,
             "object": self.object,
             "created": self.created,
-            "model": self.fe.info.model,
+            "model": self.model,
             "choices": out,
             "usage": self.usage(finals if finals is not None else [c["final"] for c in choices]),
         }

@@ -62,6 +62,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat with tools: how the reply is read (tool_replies.py)
     n: int = 1  # choices per prompt (parallel samples; router/fronts/parallel_sampling.py)
     best_of: int | None = None  # completions: samples per prompt, of which the n likeliest are returned
+    lora_name: str | None = None  # the LoRA adapter `model` names, once resolved (None: the base model)
 
 
 def _sampling(body: dict) -> dict:

@@ -138,8 +138,8 @@ def token_buckets(max_len: int) -> tuple[int, ...]:
 class _WorkerFigures:
     """A custom collector: the workers' loads as last read, as gauges and counters."""
 
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, model: str, max_loras: int = 0):
+        self.model, self.max_loras = model, max_loras  # max_loras 0: LoRA off, no lora_requests_info
         self.loads: list[WorkerLoad] = []
 
     def collect(self):
@@ -155,6 +155,12 @@ class _WorkerFigures:
             CounterMetricFamily, "shoal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         hits = family(CounterMetricFamily, "shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # vLLM's vllm:lora_requests_info: the adapters in use as labels, the value the time they were read.
+        lora = GaugeMetricFamily(
+            "shoal:lora_requests_info",
+            "Running stats on LoRA requests: the adapters of the running and the waiting requests.",
+            labels=(*LABELS, "running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+        )
         for s in self.loads:
             lv = [self.model, s.worker]
             running.add_metric(lv, s.num_running)
@@ -164,7 +170,10 @@ class _WorkerFigures:
             preempt.add_metric(lv, s.num_preemptions)
             queries.add_metric(lv, s.prefix_cache_queries)
             hits.add_metric(lv, s.prefix_cache_hits)
-        return [running, waiting, usage, free, preempt, queries, hits]
+            if self.max_loras:
+                adapters = [",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters), str(self.max_loras)]
+                lora.add_metric(lv + adapters, s.time)
+        return [running, waiting, usage, free, preempt, queries, hits, *([lora] if self.max_loras else [])]
 
 
 class RouterMetrics:
@@ -178,7 +187,7 @@ class RouterMetrics:
     # A request that finishes on a worker after it left (draining) brings its series back for this long.
     LATE_S = 60.0
 
-    def __init__(self, model: str, max_model_len: int):
+    def __init__(self, model: str, max_model_len: int, max_loras: int = 0):
         self.model = model
         r = self.registry = CollectorRegistry(auto_describe=False)
         tokens = token_buckets(max_model_len)
@@ -223,7 +232,7 @@ class RouterMetrics:
         self.generation_hist = Histogram(
             "shoal:request_generation_tokens", "Generated tokens per request.", LABELS, buckets=tokens, registry=r
         )
-        self._workers = _WorkerFigures(model)
+        self._workers = _WorkerFigures(model, max_loras)
         r.register(self._workers)
         # (monotonic time of a first token, its TTFT), oldest first
         self._firsts: deque[tuple[float, float]] = deque(maxlen=self.MAX_FIRSTS)

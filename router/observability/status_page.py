@@ -15,6 +15,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from shoal.router.observability.metrics import CONTENT_TYPE
+from shoal.workers.lora.modules import LORA_ON_DEVICE
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The page loads only its own files and may not be framed (clickjacking); its favicon is an empty data: URL.
@@ -70,6 +71,7 @@ class StatusPage:
                 "tensor_parallel_size": info.tensor_parallel_size,
                 "block_size": info.block_size,
                 "num_workers": info.num_workers,
+                "max_loras": info.max_loras,
                 "routing": self.routing,
                 "router": self.router,
                 "time": time.time(),
@@ -85,6 +87,10 @@ class StatusPage:
                         "num_finished_requests": s.num_finished_requests,
                         "num_prompt_tokens": s.num_prompt_tokens,
                         "num_generation_tokens": s.num_generation_tokens,
+                        # LoRA adapters in this worker's device slots, and in use by its requests
+                        "lora_on_device": sorted(n for n, (_, where) in s.loras.items() if where == LORA_ON_DEVICE),
+                        "running_lora_adapters": list(s.running_lora_adapters),
+                        "waiting_lora_adapters": list(s.waiting_lora_adapters),
                     }
                     for s in loads
                 ],

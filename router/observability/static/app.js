@@ -143,12 +143,14 @@
         el("td", { class: "num waiting" }, fmt(w.num_waiting, 0)),
         el("td", { class: "num hit" }, fmtPct(w.prefix_cache_hit_rate)),
         el("td", { class: "num preemptions" }, fmt(w.num_preemptions, 0)),
-        el("td", { class: "num finished" }, fmt(w.num_finished_requests, 0)));
+        el("td", { class: "num finished" }, fmt(w.num_finished_requests, 0)),
+        el("td", { class: "lora", title: "waiting: " + ((w.waiting_lora_adapters || []).join(", ") || "none") },
+          (w.lora_on_device || []).join(", ") || "–"));
       return tr;
     });
     if (!rows.length) {
       rows.push(el("tr", { class: "empty" }));
-      rows[0].append(el("td", { colspan: 7 }, "no worker is answering"));
+      rows[0].append(el("td", { colspan: 8 }, "no worker is answering"));
     }
     $("workers").replaceChildren(...rows);
   }

@@ -55,11 +55,15 @@ def test_kv_prefers_the_replica_holding_the_adapter_device_over_host_over_disk()
     )
 
 
-def test_a_new_adapter_goes_where_fewest_adapters_sit_in_slots():
+def test_a_new_adapter_goes_where_fewest_adapters_are_held():
     req = request("c")
-    busy = fig({"a": LORA_ON_DEVICE, "b": LORA_ON_DEVICE, "c": LORA_ON_DISK})
+    busy = fig({"a": LORA_ON_DEVICE, "b": LORA_ON_DISK, "c": LORA_ON_DISK})
     free = fig({"a": LORA_ON_DISK, "b": LORA_ON_DISK, "c": LORA_ON_DISK})
     assert order("kv", req, [busy, free])[0] == 1
+    # Held in host memory counts too: it is what a new adapter may push out.
+    busy = fig({"a": LORA_ON_DEVICE, "b": LORA_IN_HOST, "c": LORA_ON_DISK})
+    less = fig({"a": LORA_ON_DISK, "b": LORA_ON_DEVICE, "c": LORA_ON_DISK})
+    assert order("kv", req, [busy, less])[0] == 1
 
 
 def test_residency_is_a_cost_a_deep_queue_outweighs():
@@ -96,7 +100,7 @@ def test_registry_takes_reported_loras_and_assumes_a_sent_adapter_until_a_later_
     f = stats.get("w0")
     assert f.loras == {"a": (1, LORA_ON_DISK), "b": (2, LORA_ON_DEVICE)}
     assert policies.lora_cost(f, "b") == 0.0
-    assert policies.lora_cost(f, "a") == policies.LORA_DISK_TOKENS + policies.LORA_SLOT_TOKENS
+    assert policies.lora_cost(f, "a") == policies.LORA_DISK_TOKENS + policies.LORA_HELD_TOKENS
     assert policies.lora_cost(f, "zzz") >= policies.DOES_NOT_FIT
     req = request("a")
     policies.route(stats, "kv", req, ["w0"], [f])

@@ -23,8 +23,9 @@ A request under a LoRA adapter adds what getting the adapter into a slot
 costs there, like a prefix miss: nothing where it sits in a device slot (or
 this process just sent it a request under it), LORA_HOST_TOKENS where it is
 in host memory, LORA_DISK_TOKENS where only its files are registered (both
-plus LORA_SLOT_TOKENS for each other adapter in a slot there, which the new
-one may evict: a new adapter goes to the replica with the fewest), and
+plus LORA_HELD_TOKENS for each other adapter held there, in a slot or in
+host memory, which the new one may push out: an adapter new to every
+replica goes to the one holding the fewest, so adapters spread), and
 DOES_NOT_FIT where the replica does not serve it at all (an adapter loaded
 at run time after the replica started): such a replica comes last under
 every policy, while `least-requests`, `pow2` and `round-robin` are otherwise
@@ -73,7 +74,7 @@ MEM_TOKENS = 256.0
 # one is busier by a few queued requests.
 LORA_HOST_TOKENS = 256.0
 LORA_DISK_TOKENS = 1024.0
-LORA_SLOT_TOKENS = 128.0
+LORA_HELD_TOKENS = 128.0
 # Added to the cost where the request does not fit: past any cost a
 # replica that fits can have, so those always come first.
 DOES_NOT_FIT = 1e12
@@ -130,8 +131,9 @@ def lora_cost(f: ReplicaFigures, lora: str) -> float:
     where = LORA_ON_DISK if held is None else held[1]  # (unreported: taken to serve it)
     if where == LORA_ON_DEVICE:
         return 0.0
-    in_slots = len(f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w == LORA_ON_DEVICE})
-    return (LORA_HOST_TOKENS if where == LORA_IN_HOST else LORA_DISK_TOKENS) + LORA_SLOT_TOKENS * in_slots
+    held = f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w != LORA_ON_DISK}
+    others = len(held) - (lora in held)
+    return (LORA_HOST_TOKENS if where == LORA_IN_HOST else LORA_DISK_TOKENS) + LORA_HELD_TOKENS * others
 
 
 def serving_first(order: list[int], figs: Sequence[ReplicaFigures], lora: str) -> list[int]:

@@ -117,3 +117,54 @@ def test_shapes_that_disagree_are_refused():
         add_lora(torch.zeros(2, OUT), torch.zeros(2, IN + 1), a, b, scalings, [Segment(0, 2, 0)])
     with pytest.raises(ValueError, match="outside y's"):
         add_lora(torch.zeros(2, OUT), torch.zeros(2, IN), a, b, scalings, [Segment(0, 2, 0)], out_offset=1)
+
+
+# ---- the compiled CPU kernel (csrc/lora_cpu.cpp): every segment of a part in one call ----
+
+
+def _kernels():
+    from shoal.workers.model_executor.layers import cpu_kernels
+
+    k = cpu_kernels.load()
+    if k is None or not getattr(k, "has_avx2", False):
+        pytest.skip("the CPU kernels are not built here")
+    return k
+
+
+def _table(segments: list[Segment]) -> torch.Tensor:
+    return torch.tensor([(s.start, s.length, s.slot) for s in segments], dtype=torch.long).reshape(-1, 3)
+
+
+@pytest.mark.parametrize("rank, width", [(16, 1536), (32, 64), (8, 40), (16, 40)])  # fast path; generic tails
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_equals_add_lora(rank, width, dtype):
+    k, gen = _kernels(), torch.Generator().manual_seed(rank + width)
+    t, slots = 45, 5
+    a = (torch.randn(slots, IN, rank, generator=gen) * 0.2).to(dtype)
+    b = (torch.randn(slots, rank, width, generator=gen) * 0.2).to(dtype)
+    a[1, :, rank // 2 :] = 0  # a smaller adapter padded to the slots' rank
+    b[1, rank // 2 :] = 0
+    scalings = torch.rand(slots, generator=gen) + 0.5
+    # Segments of 1..19 rows (past the kernel's 8-row items), base rows between, slot 3 unused.
+    row_slots = torch.tensor([0] * 19 + [NO_LORA] * 3 + [2] + [4] * 9 + [NO_LORA] + [1] * 12)
+    segments = lora_segments(row_slots)
+    x = torch.randn(t, IN + 7, generator=gen)[:, 3 : 3 + IN]  # rows with a stride wider than IN
+    y = torch.randn(t, width + 24, generator=gen)
+    want, got = y.clone(), y.clone()
+    add_lora(want, x, a, b, scalings, segments, out_offset=10)
+    k.lora_add(got, x, a, b, scalings, _table(segments), 10)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, :10], y[:, :10]) and torch.equal(got[:, 10 + width :], y[:, 10 + width :])
+    assert torch.equal(got[19:22], y[19:22]) and torch.equal(got[32], y[32])  # base rows untouched
+
+
+def test_the_cpu_kernel_refuses_what_it_cannot_take():
+    k = _kernels()
+    a, b, scalings = torch.zeros(2, IN, 16), torch.zeros(2, 16, OUT), torch.ones(2)
+    x, y = torch.zeros(4, IN), torch.zeros(4, OUT)
+    with pytest.raises(RuntimeError, match="outside x or the slots"):
+        k.lora_add(y, x, a, b, scalings, torch.tensor([[0, 4, 2]]), 0)
+    with pytest.raises(RuntimeError, match="outside y"):
+        k.lora_add(y, x, a, b, scalings, torch.tensor([[0, 4, 1]]), 1)
+    with pytest.raises(RuntimeError, match="float32"):
+        k.lora_add(y.double(), x.double(), a, b, scalings, torch.tensor([[0, 4, 1]]), 0)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shoal.workers.lora import triton_ops
 from shoal.workers.lora.ops import Segment, add_lora, lora_segments
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -36,10 +35,19 @@ class _Step:
     segments: list[Segment] | None
     row_slots: torch.Tensor | None
 
+    table: torch.Tensor | None = None
+
     def cpu_segments(self) -> list[Segment]:
         if self.segments is None:
             self.segments = lora_segments(self.row_slots) if self.row_slots is not None else []
         return self.segments
+
+    def segment_table(self) -> torch.Tensor:
+        """The segments as int64 [S, 3] (start, length, slot): the CPU kernel's form, made once a step."""
+        if self.table is None:
+            segs = self.cpu_segments()
+            self.table = torch.tensor([(s.start, s.length, s.slot) for s in segs], dtype=torch.long).reshape(-1, 3)
+        return self.table
 
     @property
     def active(self) -> bool:
@@ -147,10 +155,22 @@ class LoRALinear(nn.Module):
     def _add(self, y: torch.Tensor, x: torch.Tensor, step: _Step) -> None:
         shape = y.shape
         y2, x2 = y.view(-1, shape[-1]), x.reshape(-1, x.shape[-1])
-        if step.row_slots is not None and x2.is_cuda and triton_ops.available_for(x2):
-            for p in self.parts:
-                triton_ops.add_lora_triton(y2, x2, p.lora_a, p.lora_b, self.scalings, step.row_slots, p.out_offset)
-            return
+        if step.row_slots is not None and x2.is_cuda:
+            # Imported here, not with the module: importing triton decides, once, whether its kernels are
+            # compiled or interpreted (TRITON_INTERPRET), which a CPU process must not settle early.
+            from shoal.workers.lora import triton_ops
+
+            if triton_ops.available_for(x2):  # (no triton installed: the torch path, eager only)
+                for p in self.parts:
+                    triton_ops.add_lora_triton(y2, x2, p.lora_a, p.lora_b, self.scalings, step.row_slots, p.out_offset)
+                return
         segments = step.cpu_segments()
+        kernels = getattr(self.base, "cpu_kernels", None)  # bound when the CPU kernels are on (cpu_kernels.bind)
+        if kernels is not None and x2.dtype == y2.dtype == torch.float32 and self.parts[0].lora_a.shape[2] <= 256:
+            table = step.segment_table()
+            x2 = x2.contiguous()
+            for p in self.parts:  # csrc/lora_cpu.cpp: every segment of the part in one call
+                kernels.lora_add(y2, x2, p.lora_a, p.lora_b, self.scalings, table, p.out_offset)
+            return
         for p in self.parts:
             add_lora(y2, x2, p.lora_a, p.lora_b, self.scalings, segments, p.out_offset)

@@ -51,6 +51,12 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 _PAD_INPUT = 0  # a padding row's token id and position
 
 
+def _lora_order(row: _Row) -> int:
+    """Decodes, then prompt chunks (the graphs want decodes first), each grouped by adapter slot (a stable sort)."""
+    slot = getattr(row.seq, "lora_slot", None)
+    return (row.num_new > 1) * (1 << 20) + (NO_LORA if slot is None else slot)
+
+
 @dataclass(slots=True)
 class _Row:
     """One (sequence, new tokens) pair of the flat batch."""
@@ -256,6 +262,8 @@ class ModelRunner:
         # batch them in a few groups of similar length.
         decodes = sorted((_Row(s, n) for s, n in scheduled if n == 1), key=lambda r: -r.seq.num_computed_tokens)
         rows = decodes + [_Row(s, n) for s, n in scheduled if n > 1]
+        if self.lora_manager is not None:  # rows of one adapter together: one segment each, not one a row
+            rows.sort(key=_lora_order)
         due = [r.seq for r in rows if SchedulerOutput.due_token(r.seq, r.num_new)]
         graph_size = None
         # Any step of one-token rows fits a graph: a one-token prompt chunk not

@@ -40,6 +40,7 @@ _SOURCES = (
     "gguf_gemv.cpp",
     "gguf_kquants.cpp",
     "int8_gemm.cpp",
+    "lora_cpu.cpp",
 )
 
 

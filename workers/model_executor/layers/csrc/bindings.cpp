@@ -60,6 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("force_scalar") = false);
   m.def("gguf_embedding", &gguf_embedding, "rows ids of packed Q8_0 (8) or Q4_0 (2) blocks as float32 [n, cols]",
         py::arg("ids"), py::arg("w_blocks"), py::arg("ggml_type"));
+  m.def("lora_add", &lora_add,
+        "y[rows, off:off+out] += scalings[slot] * (x[rows] @ A[slot]) @ B[slot] per segment (start, length, slot)",
+        py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("scalings"), py::arg("segments"),
+        py::arg("out_offset"));
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax's index) of float32 [rows, n]");
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,

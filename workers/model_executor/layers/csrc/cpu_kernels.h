@@ -42,6 +42,12 @@ std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x, bool force_s
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, c10::optional<torch::Tensor> bias,
                           bool force_scalar);
 
+// The grouped LoRA update of one fused part (csrc/lora_cpu.cpp): per segment
+// (int64 [S, 3]: start, length, slot) y[rows, off : off + out] +=
+// scalings[slot] * (x[rows] A[slot]) B[slot]; x, y float32, A and B float32 or bfloat16.
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor scalings,
+              torch::Tensor segments, int64_t out_offset);
+
 // Serial pieces of the kernels above, for the one-call decode step, which
 // splits them across its threads itself.
 

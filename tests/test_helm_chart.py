@@ -26,6 +26,7 @@ from shoal.cluster.app import ROUTER_RESOURCE
 from shoal.cluster.options import ServeOptions
 from shoal.cluster.serve_config import serve_config
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.lora.modules import parse_lora_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(ROOT, "helm", "shoal")
@@ -748,3 +749,17 @@ def test_the_cpu_demos_serve_config_serves_under_serve_run(tmp_path):
     from test_serve_config import serve_run_and_complete
 
     serve_run_and_complete(render_serve_config("values-cpu-demo.yaml"), tmp_path)
+
+
+def test_lora_modules_and_the_runtime_gate_reach_the_serve_config():
+    modules = ["sql=/adapters/sql", {"name": "chat", "path": "/adapters/chat", "base_model_name": "m"}]
+    shoal = {"enable_lora": True, "max_loras": 4, "lora_modules": modules, "allow_runtime_lora_updating": True}
+    (app,) = yaml.safe_load(rayservice(render({"shoal": shoal}))["spec"]["serveConfigV2"])["applications"]
+    opts = ServeOptions.from_dict(app["args"])
+    assert opts.allow_runtime_lora_updating and opts.engine.enable_lora and opts.engine.max_loras == 4
+    assert [(m.name, m.path, m.base_model_name) for m in parse_lora_modules(opts.engine.lora_modules)] == [
+        ("sql", "/adapters/sql", None),
+        ("chat", "/adapters/chat", "m"),
+    ]
+    with pytest.raises(helm.HelmValuesError, match="lora_modules/0"):
+        render({"shoal": {"enable_lora": True, "lora_modules": ["no-path-given"]}})

@@ -28,8 +28,9 @@ host memory, which the new one may push out: an adapter new to every
 replica goes to the one holding the fewest, so adapters spread), and
 DOES_NOT_FIT where the replica does not serve it at all (an adapter loaded
 at run time after the replica started): such a replica comes last under
-every policy, while `least-requests`, `pow2` and `round-robin` are otherwise
-blind to where adapters are.
+`kv`, `least-requests` and `round-robin`, which are otherwise blind to where
+adapters are. `pow2` is Serve's own router and blind to adapters altogether:
+there a replica that lacks a runtime-loaded adapter answers 404.
 
 `waiting_tokens` is what the replica reported still to prefill (its waiting
 requests' prompts less the prefix each found cached, and the rest of

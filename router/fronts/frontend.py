@@ -131,9 +131,15 @@ class Frontend:
         adapters = " and its LoRA adapters (GET /v1/models)" if self.loras else ""
         raise ServingError(
             "not_found",
-            f"model {model!r} is not served here; this server serves {self.info.model!r}{adapters}",
+            f"model {model[:256]!r} is not served here; this server serves {self.info.model!r}{adapters}",
             "model",
         )
+
+    def _lora_salt(self, lora_name: str | None) -> bytes:
+        """The prefix-cache salt of the adapter's prompts (b"": the base; an adapter unloaded
+        meanwhile gets none: its keys then match nothing, and its worker refuses it)."""
+        lora_id = None if lora_name is None else self.loras.get(lora_name)
+        return b"" if lora_id is None else lora_extra(lora_id)
 
     async def resolve_model(self, model: str | None) -> str | None:
         """check_model, first asking the workers which adapters they serve when
@@ -385,9 +391,7 @@ class Frontend:
             priority,
             client_request_id,
             # Salted by the adapter as the workers salt it: a prefix cached under one adapter is not another's.
-            chain_hashes(
-                prompt_ids, self.info.block_size, extra=b"" if lora_name is None else lora_extra(self.loras[lora_name])
-            ),
+            chain_hashes(prompt_ids, self.info.block_size, extra=self._lora_salt(lora_name)),
             trace_context=tracing.inject(span) if span is not None else None,
             parent_request_id=parent_request_id,
             lora_name=lora_name,

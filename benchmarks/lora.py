@@ -42,9 +42,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run, max_loras=8)
 
 
-def write_adapter(path: str, config, rank: int, seed: int) -> str:
+def write_adapter(path: str, config, rank: int, seed: int, b_std: float = 0.02) -> str:
     """A peft-format LoRA adapter of `config`'s shapes with random A and B
-    (A ~ U(+-1/sqrt(in)) as peft's kaiming init, B ~ N(0, 0.02))."""
+    (A ~ U(+-1/sqrt(in)) as peft's kaiming init, B ~ N(0, b_std)); no peft needed."""
     import torch
     from safetensors.torch import save_file
 
@@ -60,7 +60,7 @@ def write_adapter(path: str, config, rank: int, seed: int) -> str:
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             bound = 1 / math.sqrt(fan_in)
             tensors[f"{key}.lora_A.weight"] = (torch.rand(rank, fan_in, generator=g) * 2 - 1) * bound
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_std
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     cfg = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(LINEAR_MODULES), bias="none")

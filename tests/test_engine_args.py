@@ -26,6 +26,8 @@ def _other_value(f: dataclasses.Field, hint) -> object:
         return not f.default
     if kind in (int, float):
         return kind((f.default or 0) + 3)
+    if typing.get_origin(kind) is list:  # a repeatable flag: several values at once
+        return [f"x-{f.name}", f"y-{f.name}"]
     return f"x-{f.name}"
 
 
@@ -47,6 +49,8 @@ def _argv(obj, skip: tuple[str, ...] = ()) -> list[str]:
         value, flag = getattr(obj, f.name), f.name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, list):
+            argv += [f"--{flag}", *map(str, value)]
         else:
             argv += [f"--{flag}", str(value)]
     return argv

@@ -15,13 +15,7 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
-from shoal.workers.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    LoRAAdapterError,
-    RequestFailedError,
-    RequestMoved,
-)
+from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -244,14 +238,7 @@ class AsyncEngine:
     def remove_named_lora(self, name: str):
         """LLMEngine.remove_named_lora, counting the requests not in the
         engine yet (checking the adapter, queued for the next step) as in use."""
-        request = self.engine.lora_by_name.get(name)
-        if request is not None:
-            n = self.num_lora_requests(name)
-            if n:
-                raise LoRAAdapterError(
-                    f"LoRA adapter {name!r} is in use by {n} request(s); unload it once they end", "conflict"
-                )
-        return self.engine.remove_named_lora(name)
+        return self.engine.remove_named_lora(name, in_flight=self.num_lora_requests(name))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step."""

@@ -292,14 +292,15 @@ class LLMEngine:
         self.register_lora(request)
         self.lora_by_name[request.lora_name] = request
 
-    def remove_named_lora(self, name: str) -> LoRARequest:
+    def remove_named_lora(self, name: str, in_flight: int = 0) -> LoRARequest:
         """Stop serving an adapter by name: 'not_found' if none is, 'conflict'
-        while a request under it is in the engine (it stays served). Its slot
-        and host copy go by LRU; a reload gets a new id, never these."""
+        while a request under it is in the engine, or `in_flight` ones are on
+        their way to it (AsyncEngine's), and it stays served. Its slot and host
+        copy go by LRU; a reload gets a new id, never these."""
         request = self.lora_by_name.get(name)
         if request is None:
             raise LoRAAdapterError(f"no LoRA adapter named {name!r} is loaded", "not_found")
-        n = self.num_lora_requests(request.lora_int_id)
+        n = max(in_flight, self.num_lora_requests(request.lora_int_id))
         if n:
             raise LoRAAdapterError(
                 f"LoRA adapter {name!r} is in use by {n} request(s); unload it once they end", "conflict"

@@ -160,4 +160,4 @@ class WorkerLoad(EngineStats):
     def from_dict(cls, d: dict) -> WorkerLoad:
         """The report back from `dataclasses.asdict` (Serve's poll carries a
         dict), ignoring what else the dict carries."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        return cls(**{f.name: d[f.name] for f in fields(cls)})

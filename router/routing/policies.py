@@ -139,8 +139,8 @@ def lora_cost(f: ReplicaFigures, lora: str) -> float:
 
 def serving_first(order: list[int], figs: Sequence[ReplicaFigures], lora: str) -> list[int]:
     """`order` with the replicas that do not serve adapter `lora` moved last."""
-    serves = [i for i in order if lora_cost(figs[i], lora) < DOES_NOT_FIT]
-    return serves + [i for i in order if lora_cost(figs[i], lora) >= DOES_NOT_FIT]
+    lacks = {i for i in order if lora_cost(figs[i], lora) >= DOES_NOT_FIT}
+    return [i for i in order if i not in lacks] + [i for i in order if i in lacks]
 
 
 def choose(

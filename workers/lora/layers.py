@@ -26,24 +26,23 @@ from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, Row
 
 @dataclass
 class _Step:
-    """The step's rows under each adapter slot: on CUDA the per-token slot
-    tensor the Triton kernel reads (a CUDA graph's static input, so the
-    launches never change); elsewhere the runs of rows of one slot, made
-    from that tensor once per step when the runner has no host list (a
-    padded decode step)."""
+    """The step's rows under each adapter slot: `row_slots`, each token's slot
+    (NO_LORA: the base) on the step's device, staged with its inputs. CUDA's
+    Triton kernels read it as it is (a CUDA graph's static input, so the
+    launches never change); the CPU's paths take the runs of rows of one slot
+    made from it, once a step."""
 
-    segments: list[Segment] | None
-    row_slots: torch.Tensor | None
-
+    row_slots: torch.Tensor
+    segments: list[Segment] | None = None
     table: torch.Tensor | None = None
 
     def cpu_segments(self) -> list[Segment]:
         if self.segments is None:
-            self.segments = lora_segments(self.row_slots) if self.row_slots is not None else []
+            self.segments = lora_segments(self.row_slots)
         return self.segments
 
     def segment_table(self) -> torch.Tensor:
-        """The segments as int64 [S, 3] (start, length, slot): the CPU kernel's form, made once a step."""
+        """The segments as int64 [S, 3] (start, length, slot): the CPU kernel's form."""
         if self.table is None:
             segs = self.cpu_segments()
             self.table = torch.tensor([(s.start, s.length, s.slot) for s in segs], dtype=torch.long).reshape(-1, 3)
@@ -52,22 +51,18 @@ class _Step:
     @property
     def active(self) -> bool:
         """Whether the layers add anything (a CUDA step always launches: its graph may be captured)."""
-        if self.row_slots is not None and self.row_slots.is_cuda:
-            return True
-        return bool(self.cpu_segments())
+        return self.row_slots.is_cuda or bool(self.cpu_segments())
 
 
 _step: _Step | None = None  # this step's (lora_context)
 
 
 @contextlib.contextmanager
-def lora_context(segments: list[Segment] | None, row_slots: torch.Tensor | None = None):
-    """The step's rows under each adapter slot, for every LoRA layer's
-    forward: `segments` (the runs of rows, when the runner built them) and/or
-    `row_slots` (each token's slot, NO_LORA for the base, on the step's device)."""
+def lora_context(row_slots: torch.Tensor | None):
+    """The step's slot of each token (None: no LoRA), for every LoRA layer's forward."""
     global _step
     previous = _step
-    _step = None if segments is None and row_slots is None else _Step(segments, row_slots)
+    _step = None if row_slots is None else _Step(row_slots)
     try:
         yield
     finally:
@@ -155,7 +150,7 @@ class LoRALinear(nn.Module):
     def _add(self, y: torch.Tensor, x: torch.Tensor, step: _Step) -> None:
         shape = y.shape
         y2, x2 = y.view(-1, shape[-1]), x.reshape(-1, x.shape[-1])
-        if step.row_slots is not None and x2.is_cuda:
+        if x2.is_cuda:
             # Imported here, not with the module: importing triton decides, once, whether its kernels are
             # compiled or interpreted (TRITON_INTERPRET), which a CPU process must not settle early.
             from shoal.workers.lora import triton_ops

@@ -27,7 +27,7 @@ from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.lora.layers import lora_context
 from shoal.workers.lora.manager import LoRAModelManager
-from shoal.workers.lora.ops import NO_LORA, Segment, lora_segments
+from shoal.workers.lora.ops import NO_LORA
 from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
 from shoal.workers.model_executor.cpu_memory import release_free_heap
 from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
@@ -223,7 +223,7 @@ class ModelRunner:
     def _forward_decode(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """A decode step of the graphs' layout: its rows are known by the staged tensors alone."""
         meta = self.attn_metadata_builder.build(self._common_metadata(t, 1))
-        with set_forward_context(meta), lora_context(None, t.get("lora_slots")):
+        with set_forward_context(meta), lora_context(t.get("lora_slots")):
             return self.model(t["input_ids"], t["positions"], t["logits_indices"])
 
     # ---- one step ------------------------------------------------------
@@ -303,16 +303,9 @@ class ModelRunner:
             elif self.cpu_decode_step is not None and meta.decode_only:
                 logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
             else:
-                with set_forward_context(meta), lora_context(self._lora_segments(rows), t.get("lora_slots")):
+                with set_forward_context(meta), lora_context(t.get("lora_slots")):
                     logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
         return due, logits, metadata
-
-    def _lora_segments(self, rows: list[_Row]) -> list[Segment] | None:
-        """The step's runs of tokens under one adapter slot, for the CPU's
-        grouped update (CUDA's kernels read the staged lora_slots instead)."""
-        if self.lora_manager is None or self.device.type == "cuda":
-            return None
-        return lora_segments(torch.tensor(self._lora_token_slots(rows), dtype=torch.long))
 
     @staticmethod
     def _lora_token_slots(rows: list[_Row]) -> list[int]:

@@ -113,7 +113,8 @@ async def _complete(client, model: str, **kw):
 async def _hold(fe, lora: str):
     """A request under `lora` in flight (its first delta read, the rest left
     unread): in use until the stream is closed."""
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    # Long enough that it is still running after its first token on any machine (the metrics test stalls it there).
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     stream = fe.generate(PROMPT, params, fe.new_request_id("hold"), lora_name=lora)
     await anext(stream)
     return stream
@@ -179,6 +180,10 @@ def test_runtime_load_and_unload(tiny_model, adapters, offline):
             r = await _post(raw, "/v1/load_lora_adapter", bad)
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
             r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": "", "lora_path": "x"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+            r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": ["/etc"]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+            r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": "n" * 300, "lora_path": adapters["gamma"]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
             assert all("broken" not in w.engine.engine.lora_by_name for w in workers)
             # In use: 409 until its request ends (here: until its stream is closed); it serves on meanwhile.

@@ -4,20 +4,25 @@ peft, kv routing). Over HTTP through the official openai client, each
 adapter's greedy text equals the offline engine's under it, and once every
 adapter has been placed, at least 90% of each adapter's requests go to the
 worker that took it first: the router scores residency like a prefix hit,
-and spreads new adapters over the workers."""
+and spreads new adapters over the workers. An adapter loaded at run time
+outlives the worker that loaded it: Serve's replacement of a killed worker
+serves it too."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 import openai
 import pytest
 from serving import local_cluster_app
+from test_failover_cluster import kill_process
 from test_lora_adapter import make_adapter
 
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.lora import LoRARequest
+from shoal.workers.lora.registry import GcsLoRARegistry
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")
@@ -45,6 +50,12 @@ def offline(tiny_model, adapters) -> dict[tuple[str, str], str]:
     return out
 
 
+def _options(tiny_model, **kw) -> dict:
+    return dict(
+        model=tiny_model, num_threads=1, num_kv_blocks=128, dtype="float32", enable_lora=True, max_loras=1, **kw
+    )
+
+
 def _finished(base: str) -> dict[str, int]:
     workers = httpx.get(f"{base}/api/status", timeout=30).json()["workers"]
     return {w["worker"]: w["num_finished_requests"] for w in workers}
@@ -53,17 +64,7 @@ def _finished(base: str) -> dict[str, int]:
 def test_adapters_over_http_equal_offline_and_stay_on_their_worker(tiny_model, adapters, offline):
     modules = [f"{name}={path}" for name, path in adapters.items()]
     with local_cluster_app(
-        "shoal-lora",
-        model=tiny_model,
-        num_workers=2,
-        num_threads=1,
-        num_kv_blocks=128,
-        dtype="float32",
-        enable_lora=True,
-        max_loras=1,
-        max_cpu_loras=2,
-        lora_modules=modules,
-        routing="kv",
+        "shoal-lora", **_options(tiny_model, num_workers=2, max_cpu_loras=2, lora_modules=modules, routing="kv")
     ) as (base, _):
         with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client:
             listed = client.models.list().data
@@ -96,3 +97,42 @@ def test_adapters_over_http_equal_offline_and_stay_on_their_worker(tiny_model, a
         later = workers[1:]
         share = sum(w == workers[0] for w in later) / len(later)
         assert share >= 0.9, (name, workers)
+
+
+def _workers(base: str, headers: dict) -> list[str]:
+    try:
+        return [w["worker"] for w in httpx.get(f"{base}/api/status", headers=headers, timeout=30).json()["workers"]]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return []
+
+
+def test_a_replaced_worker_serves_the_adapters_loaded_at_run_time(tiny_model, adapters, offline):
+    """Runtime loads are kept in the application's registry in Ray's GCS, so
+    the worker Serve starts in place of a killed one loads them at its start."""
+    key, app = "lora-key", "shoal-lora-rt"
+    headers = {"Authorization": f"Bearer {key}"}
+    with local_cluster_app(
+        app, **_options(tiny_model, num_workers=1, api_key=key, allow_runtime_lora_updating=True)
+    ) as (base, _):
+        body = {"lora_name": "a2", "lora_path": adapters["a2"]}
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        (victim,) = _workers(base, headers)
+        kill_process(victim, app)
+        deadline = time.monotonic() + 180
+        while (now := _workers(base, headers)) in ([], [victim]):  # until Serve's replacement reports
+            assert time.monotonic() < deadline, "the killed worker was never replaced"
+            time.sleep(0.5)
+        with openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0) as client:
+            assert "a2" in {m.id for m in client.models.list().data}
+            out = client.completions.create(
+                model="a2", prompt=PROMPTS[1], max_tokens=MAX, temperature=0, extra_body={"ignore_eos": True}
+            )
+        assert out.choices[0].text == offline["a2", PROMPTS[1]]
+        assert _workers(base, headers) == now  # served by the replacement
+        registry = GcsLoRARegistry(app)  # (this process is the cluster's driver)
+        assert [(n, e.lora_path) for n, e in registry.entries().items()] == [("a2", adapters["a2"])]
+        assert GcsLoRARegistry("another-app").entries() == {}  # one application's, not the cluster's
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        assert registry.entries() == {}

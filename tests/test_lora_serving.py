@@ -34,6 +34,7 @@ from shoal.router.routing.worker_pool import LocalWorkerPool
 from shoal.workers import LLM, EngineArgs, SamplingParams
 from shoal.workers.lora import LoRARequest
 from shoal.workers.lora.modules import parse_lora_modules, stable_lora_id
+from shoal.workers.lora.registry import LocalLoRARegistry, RuntimeLoRA
 from shoal.workers.messages import GenerateRequest, WorkerError
 from shoal.workers.worker import Worker
 
@@ -67,9 +68,8 @@ def _modules(adapters) -> list[str]:
     return [f"alpha={adapters['alpha']}", json.dumps({"name": "beta", "path": adapters["beta"]})]
 
 
-@asynccontextmanager
-async def serving(tiny_model, adapters, allow: bool = True, num_workers: int = 2):
-    args = EngineArgs(
+def _engine_args(tiny_model, adapters) -> EngineArgs:
+    return EngineArgs(
         model=tiny_model,
         dtype="float32",
         num_threads=1,
@@ -79,9 +79,17 @@ async def serving(tiny_model, adapters, allow: bool = True, num_workers: int = 2
         max_cpu_loras=2,
         lora_modules=_modules(adapters),
     )
-    workers = [Worker(args, max_waiting=64) for _ in range(num_workers)]
+
+
+@asynccontextmanager
+async def serving(tiny_model, adapters, allow: bool = True, num_workers: int = 2):
+    """Yields (frontend, workers, openai client, raw httpx client); the routers'
+    and workers' shared LoRA registry is fe.lora_registry."""
+    args = _engine_args(tiny_model, adapters)
+    registry = LocalLoRARegistry()
+    workers = [Worker(args, max_waiting=64, lora_registry=registry) for _ in range(num_workers)]
     info = ModelInfo.from_worker_info(workers[0].info(), num_workers)
-    fe = Frontend(LocalWorkerPool(workers), workers[0].engine.engine.tokenizer, info, KEY, 64, 1, allow)
+    fe = Frontend(LocalWorkerPool(workers), workers[0].engine.engine.tokenizer, info, KEY, 64, 1, allow, registry)
     app = OpenAIApp(fe, ServeOptions().max_request_bytes).app
     transport = httpx.ASGITransport(app=app)
     try:
@@ -207,6 +215,80 @@ def test_runtime_load_and_unload(tiny_model, adapters, offline):
             assert (await _post(raw, "/v1/load_lora_adapter", body)).status_code == 200
             assert {w.engine.engine.lora_by_name["gamma"].lora_int_id for w in workers}.isdisjoint(ids)
             assert (await _complete(client, "gamma")).choices[0].text == fe.tokenizer.decode(offline["gamma"])
+
+    asyncio.run(main())
+
+
+def test_workers_started_later_serve_the_runtime_adapters(tiny_model, adapters, offline):
+    """A runtime load lands in the application's registry: a worker started
+    after it loads it at start; one that started while it was being loaded
+    (outside the broadcast) loads it on its first request under it; an
+    unload takes it out again, and a registered adapter that cannot be read
+    at a worker's start leaves that worker up without it."""
+
+    async def tokens(worker, lora_name: str, rid: str) -> list[int] | WorkerError:
+        params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+        out = [m async for m in worker.generate(GenerateRequest(rid, PROMPT, params, lora_name=lora_name))]
+        if isinstance(out[0], WorkerError):
+            return out[0]
+        return [t for m in out for t in m.token_ids]
+
+    async def main():
+        async with serving(tiny_model, adapters) as (fe, workers, client, raw):
+            registry = fe.lora_registry
+            args = _engine_args(tiny_model, adapters)
+            between = Worker(args, max_waiting=64, lora_registry=registry)  # not in the pool: no broadcast reaches it
+            later = None
+            try:
+                body = {"lora_name": "gamma", "lora_path": adapters["gamma"]}
+                assert (await _post(raw, "/v1/load_lora_adapter", body)).status_code == 200
+                lora_id = workers[0].engine.engine.lora_by_name["gamma"].lora_int_id
+                assert registry.entries() == {"gamma": RuntimeLoRA(adapters["gamma"], lora_id)}
+                later = Worker(args, max_waiting=64, lora_registry=registry)
+                assert later.engine.engine.lora_by_name["gamma"].lora_int_id == lora_id
+                assert later.info().loras["gamma"] == lora_id  # what routers read
+                assert await tokens(later, "gamma", "g1") == offline["gamma"]
+                assert "gamma" not in between.engine.engine.lora_by_name
+                # Two requests at once: one load, both served.
+                both = await asyncio.gather(tokens(between, "gamma", "g2"), tokens(between, "gamma", "g3"))
+                assert both == [offline["gamma"]] * 2
+                assert between.engine.engine.lora_by_name["gamma"].lora_int_id == lora_id
+                # A load the broadcast brings to a worker that took it up from the registry already: no conflict.
+                assert await between.load_lora_adapter("gamma", adapters["gamma"], lora_id) is None
+                # The in-use check passes, then a worker refuses (a request landed between): it stays registered.
+                held = await _hold(fe, "gamma")
+                pool_broadcast = fe.pool.broadcast
+
+                async def broadcast(method, *a):
+                    return [0] * len(workers) if method == "num_lora_requests" else await pool_broadcast(method, *a)
+
+                fe.pool.broadcast = broadcast
+                r = await _post(raw, "/v1/unload_lora_adapter", {"lora_name": "gamma"})
+                assert r.status_code == 409, r.text
+                assert registry.get("gamma") == RuntimeLoRA(adapters["gamma"], lora_id)
+                fe.pool.broadcast = pool_broadcast
+                await held.aclose()
+                for _ in range(2000):  # its abort lands in the engine at the next step
+                    if not any(w.engine.engine.requests for w in workers):
+                        break
+                    await asyncio.sleep(0.01)
+                assert (await _post(raw, "/v1/unload_lora_adapter", {"lora_name": "gamma"})).status_code == 200
+                assert registry.entries() == {}
+                assert await tokens(between, "beta", "b1") == offline["beta"]  # (--lora-modules: its own)
+            finally:
+                for w in (between, later):
+                    if w is not None:
+                        await w.engine.shutdown()
+            # Unloaded: a worker started now does not serve it; an unreadable entry leaves a worker up without it.
+            registry.add("ghost", RuntimeLoRA("/nonexistent/adapter", 77))
+            after = Worker(args, max_waiting=64, lora_registry=registry)
+            try:
+                assert set(after.engine.engine.lora_by_name) == {"alpha", "beta"}
+                err = await tokens(after, "ghost", "x1")
+                assert isinstance(err, WorkerError) and err.kind == "not_found" and "'ghost'" in err.message
+                assert await tokens(after, "alpha", "a1") == offline["alpha"]
+            finally:
+                await after.engine.shutdown()
 
     asyncio.run(main())
 

@@ -7,6 +7,7 @@ dataclasses of workers/messages.py.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import sys
@@ -27,6 +28,7 @@ from shoal.workers.errors import (
     RequestFailedError,
     RequestMoved,
 )
+from shoal.workers.lora.registry import LoRARegistry, RuntimeLoRA, serve_app_registry
 from shoal.workers.lora.request import LoRARequest
 from shoal.workers.messages import (
     GenerateDelta,
@@ -56,9 +58,18 @@ class Worker:
     the worker. A request past `max_waiting` waiting ones is refused at once
     (the router answers 429) so that admitted ones keep their pace. An
     engine loop that makes no progress for `stall_timeout_s` while it has
-    work (0: never) makes the worker dead: see check_health."""
+    work (0: never) makes the worker dead: see check_health. The adapters
+    loaded at run time come from `lora_registry` (inside Serve: the
+    application's, in Ray's GCS): those there at start, and any a request
+    names that is not loaded here yet."""
 
-    def __init__(self, engine_args: EngineArgs, max_waiting: int, stall_timeout_s: float = 0.0):
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        max_waiting: int,
+        stall_timeout_s: float = 0.0,
+        lora_registry: LoRARegistry | None = None,
+    ):
         replica_logs.use_serve_handlers()  # the per-request lines below reach Serve's logs
         self.name = _worker_name()
         tracing.configure("shoal-worker")  # on only when OTEL_* asks for it
@@ -67,6 +78,11 @@ class Worker:
         self._outboxes: dict[str, DeltaOutbox] = {}  # router id -> its delta stream here
         eng = self.engine.engine
         logger.info("worker %s loaded %s in %.1f s", self.name, eng.model_name, eng.load_time_s)
+        self.lora_registry = None
+        if engine_args.enable_lora:
+            self.lora_registry = lora_registry if lora_registry is not None else serve_app_registry()
+            for lora_name, entry in (self.lora_registry.entries() if self.lora_registry else {}).items():
+                self._add_registered_lora(lora_name, entry)
 
     def info(self) -> WorkerInfo:
         eng = self.engine.engine
@@ -116,8 +132,10 @@ class Worker:
             return
         lora = None
         if request.lora_name is not None:
-            lora = self.engine.engine.lora_by_name.get(request.lora_name)
-            if lora is None:  # unloaded here since the router chose this worker, or never loaded here
+            lora = self.engine.engine.lora_by_name.get(request.lora_name) or await self._lora_from_registry(
+                request.lora_name
+            )
+            if lora is None:  # unloaded since the router chose this worker, or not loadable here
                 logger.info("%s refused: no LoRA adapter %r here", name, request.lora_name)
                 yield WorkerError(
                     "not_found", f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.name}", "model"
@@ -286,8 +304,13 @@ class Worker:
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, lora_int_id: int) -> WorkerError | None:
         """Serve a peft adapter from lora_path as lora_name (its files read and
-        checked against the base model off the event loop). None when done;
-        a WorkerError ('invalid', or 'conflict': the name is loaded already)."""
+        checked against the base model off the event loop). None when done,
+        or when it is loaded here already under this id (read from the
+        registry at start); a WorkerError ('invalid', or 'conflict': the name
+        is loaded under another id)."""
+        held = self.engine.engine.lora_by_name.get(lora_name)
+        if held is not None and (held.lora_int_id, held.lora_path) == (lora_int_id, lora_path):
+            return None
         try:
             await self.engine.add_named_lora(LoRARequest(lora_name, lora_int_id, lora_path))
         except LoRAAdapterError as e:
@@ -296,6 +319,29 @@ class Worker:
             return WorkerError("invalid", f"worker {self.name}: {e}", "lora_path")
         logger.info("loaded LoRA adapter %r (id %d)", lora_name, lora_int_id)
         return None
+
+    def _add_registered_lora(self, lora_name: str, entry: RuntimeLoRA) -> None:
+        """Serve a registry entry here (at start); one that cannot be read here is logged and left out."""
+        try:
+            self.engine.engine.add_named_lora(LoRARequest(lora_name, entry.lora_int_id, entry.lora_path))
+        except (LoRAAdapterError, InvalidRequestError, ValueError) as e:
+            logger.warning("the runtime LoRA adapter %r cannot be loaded here: %s", lora_name, e)
+            return
+        logger.info("loaded LoRA adapter %r (id %d) from the registry", lora_name, entry.lora_int_id)
+
+    async def _lora_from_registry(self, lora_name: str) -> LoRARequest | None:
+        """A request names an adapter this worker does not hold: loaded at run
+        time by a router while this worker was starting. Loaded now from the
+        registry (None: not there, or unreadable here)."""
+        if self.lora_registry is None:
+            return None
+        entry = await asyncio.to_thread(self.lora_registry.get, lora_name)
+        if entry is None:
+            return None
+        error = await self.load_lora_adapter(lora_name, entry.lora_path, entry.lora_int_id)
+        if error is not None and error.kind != "conflict":  # (conflict: a request beside this one loaded it)
+            logger.warning("the runtime LoRA adapter %r cannot be loaded here: %s", lora_name, error.message)
+        return self.engine.engine.lora_by_name.get(lora_name)
 
     def num_lora_requests(self, lora_name: str) -> int:
         """Requests here under the adapter, from their arrival to their end."""

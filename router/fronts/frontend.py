@@ -23,6 +23,7 @@ from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.lora.modules import fresh_lora_id
+from shoal.workers.lora.registry import LoRARegistry, RuntimeLoRA
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 from shoal.workers.structured_output.guidance import validate as validate_grammar
 
@@ -94,12 +95,15 @@ class Frontend:
         max_prompts: int = 64,
         tokenizer_threads: int = 2,
         allow_runtime_lora_updating: bool = False,
+        lora_registry: LoRARegistry | None = None,
     ):
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
         # LoRA adapters served by name -> lora_int_id: those at start, those
         # loaded through this router, and those the workers report.
         self.loras: dict[str, int] = dict(info.loras)
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        # Runtime loads are kept there too, for the workers that start later (workers/lora/registry.py).
+        self.lora_registry = lora_registry
         self._loras_read_at = float("-inf")
         self.api_key = api_key or None
         self.max_prompts = max_prompts  # prompts in one completions request
@@ -176,11 +180,14 @@ class Frontend:
                 "invalid", "lora_name must be at most 256 characters and not the base model's", "lora_name"
             )
         await self.refresh_loras()
-        if name in self.loras:
-            raise ServingError("conflict", f"LoRA adapter {name!r} is loaded already", "lora_name", "lora_loaded")
         lora_id = fresh_lora_id()
+        # Registered first, so that a worker starting meanwhile loads it too (or on its first request).
+        if name in self.loras or not self._register_lora(name, RuntimeLoRA(path, lora_id)):
+            raise ServingError("conflict", f"LoRA adapter {name!r} is loaded already", "lora_name", "lora_loaded")
         results = await self.pool.broadcast("load_lora_adapter", name, path, lora_id)
         errors = [r for r in results if r is not None]
+        if errors or not results:
+            self._unregister_lora(name)
         if errors and len(errors) < len(results):  # (a worker that read it and another that could not)
             await self.pool.broadcast("unload_lora_adapter", name)
         if not results:
@@ -207,13 +214,18 @@ class Frontend:
                 "lora_name",
                 "lora_in_use",
             )
+        # Out of the registry first, so that no worker starting meanwhile takes it up again.
+        registered = self.lora_registry.get(name) if self.lora_registry is not None else None
+        self._unregister_lora(name)
         results = await self.pool.broadcast("unload_lora_adapter", name)
         errors = [r for r in results if r is not None]
         conflict = next((e for e in errors if getattr(e, "kind", None) == "conflict"), None)
         if conflict is not None:
+            if registered is not None:  # still served where it is in use: kept for the workers to come
+                self._register_lora(name, registered)
             raise _from_worker(conflict, "lora_name")
         done = len(results) - len(errors)
-        if not done:
+        if not done and registered is None:  # (registered, yet loaded nowhere now: it is gone all the same)
             if errors and all(getattr(e, "kind", None) == "not_found" for e in errors):
                 self.loras.pop(name, None)
                 raise ServingError("not_found", f"no LoRA adapter named {name!r} is loaded", "lora_name")
@@ -222,6 +234,13 @@ class Frontend:
             raise ServingError("unavailable", "no worker is up to unload the adapter", code="no_worker")
         self.loras.pop(name, None)
         logger.info("LoRA adapter %r unloaded from %d workers", name, done)
+
+    def _register_lora(self, name: str, entry: RuntimeLoRA) -> bool:
+        return self.lora_registry is None or self.lora_registry.add(name, entry)
+
+    def _unregister_lora(self, name: str) -> None:
+        if self.lora_registry is not None:
+            self.lora_registry.remove(name)
 
     def _check_lora_updating(self) -> None:
         if not self.info.enable_lora:

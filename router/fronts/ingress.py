@@ -24,6 +24,7 @@ from shoal.router.options import RouterOptions
 from shoal.router.routing.failover import FailoverPool
 from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import replica_logs
+from shoal.workers.lora.registry import serve_app_registry
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class Router:
             options.max_prompts,
             options.tokenizer_threads,
             options.allow_runtime_lora_updating,
+            serve_app_registry(),
         )
         if options.allow_runtime_lora_updating and self.frontend.api_key is None:
             logger.warning(

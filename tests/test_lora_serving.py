@@ -84,7 +84,7 @@ def _engine_args(tiny_model, adapters) -> EngineArgs:
 @asynccontextmanager
 async def serving(tiny_model, adapters, allow: bool = True, num_workers: int = 2):
     """Yields (frontend, workers, openai client, raw httpx client); the routers'
-    and workers' shared LoRA registry is fe.lora_registry."""
+    and workers' shared LoRA registry is fe.lora.registry."""
     args = _engine_args(tiny_model, adapters)
     registry = LocalLoRARegistry()
     workers = [Worker(args, max_waiting=64, lora_registry=registry) for _ in range(num_workers)]
@@ -235,7 +235,7 @@ def test_workers_started_later_serve_the_runtime_adapters(tiny_model, adapters, 
 
     async def main():
         async with serving(tiny_model, adapters) as (fe, workers, client, raw):
-            registry = fe.lora_registry
+            registry = fe.lora.registry
             args = _engine_args(tiny_model, adapters)
             between = Worker(args, max_waiting=64, lora_registry=registry)  # not in the pool: no broadcast reaches it
             later = None

@@ -14,37 +14,23 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
 
+from shoal.router.fronts.lora_adapters import LoRAAdapters
 from shoal.router.fronts.prompt import Prompt, tokenize
+from shoal.router.fronts.serving_error import ServingError
 from shoal.router.observability import tracing
 from shoal.router.observability.metrics import RouterMetrics
 from shoal.router.routing.pool import WorkerPool
-from shoal.workers.core.block_hash import chain_hashes, lora_extra
+from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.lora.modules import fresh_lora_id
-from shoal.workers.lora.registry import LoRARegistry, RuntimeLoRA
+from shoal.workers.lora.registry import LoRARegistry
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 from shoal.workers.structured_output.guidance import validate as validate_grammar
 
 logger = logging.getLogger(__name__)
 # Bounded: a client's own request id goes into the log lines of its request.
 MAX_CLIENT_REQUEST_ID_LEN = 256
-# A model name the router does not know is looked up at the workers (an
-# adapter another router loaded) at most this often: unknown names are cheap.
-LORA_REFRESH_S = 1.0
-
-
-class ServingError(Exception):
-    """kind: invalid (400 / INVALID_ARGUMENT), full (429 / RESOURCE_EXHAUSTED),
-    unavailable (503 / UNAVAILABLE), unauthenticated (401 / UNAUTHENTICATED),
-    not_found (404 / NOT_FOUND), forbidden (403 / PERMISSION_DENIED),
-    conflict (409 / FAILED_PRECONDITION), internal (500 / INTERNAL)."""
-
-    def __init__(self, kind: str, message: str, field: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.kind, self.message, self.field = kind, message, field
-        self.code = code  # a finer reason than the kind's default code
 
 
 @dataclass(slots=True)
@@ -98,13 +84,9 @@ class Frontend:
         lora_registry: LoRARegistry | None = None,
     ):
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
-        # LoRA adapters served by name -> lora_int_id: those at start, those
-        # loaded through this router, and those the workers report.
-        self.loras: dict[str, int] = dict(info.loras)
-        self.allow_runtime_lora_updating = allow_runtime_lora_updating
-        # Runtime loads are kept there too, for the workers that start later (workers/lora/registry.py).
-        self.lora_registry = lora_registry
-        self._loras_read_at = float("-inf")
+        self.lora = LoRAAdapters(
+            pool, info.model, info.enable_lora, info.loras, self.load, allow_runtime_lora_updating, lora_registry
+        )
         self.api_key = api_key or None
         self.max_prompts = max_prompts  # prompts in one completions request
         self.limits = RequestLimits(
@@ -124,133 +106,6 @@ class Frontend:
             return
         if presented is None or not hmac.compare_digest(presented.encode(), self.api_key.encode()):
             raise ServingError("unauthenticated", "a valid API key is required (Authorization: Bearer KEY)")
-
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model);
-        a name served nowhere is a 404 naming it."""
-        if model is None or model == self.info.model:
-            return None
-        if model in self.loras:
-            return model
-        adapters = " and its LoRA adapters (GET /v1/models)" if self.loras else ""
-        raise ServingError(
-            "not_found",
-            f"model {model[:256]!r} is not served here; this server serves {self.info.model!r}{adapters}",
-            "model",
-        )
-
-    def _lora_salt(self, lora_name: str | None) -> bytes:
-        """The prefix-cache salt of the adapter's prompts (b"": the base; an adapter unloaded
-        meanwhile gets none: its keys then match nothing, and its worker refuses it)."""
-        lora_id = None if lora_name is None else self.loras.get(lora_name)
-        return b"" if lora_id is None else lora_extra(lora_id)
-
-    async def resolve_model(self, model: str | None) -> str | None:
-        """check_model, first asking the workers which adapters they serve when
-        `model` is not known here (another router may have loaded it)."""
-        if (
-            model is not None
-            and model != self.info.model
-            and model not in self.loras
-            and self.info.enable_lora
-            and time.monotonic() - self._loras_read_at >= LORA_REFRESH_S
-        ):
-            await self.refresh_loras()
-        return self.check_model(model)
-
-    async def refresh_loras(self) -> None:
-        """The adapters as the workers report them now: those no worker serves go."""
-        self._loras_read_at = time.monotonic()
-        loads = await self.load()
-        if loads:
-            self.loras = {name: lid for s in loads for name, (lid, _) in s.loras.items()}
-
-    async def load_lora_adapter(self, name, path) -> None:
-        """vLLM's POST /v1/load_lora_adapter: every worker reads and checks the
-        adapter at `path` and serves it as `name`, under one fresh id (so the
-        router's prefix keys for it match every worker's). Refused: 403 without
-        --allow-runtime-lora-updating; 400 for a bad name or adapter (no worker
-        keeps it); 409 when the name is served already."""
-        self._check_lora_updating()
-        for value, field_name in ((name, "lora_name"), (path, "lora_path")):
-            if not isinstance(value, str) or not value or len(value) > 4096:
-                raise ServingError("invalid", f"{field_name} must be a non-empty string", field_name)
-        if len(name) > 256 or name == self.info.model:
-            raise ServingError(
-                "invalid", "lora_name must be at most 256 characters and not the base model's", "lora_name"
-            )
-        await self.refresh_loras()
-        lora_id = fresh_lora_id()
-        # Registered first, so that a worker starting meanwhile loads it too (or on its first request).
-        if name in self.loras or not self._register_lora(name, RuntimeLoRA(path, lora_id)):
-            raise ServingError("conflict", f"LoRA adapter {name!r} is loaded already", "lora_name", "lora_loaded")
-        results = await self.pool.broadcast("load_lora_adapter", name, path, lora_id)
-        errors = [r for r in results if r is not None]
-        if errors or not results:
-            self._unregister_lora(name)
-        if errors and len(errors) < len(results):  # (a worker that read it and another that could not)
-            await self.pool.broadcast("unload_lora_adapter", name)
-        if not results:
-            raise ServingError("unavailable", "no worker is up to load the adapter", code="no_worker")
-        if errors:
-            raise _from_worker(errors[0], "lora_path")
-        self.loras[name] = lora_id
-        logger.info("LoRA adapter %r loaded on %d workers", name, len(results))
-
-    async def unload_lora_adapter(self, name) -> None:
-        """vLLM's POST /v1/unload_lora_adapter: 404 for a name served nowhere;
-        409 while requests under it run on a worker (it stays served there:
-        unload again once they end)."""
-        self._check_lora_updating()
-        if not isinstance(name, str) or not name:
-            raise ServingError("invalid", "lora_name must be a non-empty string", "lora_name")
-        # First ask: an adapter in use on one worker stays served on all of them (a request that
-        # lands between the two calls is refused by its worker's unload, which then keeps it).
-        in_use = sum(n for n in await self.pool.broadcast("num_lora_requests", name) if isinstance(n, int))
-        if in_use:
-            raise ServingError(
-                "conflict",
-                f"LoRA adapter {name!r} is in use by {in_use} request(s); unload it once they end",
-                "lora_name",
-                "lora_in_use",
-            )
-        # Out of the registry first, so that no worker starting meanwhile takes it up again.
-        registered = self.lora_registry.get(name) if self.lora_registry is not None else None
-        self._unregister_lora(name)
-        results = await self.pool.broadcast("unload_lora_adapter", name)
-        errors = [r for r in results if r is not None]
-        conflict = next((e for e in errors if getattr(e, "kind", None) == "conflict"), None)
-        if conflict is not None:
-            if registered is not None:  # still served where it is in use: kept for the workers to come
-                self._register_lora(name, registered)
-            raise _from_worker(conflict, "lora_name")
-        done = len(results) - len(errors)
-        if not done and registered is None:  # (registered, yet loaded nowhere now: it is gone all the same)
-            if errors and all(getattr(e, "kind", None) == "not_found" for e in errors):
-                self.loras.pop(name, None)
-                raise ServingError("not_found", f"no LoRA adapter named {name!r} is loaded", "lora_name")
-            if errors:
-                raise _from_worker(errors[0], "lora_name")
-            raise ServingError("unavailable", "no worker is up to unload the adapter", code="no_worker")
-        self.loras.pop(name, None)
-        logger.info("LoRA adapter %r unloaded from %d workers", name, done)
-
-    def _register_lora(self, name: str, entry: RuntimeLoRA) -> bool:
-        return self.lora_registry is None or self.lora_registry.add(name, entry)
-
-    def _unregister_lora(self, name: str) -> None:
-        if self.lora_registry is not None:
-            self.lora_registry.remove(name)
-
-    def _check_lora_updating(self) -> None:
-        if not self.info.enable_lora:
-            raise ServingError("invalid", "this server was started without --enable-lora", "lora_name")
-        if not self.allow_runtime_lora_updating:
-            raise ServingError(
-                "forbidden",
-                "loading and unloading LoRA adapters at run time needs the server started with "
-                "--allow-runtime-lora-updating",
-            )
 
     def client_request_id(self, value: str, field: str) -> str | None:
         """A client's own id for its request (None when it sent none): it is
@@ -313,7 +168,7 @@ class Frontend:
             stream=stream,
         )
         if span is not None and lora_name is not None:
-            span.set_attribute("shoal.lora", self.loras.get(lora_name, 0))
+            span.set_attribute("shoal.lora", self.lora.ids.get(lora_name, 0))
         return span
 
     async def prepare(self, prompt: Prompt, sampling: dict, span=None) -> tuple[list[int], SamplingParams]:
@@ -396,7 +251,7 @@ class Frontend:
         """Stream one request. Raises ServingError before the first delta when
         the request is refused (draining, full, invalid). `span` (start_span's)
         ends with the request. parent_request_id: its parallel-sampling group
-        (GenerateRequest's); lora_name: its adapter (check_model's)."""
+        (GenerateRequest's); lora_name: its adapter (LoRAAdapters.resolve_model's)."""
         if self.draining:
             err = ServingError("unavailable", "the server is shutting down")
             tracing.fail_request_span(span, err)
@@ -410,7 +265,7 @@ class Frontend:
             priority,
             client_request_id,
             # Salted by the adapter as the workers salt it: a prefix cached under one adapter is not another's.
-            chain_hashes(prompt_ids, self.info.block_size, extra=self._lora_salt(lora_name)),
+            chain_hashes(prompt_ids, self.info.block_size, extra=self.lora.salt(lora_name)),
             trace_context=tracing.inject(span) if span is not None else None,
             parent_request_id=parent_request_id,
             lora_name=lora_name,
@@ -480,11 +335,3 @@ class Frontend:
         except TimeoutError:
             pass
         return self.num_in_flight
-
-
-def _from_worker(error, field: str) -> ServingError:
-    """A worker's answer to a LoRA load or unload (a WorkerError, or what the call raised)."""
-    if isinstance(error, WorkerError):
-        kind = error.kind if error.kind in ("invalid", "not_found", "conflict") else "internal"
-        return ServingError(kind, error.message, error.field or field)
-    return ServingError("unavailable", f"a worker did not answer: {type(error).__name__}", code="worker_failed")

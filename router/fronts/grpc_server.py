@@ -107,7 +107,7 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                 )
             replies = self._tool_replies(g.tool_choice, g.n)
             client_id = self.fe.client_request_id(request.request_id, "request_id")
-            lora = await self.fe.resolve_model(request.lora) if request.lora else None
+            lora = await self.fe.lora.resolve_model(request.lora) if request.lora else None
             rid = self.fe.new_request_id("gen")
             rids = parallel_sampling.request_ids(rid, g.n)
             # One trace span per engine request, each a child of the client's context (traceparent metadata).
@@ -163,11 +163,11 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
         i = self.fe.info
         if i.enable_lora:
             try:
-                await self.fe.refresh_loras()
+                await self.fe.lora.refresh()
             except Exception as e:  # the list as last known
                 logger.warning("could not read the workers' LoRA adapters: %r", e)
         return pb.ModelInfo(
-            lora_adapters=[pb.LoRAAdapter(name=name, parent=i.model) for name in sorted(self.fe.loras)],
+            lora_adapters=[pb.LoRAAdapter(name=name, parent=i.model) for name in sorted(self.fe.lora.ids)],
             max_loras=i.max_loras,
             model=i.model,
             max_model_len=i.max_model_len,

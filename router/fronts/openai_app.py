@@ -150,7 +150,7 @@ class OpenAIApp:
         engine id is `rid`; several choices' (several prompts, n, best_of:
         parallel_sampling.py) are `rid-0`, `rid-1`, ..."""
         parsed = _parsed(parse, body)
-        parsed.lora_name = await self.fe.resolve_model(parsed.model)
+        parsed.lora_name = await self.fe.lora.resolve_model(parsed.model)
         self._check_tool_choice(parsed)
         parallel_sampling.check(parsed, self.fe.limits.max_n, chat)
         if parsed.user is not None:  # %r: one log line whatever the client sent
@@ -303,7 +303,7 @@ class OpenAIApp:
         """Key, body and model of a call answered at once; parse -> (value, model)."""
         self._authenticate(request)
         value, model = _parsed(parse, await self._read_json(request))
-        await self.fe.resolve_model(model)
+        await self.fe.lora.resolve_model(model)
         return value
 
     async def tokenize(self, request: Request) -> Response:
@@ -335,13 +335,13 @@ class OpenAIApp:
         info = self.fe.info
         if info.enable_lora:
             try:
-                await self.fe.refresh_loras()
+                await self.fe.lora.refresh()
             except Exception as e:  # the list as last known
                 logger.warning("could not read the workers' LoRA adapters: %r", e)
         base = {"object": "model", "created": 0, "owned_by": "shoal", "max_model_len": info.max_model_len}
         # vLLM's form: the base model, then each LoRA adapter with `parent` the base (root: its name, not its path)
         data = [{"id": info.model, **base, "root": info.model, "parent": None}]
-        data += [{"id": name, **base, "root": name, "parent": info.model} for name in sorted(self.fe.loras)]
+        data += [{"id": name, **base, "root": name, "parent": info.model} for name in sorted(self.fe.lora.ids)]
         return JSONResponse({"object": "list", "data": data})
 
     async def load_lora_adapter(self, request: Request) -> Response:
@@ -352,7 +352,7 @@ class OpenAIApp:
             body = await self._read_json(request)
             if not isinstance(body, dict):
                 raise ServingError("invalid", "the request body must be a JSON object")
-            await self.fe.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
+            await self.fe.lora.load_adapter(body.get("lora_name"), body.get("lora_path"))
         except ServingError as e:
             return error_response(e)
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
@@ -364,7 +364,7 @@ class OpenAIApp:
             body = await self._read_json(request)
             if not isinstance(body, dict):
                 raise ServingError("invalid", "the request body must be a JSON object")
-            await self.fe.unload_lora_adapter(body.get("lora_name"))
+            await self.fe.lora.unload_adapter(body.get("lora_name"))
         except ServingError as e:
             return error_response(e)
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")

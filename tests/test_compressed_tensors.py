@@ -222,3 +222,38 @@ def test_tensor_parallelism_never_cuts_a_packed_word_or_a_scale_group():
     assert torch.equal(scales.data, torch.arange(48.0).reshape(8, 6)[:, 3:])
     with pytest.raises(ValueError, match="would cut weight_scale of 128 input features"):
         make_loader(layer, True, 128, "weight_scale")(torch.nn.Parameter(torch.zeros(8, 1)), torch.zeros(8, 2))
+
+
+@pytest.mark.parametrize("scheme", ["int8_channel", "fp8_channel", "w4a16"])
+def test_the_weight_estimate_counts_stored_weights_at_their_size(checkpoints, scheme, monkeypatch):
+    """What the GPU's check before loading counts (memory_profiler.estimate_weight_bytes with the
+    config's linear_weight_bytes) is what the built model holds, less the few bytes past the
+    weights it leaves out; and an fp8 weight is one byte from the start of loading, not widened
+    to the model's dtype while the checkpoint is read."""
+    from shoal.workers.model_executor import memory_profiler as mp
+    from shoal.workers.model_executor.model_loader import build_model, load_model_files
+    from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+
+    loaded = load_model_files(checkpoints(scheme)[0])
+    quant = CompressedTensorsConfig.from_config(loaded.config.hf_config)
+    at_load: set[torch.dtype] = set()
+    load_weights = LlamaForCausalLM.load_weights
+
+    def spy(self, weights):
+        at_load.update(p.dtype for n, p in self.named_parameters() if n.endswith("_proj.weight"))
+        return load_weights(self, weights)
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", spy)
+    model = build_model(loaded.config, loaded.weights, 64, torch.device("cpu"), torch.bfloat16, None, False, quant)
+    held = sum(p.nbytes for p in model.parameters())
+    c = loaded.config
+    estimate = mp.estimate_weight_bytes(c, torch.bfloat16, linear_bytes=quant.linear_weight_bytes(torch.bfloat16))
+    # Left out: a float32 scale a row (W8A8), the int64 weight_shape of each layer (W4A16).
+    rows = (
+        (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim + 2 * c.hidden_size + 2 * c.intermediate_size
+    )
+    extra = c.num_hidden_layers * (4 * 16 if scheme == "w4a16" else 4 * rows)
+    assert held == estimate + extra
+    assert estimate < mp.estimate_weight_bytes(c, torch.bfloat16) * (0.75 if scheme == "w4a16" else 0.9)
+    if scheme == "fp8_channel":
+        assert at_load == {torch.float8_e4m3fn}

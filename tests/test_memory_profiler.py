@@ -145,6 +145,26 @@ def test_a_70b_model_on_one_80_gib_card_is_refused_before_loading_and_fits_acros
     mp.check_weights_fit(72 * GiB, 80 * GiB, 0.9)  # exactly the budget fits
 
 
+def test_a_70b_fp8_checkpoint_fits_one_80_gib_card_where_its_bfloat16_form_does_not():
+    """A checkpoint stored in fp8 (llm-compressor's FP8_DYNAMIC) is counted at one byte a
+    linear weight; the embedding and the LM head stay bfloat16 (test_compressed_tensors.py
+    checks the estimate against a built model)."""
+    from shoal.workers.model_executor.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+    }
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
+    fp8 = CompressedTensorsConfig.from_config(qc).linear_weight_bytes(torch.bfloat16)
+    weights = mp.estimate_weight_bytes(llama3_70b(), torch.bfloat16, linear_bytes=fp8)
+    assert 67 * GiB < weights < 68 * GiB  # 68.5e9 matrix weights at 1 byte, 2.1e9 embedding and head at 2
+    mp.check_weights_fit(weights, 80 * GiB, 0.9)  # no error: 72 GiB of budget
+    with pytest.raises(mp.InsufficientMemoryError):
+        mp.check_weights_fit(mp.estimate_weight_bytes(llama3_70b(), torch.bfloat16), 80 * GiB, 0.9)
+
+
 def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight is listed once
 

@@ -22,6 +22,7 @@ with `estimate_weight_bytes`).
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -178,7 +179,11 @@ def check_weights_fit(weight_bytes: int, total_bytes: int, utilization: float) -
 
 
 def estimate_weight_bytes(
-    config: ModelConfig, dtype: torch.dtype, tp_size: int = 1, expert_parallel: bool = False
+    config: ModelConfig,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+    expert_parallel: bool = False,
+    linear_bytes: float | None = None,
 ) -> int:
     """The bytes of the parameters one rank of a `tp_size` group holds, as
     models/llama.py lays them out: vocabulary rows ceil(vocab / tp) on every
@@ -188,7 +193,10 @@ def estimate_weight_bytes(
     Buffers (the rotary cos/sin tables) are not parameters and not counted.
     A mixture-of-experts layer holds its router whole and, instead of the
     dense MLP, every expert at 1/tp of its width or, with expert_parallel,
-    1/tp of the experts whole (models/moe.py)."""
+    1/tp of the experts whole (models/moe.py). linear_bytes: what each
+    weight of the attention and dense MLP matrices takes where a checkpoint
+    stores them quantized (QuantizationConfig.linear_weight_bytes; None: the
+    dtype's size, as everything else)."""
     c = config
     hidden, hd = c.hidden_size, c.head_dim
     rows = cdiv(c.vocab_size, tp_size) * (1 if c.tie_word_embeddings else 2)
@@ -196,10 +204,12 @@ def estimate_weight_bytes(
     kv = num_local_kv_heads(c.num_key_value_heads, tp_size) * hd
     inter = c.intermediate_size // tp_size
     o_in = c.num_attention_heads * hd // tp_size
-    attention = 2 * hidden + (q + 2 * kv) * (hidden + c.qkv_bias) + hidden * o_in + hidden * c.o_bias  # + 2 norms
+    attention_matrices = (q + 2 * kv) * hidden + hidden * o_in
+    attention = 2 * hidden + (q + 2 * kv) * c.qkv_bias + hidden * c.o_bias  # 2 norms and the biases
     if c.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         attention += 2 * hd  # the q and k norms, one head wide
-    dense_mlp = 2 * inter * (hidden + c.mlp_bias) + hidden * inter + hidden * c.mlp_bias  # gate and up, down
+    mlp_matrices = 3 * inter * hidden  # gate and up, down
+    dense_mlp = 2 * inter * c.mlp_bias + hidden * c.mlp_bias
     experts, width = c.num_experts, c.moe_intermediate_size
     if expert_parallel:
         experts //= tp_size
@@ -211,6 +221,8 @@ def estimate_weight_bytes(
         from shoal.workers.model_executor.models.moe import is_moe_layer
 
         num_moe = sum(is_moe_layer(c, i) for i in range(c.num_hidden_layers))
-    layers = c.num_hidden_layers * attention + (c.num_hidden_layers - num_moe) * dense_mlp + num_moe * moe_mlp
-    params = rows * hidden + layers + hidden  # + the final norm
-    return params * torch.empty(0, dtype=dtype).element_size()
+    n, dense = c.num_hidden_layers, c.num_hidden_layers - num_moe
+    params = rows * hidden + n * attention + dense * dense_mlp + num_moe * moe_mlp + hidden  # + the final norm
+    matrices = n * attention_matrices + dense * mlp_matrices
+    size = torch.empty(0, dtype=dtype).element_size()
+    return params * size + math.ceil(matrices * (size if linear_bytes is None else linear_bytes))

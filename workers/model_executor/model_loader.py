@@ -299,7 +299,9 @@ def build_model(
     model_cls = get_model_class(cfg.architecture)
     with torch.device(device):
         model = model_cls(cfg, max_positions, fused_ops, quant_config)
-    model.to(dtype)
+    # model.to(dtype), except that a float8 parameter (a checkpoint's fp8 weights) keeps its one
+    # byte a weight while the checkpoint is read: a model that fits only as stored loads.
+    model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.element_size() > 1 else t)
     model.load_weights(weights)
     for module in model.modules():  # once the checkpoint is in: a method may repack what it loaded
         method = getattr(module, "quant_method", None)

@@ -107,15 +107,17 @@ class RankWorker:
         if args.load_format == "simulated":  # no weights are read: a stand-in model with the cost model's step time
             self.runner = SimulatedRunner(cfg.vocab_size, eos_token_ids, load_cost_model(args.simulated_cost_model))
             return
+        quantization = resolve_quantization(args.quantization, loaded, self.device.type, args.load_format)
+        quant_cls = get_quantization_config(quantization)
+        quant_config = None if quant_cls is None else quant_cls.from_config(cfg.hf_config)
         if self.device.type == "cuda":
-            # Refuse a model too big for the card before allocating any of it.
+            # Refuse a model too big for the card before allocating any of it (weights stored quantized at their size).
+            linear_bytes = None if quant_config is None else quant_config.linear_weight_bytes(self.dtype)
             check_weights_fit(
-                estimate_weight_bytes(cfg, self.dtype, self.size, args.enable_expert_parallel),
+                estimate_weight_bytes(cfg, self.dtype, self.size, args.enable_expert_parallel, linear_bytes),
                 torch.cuda.mem_get_info(self.device)[1],
                 args.gpu_memory_utilization,
             )
-        quantization = resolve_quantization(args.quantization, loaded, self.device.type, args.load_format)
-        quant_cls = get_quantization_config(quantization)
         model = build_model(
             cfg,
             model_weights(loaded, args.load_format, self.device, quantization),
@@ -124,7 +126,7 @@ class RankWorker:
             self.dtype,
             self.weight_dtype,
             args.fused_ops,
-            None if quant_cls is None else quant_cls.from_config(cfg.hf_config),
+            quant_config,
         )
         self.weight_bytes = weight_bytes(model)
         logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, quantization or "unquantized")

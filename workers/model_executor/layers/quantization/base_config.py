@@ -78,3 +78,10 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for `layer`, named `prefix` as in the checkpoint
         ("model.layers.0.self_attn.qkv_proj"); None leaves it unquantized."""
+
+    def linear_weight_bytes(self, dtype: torch.dtype) -> float | None:
+        """The bytes a quantized linear layer holds per weight from the start
+        of loading a model of `dtype` (a checkpoint stored quantized: scales
+        included), for the check that the weights fit before they are read;
+        None where they are read at the model's dtype first (quantized once loaded)."""
+        return None

@@ -147,6 +147,12 @@ class CompressedTensorsConfig(QuantizationConfig):
             groups.append((targets, parse_scheme(name, g, fmt)))
         return cls(groups, list(qc.get("ignore") or []))
 
+    def linear_weight_bytes(self, dtype: torch.dtype) -> float:
+        """The widest of the groups' stored weights: one byte (W8A8: a scale
+        per row besides, not counted), or half a byte and a scale (in the
+        model's dtype while loading) per group."""
+        return max(1.0 if s.kind != "w4a16" else 0.5 + dtype.itemsize / s.group_size for _, s in self.groups)
+
     def scheme_for(self, layer: nn.Module, prefix: str) -> Scheme | None:
         """The scheme of the layer the checkpoint calls `prefix` (every part of a
         fused layer must agree), None where it is ignored or no group targets it."""
@@ -271,9 +277,6 @@ class _W8A8Stored(_CTMethod):
         self._scales_and_extras(layer, rows)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        # build_model's model.to(dtype) widened a float8 parameter: every e4m3 value is exact in
-        # float32 and bfloat16, so narrowing it back restores the stored bytes.
-        layer.weight = nn.Parameter(layer.weight.data.to(self.stored_dtype), requires_grad=False)
         layer.weight_scale = nn.Parameter(layer.weight_scale.data.float().reshape(-1), requires_grad=False)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shoal.workers.core.logit_bias import DEFAULT_MAX_LOGIT_BIAS, check_count
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
 
@@ -25,6 +26,7 @@ class RequestLimits:
     max_logprobs: int = 20  # --max-logprobs
     max_stop_strings: int = 64  # --max-stop-strings (stop strings, and stop token ids)
     max_n: int = 16  # --max-n (parallel samples of one request)
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS  # --max-logit-bias (entries in one request's logit_bias)
 
 
 def check_request(
@@ -71,8 +73,10 @@ def _check_limits(params: SamplingParams, limits: RequestLimits) -> None:
         raise InvalidRequestError(
             f"stop_token_ids holds ids outside the vocabulary [0, {vocab})", field="stop_token_ids"
         )
-    if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-        raise InvalidRequestError(f"logit_bias has keys outside the vocabulary [0, {vocab})", field="logit_bias")
+    if params.logit_bias:  # a LogitBias once validated: O(1) here
+        check_count(len(params.logit_bias), limits.max_logit_bias)
+        if params.logit_bias.max_token_id >= vocab:
+            raise InvalidRequestError(f"logit_bias has keys outside the vocabulary [0, {vocab})", field="logit_bias")
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
         raise InvalidRequestError(
             f"logprobs must be at most {limits.max_logprobs} (--max-logprobs), got {params.logprobs}", field="logprobs"

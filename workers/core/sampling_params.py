@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shoal.workers.core.logit_bias import LogitBias
 from shoal.workers.core.structured_outputs import StructuredOutputsParams
 from shoal.workers.errors import InvalidRequestError
 
@@ -34,8 +35,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # token id -> a number in [-100, 100] added to its logit (OpenAI's logit_bias)
-    logit_bias: dict[int, float] | None = None
+    # token id -> a number in [-100, 100] added to its logit (OpenAI's logit_bias): a
+    # dict given here becomes a LogitBias, checked once, which copies of the params share
+    logit_bias: LogitBias | dict[int, float] | None = None
     # what the output must match (a JSON schema, a regex, a grammar...): the sampler masks the rest
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -101,15 +103,15 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or any(not _is_int(t) or t < 0 for t in self.logit_bias):
-                bad("logit_bias", "must map non-negative token ids to numbers")
-            if any(not _is_number(b) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):  # NaN fails too
-                bad("logit_bias", "values must be numbers in [-100, 100]")
+        if self.logit_bias is not None and type(self.logit_bias) is not LogitBias:
+            # checked (and frozen) here once; a LogitBias was checked when made
+            self.logit_bias = LogitBias(self.logit_bias) if self.logit_bias != {} else None
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be StructuredOutputsParams")
-            self.structured_outputs.validate()
+            # The shape here; the spec itself is checked where it is compiled, off any
+            # event loop (the router's spec-check pool, the worker's grammar threads).
+            self.structured_outputs.check_shape()
 
 
 SAMPLING_EPS = 1e-5

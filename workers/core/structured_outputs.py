@@ -5,23 +5,34 @@ router imports it, and the engine compiles it (workers/structured_output/)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 
+from shoal.workers.core.json_pointer import PointerError, ref_cycle
+from shoal.workers.core.verdict_cache import VerdictCache
 from shoal.workers.errors import InvalidRequestError
 
 # A spec is compiled on every worker it reaches and sits in a cache: bounded like a prompt's text.
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "field")
 
 
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
     """Exactly one field is set. `json` is the schema's JSON text (a dict
-    given here is serialized, keys sorted, so equal schemas share one
-    compiled grammar); `field` is the request field it came from, which
-    errors name (response_format, structured_outputs, tool_choice...)."""
+    given here is serialized as given: property order shapes the output);
+    `field` is the request field it came from, which errors name
+    (response_format, structured_outputs, tool_choice...).
+
+    The constructor checks the shape (cheap; SamplingParams checks only
+    that). validate() also checks the spec itself (a JSON schema's text and
+    its $refs), where it is compiled, off any event loop (the router's spec
+    check, a worker's grammar threads): once per distinct spec in a process
+    (SPEC_CHECKS), and once per object after that."""
 
     json: str | None = None
     json_object: bool = False
@@ -29,13 +40,33 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     field: str = "structured_outputs"
+    # The checks this object passed, each with the spec it checked (by
+    # identity: a value set past the constructor is checked again); never pickled.
+    _marks: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
+    _digest: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # (spec, digest)
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":")))
+            try:
+                text = json.dumps(self.json, separators=(",", ":"))
+            except (ValueError, TypeError, RecursionError) as e:
+                raise InvalidRequestError(
+                    f"{self.field}: the JSON schema cannot be serialized: {type(e).__name__}", field=_name(self.field)
+                ) from None
+            object.__setattr__(self, "json", text)
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        self.validate()
+        self.check_shape()
+
+    # An unpickled spec (a worker's) is checked afresh: the check's mark stays behind.
+    def __getstate__(self):
+        return tuple(getattr(self, name) for name in _FIELDS)
+
+    def __setstate__(self, state) -> None:
+        for name, value in zip(_FIELDS, state):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_marks", ())
+        object.__setattr__(self, "_digest", None)
 
     @property
     def kind(self) -> str:
@@ -51,8 +82,42 @@ class StructuredOutputsParams:
             return json.dumps(list(self.choice))
         return getattr(self, kind)
 
+    @property
+    def digest(self) -> bytes:
+        """A short key for the spec (kind and text): what caches hold instead
+        of the text. Hashed once per object (per request, not per sample)."""
+        source = self._source
+        if self._digest is None or self._digest[0] is not source:
+            object.__setattr__(self, "_digest", (source, spec_digest(self.kind, self.spec)))
+        return self._digest[1]
+
     def validate(self) -> None:
-        """The shape only; whether the library accepts it is the compiler's check."""
+        """The shape, then the spec itself (cached); whether the grammar
+        library accepts it is the compiler's check."""
+        self.check_shape()
+        if self.json is not None and not self.passed("schema"):
+            text = self.json
+            reason = SPEC_CHECKS.get(self.digest, lambda: json_schema_problem(text))
+            if reason is not None:
+                raise InvalidRequestError(f"{self.field}: {reason}", field=self.field)
+            self.mark("schema")
+
+    def passed(self, check: str) -> bool:
+        """Whether this object passed `check` (see mark) with the spec it holds now."""
+        source = self._source
+        return any(name == check and spec is source for name, spec in self._marks)
+
+    def mark(self, check: str) -> None:
+        """Note that this object passed `check` (a name): checked once per object, not per prompt or sample."""
+        object.__setattr__(self, "_marks", (*self._marks, (check, self._source)))
+
+    @property
+    def _source(self):
+        kind = self.kind
+        return getattr(self, kind) if kind != "json_object" else kind
+
+    def check_shape(self) -> None:
+        """Types and sizes: no work that grows with the spec."""
         f = self.field
         if not isinstance(f, str):
             raise InvalidRequestError("structured output field name must be a string")
@@ -71,77 +136,53 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(f"{f}: {name} must be a non-empty string", field=f)
             if len(v) > MAX_SPEC_CHARS:
                 raise InvalidRequestError(f"{f}: {name} has {len(v)} characters; at most {MAX_SPEC_CHARS}", field=f)
-        if self.json is not None:
-            try:
-                schema = json.loads(self.json)
-            except ValueError as e:
-                raise InvalidRequestError(f"{f}: the JSON schema is not valid JSON: {e}", field=f) from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError(f"{f}: a JSON schema must be an object or a boolean", field=f)
-            if (cycle := ref_cycle(schema)) is not None:
-                raise InvalidRequestError(
-                    f"{f}: the JSON schema has a $ref cycle ({' -> '.join(cycle)}); a schema may recur only "
-                    "inside a property or an item",
-                    field=f,
-                )
         if self.choice is not None:
             c = self.choice
-            if not isinstance(c, tuple) or not c or not all(isinstance(s, str) and s for s in c):
+            if not isinstance(c, tuple) or not c or len(c) > MAX_CHOICES:
+                raise InvalidRequestError(
+                    f"{f}: choice must be a non-empty array of at most {MAX_CHOICES} non-empty strings", field=f
+                )
+            if not all(isinstance(s, str) and s for s in c):
                 raise InvalidRequestError(f"{f}: choice must be a non-empty array of non-empty strings", field=f)
-            if len(c) > MAX_CHOICES or sum(map(len, c)) > MAX_SPEC_CHARS:
+            if sum(map(len, c)) > MAX_SPEC_CHARS:
                 raise InvalidRequestError(
                     f"{f}: choice may hold at most {MAX_CHOICES} strings, {MAX_SPEC_CHARS} characters", field=f
                 )
 
 
-_COMBINATORS = ("allOf", "anyOf", "oneOf")
+def _name(f) -> str | None:
+    return f if isinstance(f, str) else None
 
 
-def ref_cycle(schema) -> list[str] | None:
-    """A chain of local $refs that comes back to where it started with
-    nothing in between but references and combinators (a -> b -> a): a
-    grammar that recurs before it reads anything. Recursion through a
-    property or an item is a tree, and fine. Returns the chain, or None."""
+def spec_digest(kind: str, spec: str) -> bytes:
+    # surrogatepass: JSON may spell a lone surrogate ("\ud800"), which plain UTF-8 refuses
+    return hashlib.blake2b(kind.encode() + b"\0" + spec.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
-    def resolve(pointer: str):
-        node = schema
-        for part in pointer[2:].split("/") if pointer not in ("#", "#/") else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None  # a missing target is the library's error to report
-        return node
 
-    def heads(node, out: list[str], depth: int = 0) -> list[str]:
-        """The refs node stands for before it takes any input."""
-        if not isinstance(node, dict) or depth > 32:
-            return out
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            out.append(ref)
-        for key in _COMBINATORS:
-            for sub in node.get(key) or [] if isinstance(node.get(key), list) else []:
-                heads(sub, out, depth + 1)
-        return out
+def json_schema_problem(text: str) -> str | None:
+    """What is wrong with a JSON schema's text, or None: not JSON (nested
+    past the parser's depth included), not a schema, a malformed $ref
+    pointer, a $ref cycle. Linear in the text."""
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        return "the JSON schema is nested too deeply"
+    except ValueError as e:
+        return f"the JSON schema is not valid JSON: {e}"
+    if not isinstance(schema, (dict, bool)):
+        return "a JSON schema must be an object or a boolean"
+    try:
+        cycle = ref_cycle(schema)
+    except PointerError as e:
+        return str(e)
+    if cycle is not None:
+        shown = cycle if len(cycle) <= 8 else [*cycle[:7], "...", cycle[-1]]
+        return (
+            f"the JSON schema has a $ref cycle ({' -> '.join(p[:80] for p in shown)}); a schema may recur only "
+            "inside a property or an item"
+        )
+    return None
 
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
 
-    def visit(pointer: str) -> list[str] | None:
-        if state.get(pointer) == 1:
-            return path[path.index(pointer) :] + [pointer]
-        if state.get(pointer) == 2 or len(state) > 10_000:
-            return None
-        state[pointer] = 1
-        path.append(pointer)
-        for nxt in heads(resolve(pointer), []):
-            if (found := visit(nxt)) is not None:
-                return found
-        path.pop()
-        state[pointer] = 2
-        return None
-
-    return visit("#")
+# Each distinct JSON schema's check, once per process (the router's threads and the engine share it).
+SPEC_CHECKS = VerdictCache()

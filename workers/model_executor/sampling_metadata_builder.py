@@ -12,6 +12,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from shoal.workers.core.logit_bias import LogitBias
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
 from shoal.workers.model_executor.layers.sampling_noise import as_int64_seed
@@ -90,7 +91,7 @@ class _RowKinds:
         self.repetition_rows: list[int] = []
         self.frequency_rows: list[int] = []
         self.banned: list[tuple[int, int]] = []
-        self.bias: list[tuple[int, int, float]] = []
+        self.bias_rows: list[int] = []  # rows with a logit_bias: their arrays are staged whole
         self.num_logprobs: dict[int, int] = {}
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -103,7 +104,7 @@ class _RowKinds:
             if seq.num_output_tokens < p.min_tokens:
                 self.banned += [(i, t) for t in p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)]
             if p.logit_bias:
-                self.bias += [(i, t, b) for t, b in p.logit_bias.items()]
+                self.bias_rows.append(i)
             if p.logprobs is not None:
                 self.num_logprobs[i] = p.logprobs
 
@@ -115,7 +116,7 @@ class _RowKinds:
             or self.repetition_rows
             or self.frequency_rows
             or self.banned
-            or self.bias
+            or self.bias_rows
             or self.grammar
             or self.num_logprobs
         )
@@ -170,10 +171,13 @@ def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: Stage
     if kinds.banned:
         add("banned_rows", [i for i, _ in kinds.banned], i64)
         add("banned_token_ids", [t for _, t in kinds.banned], i64)
-    if kinds.bias:
-        add("bias_rows", [i for i, _, _ in kinds.bias], i64)
-        add("bias_token_ids", [t for _, t, _ in kinds.bias], i64)
-        add("bias_values", [b for _, _, b in kinds.bias], f32)
+    if rows := kinds.bias_rows:
+        # Each request's arrays, made once when it was checked (LogitBias), joined in C:
+        # no Python work per entry, per step.
+        biases = [_logit_bias(seqs[i].params) for i in rows]
+        add("bias_rows", np.repeat(np.asarray(rows, np.int64), [len(b) for b in biases]), i64)
+        add("bias_token_ids", np.concatenate([b.token_ids for b in biases]), i64)
+        add("bias_values", np.concatenate([b.values for b in biases]), f32)
     if kinds.grammar:
         masks = kinds.grammar_bitmask.bitmask[[k for _, k in kinds.grammar]]  # in the rows' order
         add("grammar_rows", [i for i, _ in kinds.grammar], i64)
@@ -181,6 +185,13 @@ def _stage(kinds: _RowKinds, seqs: list[Sequence], vocab_size: int, batch: Stage
     if kinds.num_logprobs:
         add("logprob_rows", list(kinds.num_logprobs), i64)
     return PendingSamplingMetadata(vocab_size, len(kinds.random_rows), num_tokens, kinds.num_logprobs)
+
+
+def _logit_bias(params) -> LogitBias:
+    bias = params.logit_bias
+    if type(bias) is not LogitBias:  # set past SamplingParams' check (a test's Sequence): checked now, once
+        bias = params.logit_bias = LogitBias(bias)
+    return bias
 
 
 def _seed_of(seq: Sequence) -> int:

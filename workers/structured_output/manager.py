@@ -20,6 +20,11 @@ from shoal.workers.structured_output.backend import StructuredOutputBackend
 from shoal.workers.structured_output.request import StructuredOutputRequest
 
 
+@dataclass(slots=True, frozen=True)
+class _Refused:
+    reason: str  # why the library refused a spec, without the field's name
+
+
 @dataclass(slots=True)
 class GrammarBitmask:
     """rows: id(sequence) -> its row of bitmask (int32 words: bit j of word
@@ -31,16 +36,27 @@ class GrammarBitmask:
 
 
 class StructuredOutputManager:
+    """cache_size and cache_chars bound the compiled grammars kept (how many,
+    and the length of their specs together, a proxy for their memory);
+    each compile runs under the backend's own limits (guidance.LIMITS), so
+    varied specs cost at most that each and never grow the cache past its
+    bounds. A spec the library refused is remembered too (its reason, by
+    digest): asking again costs nothing."""
+
     def __init__(
         self,
         make_backend: Callable[[], StructuredOutputBackend],
         cache_size: int = 256,
         compile_timeout_s: float = 10.0,
+        cache_chars: int = 16 * 1024 * 1024,
     ):
         self._make_backend, self._backend = make_backend, None
-        self.cache_size, self.compile_timeout_s = cache_size, compile_timeout_s
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._compiling: dict[tuple[str, str], Future] = {}
+        self.cache_size, self.cache_chars, self.compile_timeout_s = cache_size, cache_chars, compile_timeout_s
+        # digest -> (compiled grammar, its spec's length): keyed by the digest, never the 256 KiB text
+        self._cache: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
+        self._cached_chars = 0
+        self._refused: OrderedDict[bytes, str] = OrderedDict()  # digest -> why (without the field's name)
+        self._compiling: dict[bytes, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="shoal-grammar")
         self.num_compiled = self.num_cache_hits = 0
@@ -59,7 +75,7 @@ class StructuredOutputManager:
 
     def compiled(self, params: StructuredOutputsParams):
         """The compiled grammar of params, from the cache or compiled now (on the caller's thread)."""
-        return self._future(params).result()
+        return self._result(params, self._future(params).result())
 
     async def compile_async(self, params: StructuredOutputsParams):
         """The compiled grammar, compiled on the manager's threads; a compile
@@ -67,7 +83,7 @@ class StructuredOutputManager:
         result still lands in the cache when it ends."""
         future = asyncio.wrap_future(self._future(params))
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.compile_timeout_s)
+            return self._result(params, await asyncio.wait_for(asyncio.shield(future), self.compile_timeout_s))
         except TimeoutError:
             raise InvalidRequestError(
                 f"{params.field}: compiling the grammar took longer than {self.compile_timeout_s:g} s "
@@ -75,35 +91,61 @@ class StructuredOutputManager:
                 field=params.field,
             ) from None
 
+    @staticmethod
+    def _result(params: StructuredOutputsParams, outcome):
+        """The compiled grammar, or the refusal (a reason) raised naming this request's field."""
+        if isinstance(outcome, _Refused):
+            raise InvalidRequestError(f"{params.field}: {outcome.reason}", field=params.field)
+        return outcome
+
     def _future(self, params: StructuredOutputsParams) -> Future:
-        key = (params.kind, params.spec)
+        key = params.digest
         with self._lock:
+            done: Future = Future()
             if key in self._cache:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                done: Future = Future()
-                done.set_result(self._cache[key])
+                done.set_result(self._cache[key][0])
+                return done
+            if key in self._refused:
+                self._refused.move_to_end(key)
+                self.num_cache_hits += 1
+                done.set_result(_Refused(self._refused[key]))
                 return done
             future = self._compiling.get(key)
             if future is None:  # one compile per spec, however many requests wait on it
                 future = self._compiling[key] = self._pool.submit(self._compile, key, params)
             return future
 
-    def _compile(self, key: tuple[str, str], params: StructuredOutputsParams):
+    def _compile(self, key: bytes, params: StructuredOutputsParams):
         t0 = time.perf_counter()
         try:
             backend = self.backend
             t0 = time.perf_counter()  # the compile alone, not the backend's one-time start
-            compiled = backend.compile(params)
+            try:
+                params.validate()  # the spec's own check (a JSON schema's $refs...), cached per spec
+                compiled = backend.compile(params)
+            except InvalidRequestError as e:
+                text, prefix = str(e), f"{params.field}: "
+                refused = _Refused(text[len(prefix) :] if text.startswith(prefix) else text)
+                with self._lock:
+                    self._refused[key] = refused.reason
+                    while len(self._refused) > self.cache_size:
+                        self._refused.popitem(last=False)
+                return refused
         finally:
             with self._lock:
                 self._compiling.pop(key, None)
+        size = len(params.spec)
         with self._lock:
             self.compile_seconds.append(time.perf_counter() - t0)
             self.num_compiled += 1
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if size <= self.cache_chars:
+                self._cache[key] = (compiled, size)
+                self._cached_chars += size
+                while len(self._cache) > self.cache_size or self._cached_chars > self.cache_chars:
+                    _, (_, dropped) = self._cache.popitem(last=False)
+                    self._cached_chars -= dropped
         return compiled
 
     def new_request(self, params: StructuredOutputsParams, compiled=None) -> StructuredOutputRequest:

@@ -39,7 +39,8 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None
     banned_token_ids: torch.Tensor | None
 
-    # (row, token id, bias) triples added to the logits: OpenAI's logit_bias
+    # (row, token id, bias) triples added to the logits in one index_put_: OpenAI's logit_bias,
+    # each request's ids and biases staged from the arrays it was checked into (LogitBias)
     bias_rows: torch.Tensor | None = None
     bias_token_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None

@@ -8,59 +8,108 @@ concatenate to the whole reply's arguments: the model's own JSON text, sliced.""
 
 from __future__ import annotations
 
+import logging
+
 from shoal.router.fronts.tool_parsers import DeltaMessage, ToolParser, get_tool_parser
-from shoal.router.fronts.tool_parsers.abstract import ParseState, PartialCall
-from shoal.router.fronts.tool_parsers.json_scan import Malformed, scan_call, skip_ws
+from shoal.router.fronts.tool_parsers.abstract import Reader
+from shoal.router.fronts.tool_parsers.json_scan import Malformed, Out, skip_ws
 from shoal.router.fronts.tools import ToolChoice
+
+logger = logging.getLogger(__name__)
+
+
+class NamedReader(Reader):
+    """The whole reply is the named function's arguments object: the call goes out at once,
+    the text after any leading whitespace is its arguments."""
+
+    def __init__(self, out: Out, function: str):
+        super().__init__(out)
+        self.function = function
+        self._started = False
+        self._lead = True  # still in the leading whitespace
+
+    def feed(self, s: str) -> None:
+        self._start()
+        self._scanned += len(s)
+        if self._lead:
+            s = s.lstrip()
+            if not s:
+                return
+            self._lead = False
+        self.out.args(s)
+
+    def finish(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.out.call(self.function)
 
 
 class NamedToolParser(ToolParser):
-    """The whole reply is the named function's arguments object."""
-
     name = "named"
 
     def __init__(self, function: str):
         self.function = function
 
-    def parse(self, text: str, final: bool) -> ParseState:
-        return ParseState(calls=[PartialCall(self.function, text.lstrip())])
+    def reader(self, out: Out) -> NamedReader:
+        return NamedReader(out, self.function)
 
 
-class RequiredToolParser(ToolParser):
+# where a required reply's reader is: before the `[`, after it, in a call, after a call, after a `,`, past the `]`
+_LEAD, _LIST, _OBJECT, _AFTER_CALL, _NEXT, _DONE = range(6)
+
+
+class RequiredReader(Reader):
     """The reply is `[{"name": ..., "parameters": {...}}, ...]`. A reply cut
     short (max_tokens) keeps the calls it named, the last one unfinished."""
 
+    def __init__(self, out: Out):
+        super().__init__(out)
+        self.state = _LEAD
+        self._calls = 0  # call objects complete
+
+    def feed(self, s: str) -> None:
+        i, n = 0, len(s)
+        while i < n and self.state != _DONE:
+            st = self.state
+            if st == _OBJECT:
+                end = self._scanner.feed(s, i, n)
+                if end is None:
+                    return
+                self._retire_scanner()
+                self._calls += 1
+                self.state, i = _AFTER_CALL, end
+                continue
+            j = skip_ws(s, i, n)
+            self._scanned += j - i + 1
+            if j == n:
+                return
+            c, i = s[j], j + 1
+            if st == _LEAD and c == "[":
+                self.state = _LIST
+            elif (st == _LIST and c == "]" and not self._calls) or (st == _AFTER_CALL and c == "]"):
+                self.state = _DONE  # what follows the array is not read
+            elif st in (_LIST, _NEXT) and c == "{":
+                self._new_scanner(("parameters",))
+                self.state = _OBJECT
+            elif st == _AFTER_CALL and c == ",":
+                self.state = _NEXT
+            else:
+                raise Malformed(c)
+
+    def finish(self) -> None:
+        named = self._calls + (self._scanner is not None and self._scanner.name is not None)
+        if not named:
+            raise Malformed("no call")
+
+
+class RequiredToolParser(ToolParser):
     name = "required"
 
-    def parse(self, text: str, final: bool) -> ParseState:
-        st = ParseState()
-        i = skip_ws(text, 0)
-        if i == len(text):
-            return ParseState(plain=final)
-        try:
-            if text[i] != "[":
-                raise Malformed(text[i])
-            i = skip_ws(text, i + 1)
-            while i < len(text):
-                if text[i] == "]" and not st.calls:
-                    break
-                call, end = scan_call(text, i, ("parameters",))
-                st.calls.append(call)
-                if end is None:
-                    break
-                i = skip_ws(text, end)
-                if i < len(text) and text[i] == ",":
-                    i = skip_ws(text, i + 1)
-                elif i < len(text) and text[i] == "]":
-                    break
-                elif i < len(text):
-                    raise Malformed(text[i])
-        except Malformed:
-            return ParseState(plain=True)
-        if final:
-            st.calls = [c for c in st.calls if c.name is not None]
-            st.plain = not st.calls
-        return st
+    def reader(self, out: Out) -> RequiredReader:
+        return RequiredReader(out)
 
 
 class ToolReply:
@@ -75,13 +124,21 @@ class ToolReply:
         else:
             self.parser = get_tool_parser(auto_parser)
         self.stream = self.parser.stream()
+        self._broken = False  # the stream failed even to give up: new text passes through as is
         # auto without parallel_tool_calls: the first call only (the grammar bounds the others)
         self.max_calls = None if choice.parallel or choice.mode != "auto" else 1
 
     def whole(self, text: str, finish_reason: str) -> dict:
-        """content, tool_calls (OpenAI's dicts) and finish_reason of a whole reply."""
-        got = self.parser.extract_tool_calls(text)
-        if not got.tools_called:
+        """content, tool_calls (OpenAI's dicts) and finish_reason of a whole reply. A reply
+        that is not calls, and any failure of the parser, give the text as plain content."""
+        try:
+            got = self.parser.extract_tool_calls(text)
+        except Exception:  # a parser's bug must not fail the request: the reply is content
+            logger.warning(
+                "tool-call parser %r failed on a reply; it is passed on as content", self.parser.name, exc_info=True
+            )
+            got = None
+        if got is None or not got.tools_called:
             return {"content": text, "tool_calls": None, "finish_reason": finish_reason}
         calls = got.tool_calls[: self.max_calls]
         return {
@@ -105,10 +162,24 @@ class ToolReply:
         """The streamed deltas for the next text: a call's first piece holds
         its index, id, type and name with empty arguments; later pieces hold
         argument fragments."""
-        d = self.stream.feed(text) if text else None
-        out = _deltas(d, self.max_calls)
-        if final:
-            out += _deltas(self.stream.finish(), self.max_calls)
+        if self._broken:
+            return [] if self.called or not text else [{"content": text}]
+        out: list[dict] = []
+        try:
+            if text:
+                out += _deltas(self.stream.feed(text), self.max_calls)
+            if final:
+                out += _deltas(self.stream.finish(), self.max_calls)
+        except Exception:  # a parser's bug must not cut the stream: what is left goes out as content
+            logger.warning(
+                "tool-call parser %r failed on a reply; it is passed on as content", self.parser.name, exc_info=True
+            )
+            try:
+                out += _deltas(self.stream.give_up(), self.max_calls)
+            except Exception:
+                logger.exception("tool-call stream failed to pass a reply on as content")
+                self._broken = True
+                out += [] if self.called or not text else [{"content": text}]
         return out
 
     @property

@@ -1,10 +1,12 @@
 """The compiled CPU kernels (csrc/): decode attention straight from the
 paged KV cache, and the few-row linear layer of a decode step.
 
-Built once with torch's extension loader and cached under
-~/.cache/torch_extensions (`make install` builds it ahead). load() returns
-None where it cannot be built (no compiler): the pure-torch path then runs,
-and it stays the reference either way. The engine loads it only under
+Built once with torch's extension loader into ~/.cache/shoal/kernels/
+shoal_cpu_kernels-<hash of sources and flags> under a lock that a killed
+build cannot leave stuck (kernel_build.py; `make install` builds it ahead).
+load() returns None where it cannot be built (no compiler, or another
+process's build outlasting SHOAL_KERNEL_BUILD_TIMEOUT): the pure-torch path
+then runs, and it stays the reference either way. The engine loads it only under
 EngineArgs.cpu_kernels (off: --no-cpu-kernels, or $SHOAL_CPU_KERNEL=0), when
 the cpu_kernel attention backend is chosen; bind() is then the one place
 the kernels reach the other layers.
@@ -50,7 +52,7 @@ def load():
         return _kernel
     _tried = True
     try:
-        from torch.utils.cpp_extension import load as load_extension
+        from shoal.workers.model_executor.layers.kernel_build import load_extension
 
         t0 = time.perf_counter()
         csrc = os.path.join(os.path.dirname(__file__), "csrc")
@@ -61,7 +63,7 @@ def load():
             extra_ldflags=["-fopenmp"],
         )
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
-    except Exception as e:  # no compiler or ninja, an unusual platform
+    except Exception as e:  # no compiler or ninja, an unusual platform, a build lock held too long
         logger.warning("CPU kernels unavailable (%s); using the torch path", e)
         _kernel = None
     return _kernel

@@ -8,6 +8,8 @@ base; and every bad adapter or request is refused before anything runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from reference import check_setting, check_tokens, hf_greedy
@@ -108,7 +110,7 @@ def test_bad_adapters_and_requests_are_refused_before_anything_runs(tiny_model, 
     with LLM(tiny_model, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=64) as llm:
         with pytest.raises(InvalidRequestError, match="rank 16 is above --max-lora-rank 8"):
             llm.generate([prompt, prompt], GREEDY, lora_request=[adapters["alpha"], adapters["gamma"]])
-        with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
+        with pytest.raises(InvalidRequestError, match="cannot be loaded from this lora_path"):
             llm.generate([prompt], GREEDY, lora_request=LoRARequest("ghost", 9, str(tmp_path)))
         llm.generate([prompt], GREEDY, lora_request=adapters["alpha"])
         with pytest.raises(InvalidRequestError, match="lora_int_id 1 is adapter 'alpha' already"):
@@ -149,7 +151,7 @@ def test_the_async_engine_streams_an_adapter_as_the_offline_front_runs_it(tiny_m
             tokens = []
             async for delta in engine.generate("r", prompt, GREEDY, lora_request=adapters["gamma"]):
                 tokens += delta.new_token_ids
-            with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
+            with pytest.raises(InvalidRequestError, match="cannot be loaded from this lora_path"):
                 async for _ in engine.generate("bad", prompt, GREEDY, lora_request=LoRARequest("x", 7, "/nonexistent")):
                     pass
             return tokens
@@ -217,3 +219,92 @@ def test_bfloat16_slots_compute_the_rounded_adapters_in_float32(tiny_model, adap
                 p.copy_(p.bfloat16().float())
     notes = [check_tokens(model, p, o.token_ids, hf_greedy(model, [p], MAX_NEW, eos)[0]) for p, o in zip(prompts, outs)]
     assert sum(n is not None for n in notes) <= 1, notes
+
+
+def _run(engine, reqs) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Add (request id, prompt, lora) all at once, step to the end: tokens and errors by request id."""
+    for rid, prompt, lora in reqs:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora_request=lora)
+    got = {rid: [] for rid, _, _ in reqs}
+    errors = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    return got, errors
+
+
+def test_an_adapter_changed_on_disk_is_served_from_the_tensors_held(tiny_model, adapters, tmp_path):
+    """The tensors checked at load are the ones served: overwriting the file
+    (with garbage, with another rank's valid file) changes nothing; once the
+    adapter is evicted from host memory its rereading is refused, that request
+    alone (400), until its files are what they were."""
+    import shutil
+
+    from shoal.workers import LLMEngine
+
+    own = LoRARequest("own", 11, shutil.copytree(adapters["alpha"].lora_path, str(tmp_path / "own")))
+    weights = tmp_path / "own" / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    prompt = prompts_for("plain", 512)[4]
+    engine = LLMEngine(model=tiny_model, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    try:
+        want, base = _run(engine, [("a0", prompt, own), ("b0", prompt, None)])[0].values()
+        assert want != base
+        for content in (b"\x00garbage" * 1000, (Path(adapters["beta"].lora_path) / weights.name).read_bytes()):
+            weights.write_bytes(content)
+            assert _run(engine, [("a1", prompt, own), ("b1", prompt, None)]) == ({"a1": want, "b1": base}, {})
+        # Two other adapters through the one slot: `own` leaves host memory (capacity 1).
+        _run(engine, [("x", prompt, adapters["beta"])])
+        _run(engine, [("y", prompt, adapters["gamma"])])
+        assert own.lora_int_id not in engine.lora_host.ids()
+        with pytest.raises(InvalidRequestError, match=r"has A \(8, "):  # beta's rank-8 file
+            _run(engine, [("a2", prompt, own)])
+        weights.write_bytes(b"\x00garbage")
+        with pytest.raises(InvalidRequestError, match="cannot be loaded from this lora_path"):
+            _run(engine, [("a3", prompt, own)])
+        # A valid adapter of the same shapes, but not the one loaded: refused all the same.
+        make_adapter(tiny_model, str(tmp_path / "other"), 4, seed=99)
+        weights.write_bytes((tmp_path / "other" / weights.name).read_bytes())
+        with pytest.raises(InvalidRequestError, match="changed on disk since it was loaded"):
+            _run(engine, [("a4", prompt, own)])
+        assert _run(engine, [("b2", prompt, None)])[1] == {}  # the engine serves on
+        weights.write_bytes(original)  # its own files again: read back, and the same tokens
+        assert _run(engine, [("a5", prompt, own)]) == ({"a5": want}, {})
+    finally:
+        engine.shutdown()
+
+
+def test_a_slot_fill_that_fails_fails_only_that_adapters_requests(tiny_model, adapters, monkeypatch):
+    """A fill that raises inside a step (injected) is pinned on the adapter's
+    requests by the failure isolation, whose probes carry the step's slots:
+    they fail alone; the base model's and another adapter's requests in the
+    same steps give their undisturbed tokens, and the engine lives."""
+    from shoal.workers import LLMEngine
+    from shoal.workers.fault_injection import ENV
+
+    prompts = prompts_for("plain", 512)[:6]
+    loras = [None, adapters["alpha"], adapters["beta"]] * 2
+    reqs = [(f"r{i}", p, lora) for i, (p, lora) in enumerate(zip(prompts, loras))]
+
+    def engine():
+        return LLMEngine(model=tiny_model, dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=128)
+
+    ref_engine = engine()
+    ref, ref_errors = _run(ref_engine, reqs)
+    ref_engine.shutdown()
+    assert not ref_errors
+    monkeypatch.setenv(ENV, "lora=alpha")
+    faulty = engine()
+    try:
+        got, errors = _run(faulty, reqs)
+        assert set(errors) == {"r1", "r4"}  # alpha's, and only they
+        assert all("injected LoRA slot fault" in e for e in errors.values())
+        assert {rid: got[rid] for rid in got if rid not in errors} == {
+            rid: ref[rid] for rid in ref if rid not in errors
+        }
+        assert faulty.num_steps > 0 and not faulty.requests
+        assert _run(faulty, [("base", prompts[0], None)]) == ({"base": ref["r0"]}, {})
+    finally:
+        faulty.shutdown()

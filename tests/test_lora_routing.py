@@ -14,7 +14,7 @@ from shoal.router.routing import policies
 from shoal.router.routing.replica_stats import GRACE_S, ReplicaFigures, ReplicaStats
 from shoal.workers.core.block_hash import chain_hashes, lora_extra
 from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK
+from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, LORA_UNAVAILABLE
 from shoal.workers.messages import GenerateRequest, WorkerLoad
 
 BS = 16
@@ -82,6 +82,19 @@ def test_a_replica_not_serving_the_adapter_comes_last_under_every_policy():
     # An unreported replica (just started) is taken to serve it, at the cost of a load from disk.
     assert order("kv", req, [ReplicaFigures(), fig({"a": LORA_ON_DEVICE})]) == [1, 0]
     assert order("kv", req, [ReplicaFigures(), lacks]) == [0, 1]
+
+
+def test_a_replica_that_could_not_load_the_adapter_comes_last_whatever_was_sent_there():
+    req = request("a")
+    broken = fig({"a": LORA_UNAVAILABLE, "b": LORA_ON_DEVICE})
+    serves = fig({"a": LORA_ON_DISK}, running=5, waiting=5)
+    broken.lora_sent["a"] = 1.0  # this process sent it a request under the adapter: still not there
+    for policy in ("kv", "least-requests", "round-robin"):
+        assert order(policy, req, [broken, serves]) == [1, 0], policy
+    assert policies.lora_cost(broken, "a") >= policies.DOES_NOT_FIT
+    # Unavailable is no adapter held there: it does not count against another adapter's cost.
+    assert policies.lora_cost(broken, "c") >= policies.DOES_NOT_FIT
+    assert policies.lora_cost(fig({"a": LORA_UNAVAILABLE, "c": LORA_ON_DISK}), "c") == policies.LORA_DISK_TOKENS
 
 
 def test_least_requests_and_round_robin_are_otherwise_adapter_blind():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,7 @@ from shoal.router.fronts.openai_app import OpenAIApp
 from shoal.router.routing.worker_pool import LocalWorkerPool
 from shoal.workers import LLM, EngineArgs, SamplingParams
 from shoal.workers.lora import LoRARequest
-from shoal.workers.lora.modules import parse_lora_modules, stable_lora_id
+from shoal.workers.lora.modules import LORA_UNAVAILABLE, parse_lora_modules, stable_lora_id
 from shoal.workers.lora.registry import LocalLoRARegistry, RuntimeLoRA
 from shoal.workers.messages import GenerateRequest, WorkerError
 from shoal.workers.worker import Worker
@@ -68,7 +69,7 @@ def _modules(adapters) -> list[str]:
     return [f"alpha={adapters['alpha']}", json.dumps({"name": "beta", "path": adapters["beta"]})]
 
 
-def _engine_args(tiny_model, adapters) -> EngineArgs:
+def _engine_args(tiny_model, adapters, **kw) -> EngineArgs:
     return EngineArgs(
         model=tiny_model,
         dtype="float32",
@@ -78,18 +79,33 @@ def _engine_args(tiny_model, adapters) -> EngineArgs:
         max_loras=1,
         max_cpu_loras=2,
         lora_modules=_modules(adapters),
+        **kw,
     )
 
 
 @asynccontextmanager
-async def serving(tiny_model, adapters, allow: bool = True, num_workers: int = 2):
+async def serving(tiny_model, adapters, allow: bool = True, num_workers: int = 2, names: bool = False, **engine):
     """Yields (frontend, workers, openai client, raw httpx client); the routers'
-    and workers' shared LoRA registry is fe.lora.registry."""
-    args = _engine_args(tiny_model, adapters)
+    and workers' shared LoRA registry is fe.lora.registry. names:
+    --metrics-include-lora-names; engine: more EngineArgs (lora_root and
+    max_runtime_loras reach the router too, as ServeOptions hands them on)."""
+    args = _engine_args(tiny_model, adapters, **engine)
     registry = LocalLoRARegistry()
     workers = [Worker(args, max_waiting=64, lora_registry=registry) for _ in range(num_workers)]
     info = ModelInfo.from_worker_info(workers[0].info(), num_workers)
-    fe = Frontend(LocalWorkerPool(workers), workers[0].engine.engine.tokenizer, info, KEY, 64, 1, allow, registry)
+    fe = Frontend(
+        LocalWorkerPool(workers),
+        workers[0].engine.engine.tokenizer,
+        info,
+        KEY,
+        64,
+        1,
+        allow,
+        registry,
+        lora_root=args.lora_root,
+        max_runtime_loras=args.max_runtime_loras,
+        metrics_include_lora_names=names,
+    )
     app = OpenAIApp(fe, ServeOptions().max_request_bytes).app
     transport = httpx.ASGITransport(app=app)
     try:
@@ -331,7 +347,8 @@ def test_metrics_status_and_worker_report(tiny_model, adapters, monkeypatch):
             await _complete(client, "alpha")
             w = workers[0]
             load = w.stats()
-            assert load.loras["alpha"][1] == 2 and load.loras["beta"][1] == 0  # in the slot / on disk only
+            # In the slot / in host memory (its tensors kept from the load: --max-cpu-loras 2).
+            assert load.loras["alpha"][1] == 2 and load.loras["beta"][1] == 1
             # A worker refuses a name it does not serve, whatever the router thought.
             req = GenerateRequest("x1", PROMPT, SamplingParams(max_tokens=2), lora_name="nope")
             (err,) = [m async for m in w.generate(req)]
@@ -346,13 +363,160 @@ def test_metrics_status_and_worker_report(tiny_model, adapters, monkeypatch):
 
     metrics, status = asyncio.run(main())
     (line,) = [x for x in metrics.splitlines() if x.startswith("shoal:lora_requests_info{")]
-    assert 'running_lora_adapters="beta"' in line and 'waiting_lora_adapters=""' in line and 'max_lora="1"' in line
+    # Counts, not names, without --metrics-include-lora-names (/metrics answers without the key).
+    assert 'running_lora_adapters="1"' in line and 'waiting_lora_adapters="0"' in line and 'max_lora="1"' in line
+    assert "beta" not in metrics
     (worker,) = status["workers"]
     assert worker["lora_on_device"] == ["beta"] and worker["running_lora_adapters"] == ["beta"]
     assert status["max_loras"] == 1
     assert {"gen_ai.request.model": "alpha", "shoal.lora": stable_lora_id("alpha", adapters["alpha"])}.items() <= (
         seen[0].items()
     )
+
+
+async def _tokens(worker, lora_name: str | None, rid: str) -> list[int] | WorkerError:
+    params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    out = [m async for m in worker.generate(GenerateRequest(rid, PROMPT, params, lora_name=lora_name))]
+    if isinstance(out[0], WorkerError):
+        return out[0]
+    return [t for m in out for t in m.token_ids]
+
+
+def test_an_adapter_changed_on_disk_never_reaches_a_worker(tiny_model, adapters, offline, tmp_path):
+    """Loaded at run time, then its weights overwritten with garbage: the
+    worker that loaded it serves it from the tensors it checked, token for
+    token; a worker started afterwards comes up, reports it unavailable (and
+    refuses it), serves the rest; the router sends the adapter's requests to
+    the worker that has it, the base model's to either. Once evicted from
+    host memory, the adapter is refused where it was served, alone."""
+    path = shutil.copytree(adapters["gamma"], tmp_path / "gamma")
+
+    async def main():
+        async with serving(tiny_model, adapters, num_workers=1) as (fe, (first,), client, raw):
+            r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": "g", "lora_path": str(path)})
+            assert r.status_code == 200, r.text
+            lora_id = first.engine.engine.lora_by_name["g"].lora_int_id
+            (path / "adapter_model.safetensors").write_bytes(b"not safetensors " * 64)
+            assert (await _complete(client, "g")).choices[0].text == fe.tokenizer.decode(offline["gamma"])
+            later = Worker(_engine_args(tiny_model, adapters), max_waiting=64, lora_registry=fe.lora.registry)
+            try:
+                assert later.stats().loras["g"] == (lora_id, LORA_UNAVAILABLE)
+                assert later.info().loras["g"] == lora_id  # served by the application, if not here
+                err = await _tokens(later, "g", "direct")
+                assert isinstance(err, WorkerError) and err.kind == "not_found" and "not available" in err.message
+                assert await _tokens(later, "alpha", "a1") == offline["alpha"]
+                pool = LocalWorkerPool([later, first])  # `later` first: ties would go to it
+                served = []
+                for i in range(4):
+                    for lora in ("g", None):
+                        params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+                        out = [
+                            m
+                            async for m in pool.generate(GenerateRequest(f"p{i}{lora}", PROMPT, params, lora_name=lora))
+                        ]
+                        assert not isinstance(out[0], WorkerError), out[0]
+                        assert [t for m in out for t in m.token_ids] == offline["gamma" if lora else None]
+                        served.append((lora, out[-1].finished.worker))
+                assert {w for lora, w in served if lora == "g"} == {first.name}
+                # Pushed out of host memory by two others (--max-cpu-loras 2), it is read again on its next
+                # request, outside any step: that request alone is refused (400), and the adapter is out here.
+                assert await _tokens(first, "alpha", "e1") == offline["alpha"]
+                assert await _tokens(first, "beta", "e2") == offline["beta"]
+                assert lora_id not in first.engine.engine.lora_host.ids()
+                err = await _tokens(first, "g", "e3")
+                assert isinstance(err, WorkerError) and err.kind == "invalid" and "cannot be loaded" in err.message
+                assert first.stats().loras["g"] == (lora_id, LORA_UNAVAILABLE)
+                assert (await _tokens(first, "g", "e4")).kind == "not_found"
+                assert await _tokens(first, None, "e5") == offline[None]
+                assert first.engine.failed is None
+            finally:
+                await later.engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_lora_root_refuses_paths_outside_it_alike(tiny_model, adapters, tmp_path):
+    """--lora-root: a runtime load from outside it (directly, through `..`, or
+    through a symlink, of the folder or of a file in it) is 403 at the router
+    and at each worker; missing and existing paths outside, and missing or
+    unreadable ones inside, get one message, which names neither."""
+    root, away = tmp_path / "root", tmp_path / "away"
+    root.mkdir()
+    inside = shutil.copytree(adapters["gamma"], root / "g")
+    outside = shutil.copytree(adapters["gamma"], away / "g")
+    (root / "link").symlink_to(outside)
+    (root / "files").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (root / "files" / name).symlink_to(outside / name)
+    (root / "junk").mkdir()
+    (root / "junk" / "adapter_config.json").write_text('{"r": 4}')
+    (root / "junk" / "adapter_model.safetensors").write_bytes(b"junk")
+
+    async def main():
+        async with serving(tiny_model, adapters, num_workers=1, lora_root=str(root)) as (fe, (w,), client, raw):
+
+            async def load(name, path):
+                r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+                return r.status_code, r.json()["error"]["message"] if r.status_code != 200 else ""
+
+            assert await load("in", str(inside)) == (200, "")
+            assert await load("rel", "g") == (200, "")  # relative: under the root
+            said = set()
+            for i, path in enumerate(
+                (str(outside), str(away / "nowhere"), f"{root}/../away/g", str(root / "link"), "../away/g")
+            ):
+                status, message = await load(f"out{i}", path)
+                assert status == 403, (path, message)
+                said.add(message.replace(f"'out{i}'", "NAME"))
+            status, message = await load("files", str(root / "files"))  # only the worker sees where its files lead
+            assert status == 403
+            said.add(message.replace("'files'", "NAME"))
+            for name, path in (("missing", str(root / "nothing")), ("junk", str(root / "junk"))):
+                status, message = await load(name, path)
+                assert status == 400, (path, message)
+                said.add(message.replace(f"'{name}'", "NAME"))
+            assert len(said) == 1 and "nowhere" not in said.pop()
+            # The worker checks by itself too.
+            err = await w.load_lora_adapter("direct", str(root / "link"), 1234)
+            assert isinstance(err, WorkerError) and err.kind == "forbidden"
+            assert set(w.engine.engine.lora_by_name) == {"alpha", "beta", "in", "rel"}
+            assert (await _complete(client, "in")).choices[0].text == (await _complete(client, "rel")).choices[0].text
+
+    asyncio.run(main())
+
+
+def test_max_runtime_loras_caps_the_runtime_loads(tiny_model, adapters):
+    async def main():
+        async with serving(tiny_model, adapters, num_workers=1, max_runtime_loras=1) as (fe, (w,), client, raw):
+            body = {"lora_name": "gamma", "lora_path": adapters["gamma"]}
+            assert (await _post(raw, "/v1/load_lora_adapter", body)).status_code == 200
+            r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": "g2", "lora_path": adapters["gamma"]})
+            assert r.status_code == 409 and "--max-runtime-loras" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["code"] == "lora_limit"
+            # The worker holds to it by itself; --lora-modules' adapters do not count.
+            err = await w.load_lora_adapter("g3", adapters["gamma"], 4321)
+            assert isinstance(err, WorkerError) and err.kind == "conflict" and err.code == "lora_limit"
+            assert (await _post(raw, "/v1/unload_lora_adapter", {"lora_name": "gamma"})).status_code == 200
+            r = await _post(raw, "/v1/load_lora_adapter", {"lora_name": "g2", "lora_path": adapters["gamma"]})
+            assert r.status_code == 200, r.text
+
+    asyncio.run(main())
+
+
+def test_lora_requests_info_names_adapters_only_when_asked():
+    from shoal.router.observability.metrics import RouterMetrics
+    from shoal.workers.messages import WorkerLoad
+
+    load = WorkerLoad(1, 1, 10, 10, 0.0, 0, 0, 0, 0, 0, 0, 0, worker="w0", time=1.0)
+    load.running_lora_adapters, load.waiting_lora_adapters = ("alpha", "beta"), ("secret-tenant",)
+    for names, labels in (
+        (False, 'running_lora_adapters="2",waiting_lora_adapters="1"'),
+        (True, 'running_lora_adapters="alpha,beta",waiting_lora_adapters="secret-tenant"'),
+    ):
+        text = RouterMetrics("m", 64, 2, include_lora_names=names).render([load]).decode()
+        (line,) = [x for x in text.splitlines() if x.startswith("shoal:lora_requests_info{")]
+        assert labels in line
+        assert ("secret-tenant" in text) is names
 
 
 ROUTER_SPAN = textwrap.dedent("""

@@ -1,10 +1,17 @@
 """The LoRA adapters a router serves by name: which `model` names one,
 vLLM's runtime load and unload (a broadcast to every worker, kept in the
 application's registry for the workers that start later), and the salt of
-an adapter's prefix-cache keys."""
+an adapter's prefix-cache keys.
+
+A runtime load is checked here before any worker is asked, and again by
+every worker (workers/lora/worker_adapters.py, which alone sees the files):
+its path must resolve inside --lora-root when one is set (403), and at most
+--max-runtime-loras adapters are loaded at run time (409). The answer never
+says whether a path exists."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -12,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from shoal.router.fronts.serving_error import ServingError
 from shoal.router.routing.pool import WorkerPool
 from shoal.workers.core.block_hash import lora_extra
+from shoal.workers.lora.files import public_message, under_root, within_root
 from shoal.workers.lora.modules import fresh_lora_id
 from shoal.workers.lora.registry import LoRARegistry, RuntimeLoRA
 from shoal.workers.messages import WorkerError, WorkerLoad
@@ -25,7 +33,8 @@ LORA_REFRESH_S = 1.0
 class LoRAAdapters:
     """ids: name -> lora_int_id of every adapter served (those at start, those
     loaded through this router, and those the workers report); load: the
-    workers' current loads (Frontend.load)."""
+    workers' current loads (Frontend.load); root and max_runtime: --lora-root
+    and --max-runtime-loras (None: no cap)."""
 
     def __init__(
         self,
@@ -36,9 +45,13 @@ class LoRAAdapters:
         load: Callable[[], Awaitable[list[WorkerLoad]]],
         allow_runtime_updating: bool = False,
         registry: LoRARegistry | None = None,
+        root: str | None = None,
+        max_runtime: int | None = None,
     ):
         self.pool, self.base_model, self.enable_lora = pool, base_model, enable_lora
         self.ids = dict(ids)
+        self.root, self.max_runtime = root or None, max_runtime
+        self._loaded_here: set[str] = set()  # runtime loads through this router (no registry: the count)
         self._load = load
         self.allow_runtime_updating = allow_runtime_updating
         # Runtime loads are kept there too, for the workers that start later (workers/lora/registry.py).
@@ -90,7 +103,9 @@ class LoRAAdapters:
         adapter at `path` and serves it as `name`, under one fresh id (so the
         router's prefix keys for it match every worker's). Refused: 403 without
         --allow-runtime-lora-updating; 400 for a bad name or adapter (no worker
-        keeps it); 409 when the name is served already."""
+        keeps it); 409 when the name is served already, or --max-runtime-loras
+        are; 403 for a path outside --lora-root (with the message a missing
+        or unreadable one gets: the log says which)."""
         self._check_updating()
         for value, field_name in ((name, "lora_name"), (path, "lora_path")):
             if not isinstance(value, str) or not value or len(value) > 4096:
@@ -99,7 +114,23 @@ class LoRAAdapters:
             raise ServingError(
                 "invalid", "lora_name must be at most 256 characters and not the base model's", "lora_name"
             )
+        if "\0" in path:
+            raise ServingError("invalid", public_message(name), "lora_path")
+        path = under_root(path, self.root)
+        if not within_root(path, self.root):
+            logger.warning("LoRA adapter %r refused: %r is outside --lora-root %r", name, path, self.root)
+            raise ServingError("forbidden", public_message(name), "lora_path")
         await self.refresh()
+        if self.max_runtime is not None and name not in self.ids:
+            loaded = len(await asyncio.to_thread(self.registry.entries)) if self.registry else len(self._loaded_here)
+            if loaded >= self.max_runtime:
+                raise ServingError(
+                    "conflict",
+                    f"{loaded} LoRA adapters are loaded at run time already (--max-runtime-loras "
+                    f"{self.max_runtime}); unload one first",
+                    "lora_name",
+                    "lora_limit",
+                )
         lora_id = fresh_lora_id()
         # Registered first, so that a worker starting meanwhile loads it too (or on its first request).
         if name in self.ids or not self._register(name, RuntimeLoRA(path, lora_id)):
@@ -115,6 +146,7 @@ class LoRAAdapters:
         if errors:
             raise _from_worker(errors[0], "lora_path")
         self.ids[name] = lora_id
+        self._loaded_here.add(name)
         logger.info("LoRA adapter %r loaded on %d workers", name, len(results))
 
     async def unload_adapter(self, name) -> None:
@@ -153,6 +185,7 @@ class LoRAAdapters:
                 raise _from_worker(errors[0], "lora_name")
             raise ServingError("unavailable", "no worker is up to unload the adapter", code="no_worker")
         self.ids.pop(name, None)
+        self._loaded_here.discard(name)
         logger.info("LoRA adapter %r unloaded from %d workers", name, done)
 
     def _register(self, name: str, entry: RuntimeLoRA) -> bool:
@@ -176,6 +209,6 @@ class LoRAAdapters:
 def _from_worker(error, field: str) -> ServingError:
     """A worker's answer to a LoRA load or unload (a WorkerError, or what the call raised)."""
     if isinstance(error, WorkerError):
-        kind = error.kind if error.kind in ("invalid", "not_found", "conflict") else "internal"
-        return ServingError(kind, error.message, error.field or field)
+        kind = error.kind if error.kind in ("invalid", "not_found", "conflict", "forbidden") else "internal"
+        return ServingError(kind, error.message, error.field or field, error.code)
     return ServingError("unavailable", f"a worker did not answer: {type(error).__name__}", code="worker_failed")

@@ -27,7 +27,9 @@ plus LORA_HELD_TOKENS for each other adapter held there, in a slot or in
 host memory, which the new one may push out: an adapter new to every
 replica goes to the one holding the fewest, so adapters spread), and
 DOES_NOT_FIT where the replica does not serve it at all (an adapter loaded
-at run time after the replica started): such a replica comes last under
+at run time after the replica started, or one whose files the replica
+could not load: LORA_UNAVAILABLE, whatever this process sent it since):
+such a replica comes last under
 `kv`, `least-requests` and `round-robin`, which are otherwise blind to where
 adapters are. `pow2` is Serve's own router and blind to adapters altogether:
 there a replica that lacks a runtime-loaded adapter answers 404.
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 
 from shoal.router.observability import tracing
 from shoal.router.routing.replica_stats import ReplicaFigures, ReplicaStats
-from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK
+from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, LORA_UNAVAILABLE
 from shoal.workers.utils import cdiv
 
 # The output a request is expected to need room for: max_tokens is only a
@@ -124,15 +126,17 @@ def need_of(request, block_size: int) -> RequestNeed:
 
 def lora_cost(f: ReplicaFigures, lora: str) -> float:
     """What getting adapter `lora` into a slot costs at replica f (module docstring)."""
+    held = f.loras.get(lora)
+    if held is not None and held[1] == LORA_UNAVAILABLE:
+        return DOES_NOT_FIT
     if lora in f.lora_sent:
         return 0.0
-    held = f.loras.get(lora)
     if held is None and f.total_blocks:
         return DOES_NOT_FIT
     where = LORA_ON_DISK if held is None else held[1]  # (unreported: taken to serve it)
     if where == LORA_ON_DEVICE:
         return 0.0
-    held = f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w != LORA_ON_DISK}
+    held = f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w > LORA_ON_DISK}
     others = len(held) - (lora in held)
     return (LORA_HOST_TOKENS if where == LORA_IN_HOST else LORA_DISK_TOKENS) + LORA_HELD_TOKENS * others
 

@@ -36,6 +36,7 @@ class StepInput:
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # since last sent
     finished: list[int] = field(default_factory=list)  # forget these (ended or preempted)
     lora_slots: dict = field(default_factory=dict)  # slot -> LoRARequest (SchedulerOutput.lora_slots)
+    lora_adapters: dict = field(default_factory=dict)  # slot -> LoRAAdapter, for the slots this step changes
 
 
 @dataclass(slots=True)

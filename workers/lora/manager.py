@@ -1,20 +1,27 @@
 """A rank's LoRA state (vLLM's LoRAModelManager): the model's seven
 projections of every decoder layer wrapped with LoRA slots, the adapters
-kept in host memory (LRU, max_cpu_loras), and each slot filled as the
-scheduler's table says (SchedulerOutput.lora_slots) before the step runs.
+kept in host memory (host_cache.py, max_cpu_loras: on rank 0, where the
+engine puts each adapter it has read and checked), and each slot filled as
+the scheduler's table says (SchedulerOutput.lora_slots) before the step
+runs. A slot is filled only from held tensors, never from disk: rank 0 from
+its host cache, the other tensor-parallel ranks from the adapters rank 0
+sends with the step (adapters_to_send). A fill that fails leaves its slot
+empty, so the step's failure isolation (LLMEngine._blame, whose probes
+carry the slots) pins the failure on that adapter's requests alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 from torch import nn
 
+from shoal.workers.fault_injection import FaultPlan
+from shoal.workers.lora.host_cache import LoRAHostCache
 from shoal.workers.lora.layers import LoRALinear
-from shoal.workers.lora.peft_adapter import LoRAAdapter, load_peft_adapter
+from shoal.workers.lora.peft_adapter import LoRAAdapter
 from shoal.workers.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -54,35 +61,43 @@ class LoRAModelManager:
                 wrapped.update({m: w for m in modules})
             self.layers.append(wrapped)
         self.slots: list[int | None] = [None] * max_loras  # the adapter id in each slot
-        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self.load_seconds = 0.0  # reading adapters from disk and filling slots
+        self.host = LoRAHostCache(self.max_cpu_loras)
+        self.fault_plan = FaultPlan.from_env()  # None unless a test asks for faults
+        self.load_seconds = 0.0  # filling slots
         self.num_slot_fills = 0
 
     def host_ids(self) -> set[int]:
         """Ids of the adapters in host memory (a copy read from another thread)."""
-        return set(list(self._host))
+        return self.host.ids()
 
-    def adapter(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter from host memory, else read (and checked) from disk."""
-        a = self._host.get(request.lora_int_id)
-        if a is None:
-            a = load_peft_adapter(request, self.model.config, self.max_lora_rank)
-            self._host[request.lora_int_id] = a
-            while len(self._host) > self.max_cpu_loras:
-                evict = next((x for x in self._host if x not in self.slots and x != request.lora_int_id), None)
-                if evict is None:
-                    break
-                del self._host[evict]
-        self._host.move_to_end(request.lora_int_id)
-        return a
+    def slot_ids(self) -> set[int]:
+        return {aid for aid in list(self.slots) if aid is not None}
 
-    def set_active(self, slot_requests: dict[int, LoRARequest]) -> None:
-        """Make each slot hold the adapter the scheduler put there."""
+    def adapters_to_send(self, slot_requests: dict[int, LoRARequest]) -> dict[int, LoRAAdapter]:
+        """Rank 0, before a tensor-parallel step: the held adapters of the
+        slots the step changes, for the other ranks (whose slots hold what
+        this rank's do, step after step)."""
+        out = {}
+        for slot, request in slot_requests.items():
+            if self.slots[slot] != request.lora_int_id:
+                adapter = self.host.get(request.lora_int_id)
+                if adapter is not None:
+                    out[slot] = adapter
+        return out
+
+    def set_active(self, slot_requests: dict[int, LoRARequest], sent: dict[int, LoRAAdapter] | None = None) -> None:
+        """Make each slot hold the adapter the scheduler put there, from host
+        memory (or `sent`: what rank 0 sent with the step)."""
         for slot, request in slot_requests.items():
             if self.slots[slot] == request.lora_int_id:
                 continue
             t0 = time.perf_counter()
-            adapter = self.adapter(request)
+            adapter = (sent or {}).get(slot) or self.host.get(request.lora_int_id)
+            if adapter is None or adapter.int_id != request.lora_int_id:
+                raise RuntimeError(f"LoRA adapter {request.lora_name!r} is not in host memory")
+            self.slots[slot] = None  # until filled: a fill that fails half way leaves no slot claiming it
+            if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
+                self.fault_plan.before_slot_fill(request)
             by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
             for (layer, module), ab in adapter.weights.items():
                 by_layer.setdefault(layer, {})[module] = ab

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from shoal.workers.lora.request import LoRARequest
 
 # Where a worker holds an adapter (WorkerLoad.loras), cheapest to serve last.
+LORA_UNAVAILABLE = -1  # served elsewhere, but its files could not be loaded here: never routed here
 LORA_ON_DISK = 0  # registered: its files checked, its weights not in memory
 LORA_IN_HOST = 1  # in host memory (--max-cpu-loras): a copy away from a slot
 LORA_ON_DEVICE = 2  # in a device slot (--max-loras)

@@ -10,12 +10,15 @@ them. Refused with the reason, before anything is kept: a rank above
 max_lora_rank, another base model's name or shapes, a layer or module the
 model lacks (embeddings, the LM head and a mixture of experts' MLP
 included), DoRA, trained biases,
-modules_to_save, and per-module rank or alpha patterns.
+modules_to_save, and per-module rank or alpha patterns. Each file is read
+once (files.py) and the tensors checked are the ones kept: the adapter's
+`digest` fingerprints those bytes, so that a reread can tell a change.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -23,12 +26,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.workers.errors import InvalidRequestError, LoRAAdapterError
+from shoal.workers.lora.files import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    AdapterFilesError,
+    AdapterPathForbidden,
+    digest,
+    public_message,
+    read_file,
+    under_root,
+)
 from shoal.workers.lora.request import LoRARequest
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.models.moe import is_moe_layer
 
+logger = logging.getLogger(__name__)
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (peft's names, the adapter name dropped)
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -44,6 +59,7 @@ class LoRAAdapter:
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     base_model_name: str | None = None
+    digest: str = ""  # of the files' bytes as read (files.digest)
 
     @property
     def modules(self) -> set[str]:
@@ -73,18 +89,36 @@ def peft_scaling(lora_alpha: float, rank: int, use_rslora: bool) -> float:
     return lora_alpha / math.sqrt(rank) if use_rslora else lora_alpha / rank
 
 
-def _read_config(request: LoRARequest) -> dict:
-    path = os.path.join(request.lora_path, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: no {CONFIG_FILE} in {request.lora_path!r}")
+def _read_config(request: LoRARequest, root: str | None) -> tuple[bytes, dict]:
+    name = request.lora_name
+    raw = read_file(name, os.path.join(under_root(request.lora_path, root), CONFIG_FILE), root, MAX_CONFIG_BYTES)
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: {CONFIG_FILE} cannot be read: {e}") from None
+        cfg = json.loads(raw)
+    except ValueError as e:  # (UnicodeDecodeError included)
+        raise AdapterFilesError(name, f"{CONFIG_FILE} cannot be read: {e}") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: {CONFIG_FILE} is not an object")
-    return cfg
+        raise AdapterFilesError(name, f"{CONFIG_FILE} is not an object")
+    return raw, cfg
+
+
+def _max_weights_bytes(config: ModelConfig, max_rank: int) -> int:
+    """The largest file an adapter of rank <= max_rank can be: every module of
+    every layer in float64, and room for the header's names."""
+    per_layer = sum(i + o for i, o in module_shapes(config).values()) * max_rank * 8
+    return config.num_hidden_layers * (per_layer + 14 * 512) + (64 << 10)
+
+
+def _read_weights(request: LoRARequest, root: str | None, config: ModelConfig, max_rank: int):
+    """(the file's bytes, its tensors by name), from one read."""
+    from safetensors.torch import load
+
+    name = request.lora_name
+    path = os.path.join(under_root(request.lora_path, root), WEIGHTS_FILE)
+    raw = read_file(name, path, root, _max_weights_bytes(config, max_rank))
+    try:
+        return raw, load(raw)
+    except Exception as e:  # safetensors' own error for a file that is not one
+        raise AdapterFilesError(name, f"{WEIGHTS_FILE} is not a safetensors file: {type(e).__name__}: {e}") from None
 
 
 def _check_config(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
@@ -115,53 +149,61 @@ def _check_config(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
 
 
 def load_peft_adapter(
-    request: LoRARequest, config: ModelConfig, max_rank: int, base_model_name: str | None = None
+    request: LoRARequest,
+    config: ModelConfig,
+    max_rank: int,
+    base_model_name: str | None = None,
+    root: str | None = None,
 ) -> LoRAAdapter:
     """The adapter request.lora_path holds, checked against `config`'s
     shapes, and against base_model_name (the served model's) where the
     request names the base it is for (--lora-modules' base_model_name). The
     adapter's own base_model_name_or_path is kept, not compared: it is often
-    a hub id where the served model is a local path."""
-    from safetensors import safe_open
-
+    a hub id where the served model is a local path. root: files whose real
+    path lies outside it are refused (AdapterPathForbidden; a runtime load's
+    --lora-root). Files missing or unreadable raise AdapterFilesError; an
+    adapter not served, a ValueError naming the reason."""
     name = request.lora_name
-    cfg = _read_config(request)
+    raw_config, cfg = _read_config(request, root)
     rank, scaling = _check_config(name, cfg, max_rank)
     wanted = request.base_model_name
     if wanted and base_model_name and wanted != base_model_name:
         raise ValueError(f"LoRA adapter {name!r} is for base model {wanted!r}, not {base_model_name!r}")
-    path = os.path.join(request.lora_path, WEIGHTS_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {request.lora_path!r}")
+    raw_weights, tensors = _read_weights(request, root, config, max_rank)
     shapes = module_shapes(config)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(path, framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.match(key)
-            if m is None:
-                raise ValueError(
-                    f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B of a decoder layer's "
-                    f"projection (embeddings, the LM head and other modules are not served)"
-                )
-            layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-            if module not in shapes:
-                raise ValueError(
-                    f"LoRA adapter {name!r}: target module {module!r} is not one of {', '.join(LINEAR_MODULES)}"
-                )
-            if layer >= config.num_hidden_layers:
-                raise ValueError(
-                    f"LoRA adapter {name!r}: layer {layer} is beyond the base model's {config.num_hidden_layers}"
-                )
-            if module in ("gate_proj", "up_proj", "down_proj") and is_moe_layer(config, layer):
-                raise ValueError(
-                    f"LoRA adapter {name!r}: layers.{layer}.{module}: that layer's MLP is a mixture of experts, "
-                    "whose experts take no adapter"
-                )
-            parts.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B of a decoder layer's "
+                f"projection (embeddings, the LM head and other modules are not served)"
+            )
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in shapes:
+            raise ValueError(
+                f"LoRA adapter {name!r}: target module {module!r} is not one of {', '.join(LINEAR_MODULES)}"
+            )
+        if layer >= config.num_hidden_layers:
+            raise ValueError(
+                f"LoRA adapter {name!r}: layer {layer} is beyond the base model's {config.num_hidden_layers}"
+            )
+        if module in ("gate_proj", "up_proj", "down_proj") and is_moe_layer(config, layer):
+            raise ValueError(
+                f"LoRA adapter {name!r}: layers.{layer}.{module}: that layer's MLP is a mixture of experts, "
+                "whose experts take no adapter"
+            )
+        parts.setdefault((layer, module), {})[which] = tensor
     if not parts:
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     adapter = LoRAAdapter(
-        name, request.lora_int_id, request.lora_path, rank, scaling, base_model_name=cfg.get("base_model_name_or_path")
+        name,
+        request.lora_int_id,
+        request.lora_path,
+        rank,
+        scaling,
+        base_model_name=cfg.get("base_model_name_or_path"),
+        digest=digest(raw_config, raw_weights),
     )
     for (layer, module), ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
@@ -181,3 +223,30 @@ def load_peft_adapter(
             raise ValueError(f"LoRA adapter {name!r}: layers.{layer}.{module} holds NaN or infinite values")
         adapter.weights[(layer, module)] = (a, b)
     return adapter
+
+
+def read_lora_adapter(
+    request: LoRARequest,
+    config: ModelConfig,
+    max_rank: int,
+    base_model_name: str | None = None,
+    root: str | None = None,
+) -> LoRAAdapter:
+    """load_peft_adapter, for the engine: every refusal an InvalidRequestError
+    (400), or a LoRAAdapterError 'forbidden' (403) outside the root. Files
+    missing or unreadable (or anything unforeseen) get one message that says
+    nothing of the filesystem; their detail goes to the log."""
+    name = request.lora_name
+    try:
+        return load_peft_adapter(request, config, max_rank, base_model_name, root)
+    except AdapterPathForbidden as e:
+        logger.warning("refused: %s", e)
+        raise LoRAAdapterError(e.public, "forbidden", "lora_path") from None
+    except AdapterFilesError as e:
+        logger.warning("refused: %s", e)
+        raise InvalidRequestError(e.public, field="lora_request") from None
+    except ValueError as e:  # the adapter read, and not one shoal serves: the reason helps its owner
+        raise InvalidRequestError(str(e), field="lora_request") from None
+    except Exception:
+        logger.exception("LoRA adapter %r: reading %r failed", name, request.lora_path)
+        raise InvalidRequestError(public_message(name), field="lora_request") from None

@@ -243,12 +243,15 @@ class ModelRunner:
             out = self.sampler(logits, metadata)
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
 
-    def execute_model(self, scheduled: list, lora_slots: dict | None = None) -> tuple[list, torch.Tensor | None]:
+    def execute_model(
+        self, scheduled: list, lora_slots: dict | None = None, lora_adapters: dict | None = None
+    ) -> tuple[list, torch.Tensor | None]:
         """The forward pass alone (tensor-parallel ranks other than 0): the
         sequences due a token and their logits (None on those ranks).
-        lora_slots: the adapters the step's slots must hold (rank 0's SchedulerOutput.lora_slots)."""
+        lora_slots: the adapters the step's slots must hold (rank 0's SchedulerOutput.lora_slots);
+        lora_adapters: the held adapters of the slots the step changes, sent by rank 0."""
         if self.lora_manager is not None and lora_slots:
-            self.lora_manager.set_active(lora_slots)
+            self.lora_manager.set_active(lora_slots, lora_adapters)
         seqs, logits, _ = self._run(scheduled, sample=False)
         return seqs, logits
 

@@ -207,7 +207,11 @@ class RankWorker:
         """Rank 0's step: the other ranks get its inputs and run its forward
         alongside; only this rank samples."""
         if self.encoder is not None:
-            get_tp_group().broadcast_object(self.encoder.encode(sched))
+            step = self.encoder.encode(sched)
+            manager = getattr(self.runner, "lora_manager", None)
+            if manager is not None:  # the other ranks fill their slots from these, never from disk
+                step.lora_adapters = manager.adapters_to_send(sched.lora_slots)
+            get_tp_group().broadcast_object(step)
         return self.runner.execute(sched)
 
     def stop_worker_execution_loop(self) -> None:
@@ -224,7 +228,7 @@ class RankWorker:
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:
                 scheduled = decoder.decode(step)
-                runner.execute_model(scheduled, step.lora_slots)
+                runner.execute_model(scheduled, step.lora_slots, step.lora_adapters)
                 decoder.advance(scheduled)
         except BaseException as e:  # rank 0 gone (the usual end of a replica), or this rank failed
             first_line = (str(e).splitlines() or [""])[0]

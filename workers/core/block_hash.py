@@ -17,6 +17,13 @@ themselves, salted or not. The constant names the scheme's version and
 the block size, so keys made under another version or block size never
 match.
 
+A request's cache_salt (vLLM's field; the router also folds the caller's
+identity into it under --cache-isolation key) changes that parent: the
+first block's parent is then SHA-256 of another constant, the block size
+and the salt, so only requests with the same salt share any block, and a
+prompt's `cached_tokens` says nothing of other salts' prompts. Salting the
+root costs one hash a prompt; the chain carries it to every later block.
+
 The router hashes each prompt once (chain_hashes) and carries the keys to
 the worker (GenerateRequest.block_hashes); the worker takes them after a
 shape check (adopt_chain) and hashes only the blocks its output fills.
@@ -31,7 +38,10 @@ from collections.abc import Sequence
 from shoal.workers.errors import InvalidRequestError
 
 KEY_BYTES = 32  # a key is a SHA-256 digest
+MAX_CACHE_SALT_CHARS = 256  # it is hashed once a prompt, but still bounded, as every string a client sends
 _VERSION = b"shoal.prefix-cache.sha256.v1"
+# Longer than _VERSION + the block size (the unsalted root's input), so no salt gives the unsalted root.
+_SALTED = b"shoal.prefix-cache.sha256.v1.salted"
 _roots: dict[int, bytes] = {}
 _sha256 = hashlib.sha256
 _EMPTY = _sha256()  # copying a started hash skips OpenSSL's setup of a new one (~5% of the chain's cost)
@@ -43,11 +53,34 @@ def lora_extra(lora_int_id: int) -> bytes:
     return b"lora:" + lora_int_id.to_bytes(8, "little")
 
 
-def root_key(block_size: int) -> bytes:
-    """The first block's parent for this block size."""
+def check_cache_salt(cache_salt: object, field: str = "cache_salt") -> None:
+    """vLLM's rule (a non-empty string when given) and a length bound; None
+    is no salt. The router checks it for a clear 400, the engine again."""
+    if cache_salt is None:
+        return
+    if type(cache_salt) is not str:
+        raise InvalidRequestError(f"{field} must be a string, got {type(cache_salt).__name__}", field=field)
+    if not cache_salt:
+        raise InvalidRequestError(f"{field} must be a non-empty string when given", field=field)
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"{field} has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed", field=field
+        )
+    if not cache_salt.isascii():
+        try:
+            cache_salt.encode()
+        except UnicodeEncodeError:  # a lone surrogate (JSON's \ud800): not text
+            raise InvalidRequestError(f"{field} must be valid Unicode text", field=field) from None
+
+
+def root_key(block_size: int, cache_salt: str | None = None) -> bytes:
+    """The first block's parent for this block size (and salt, if any)."""
+    size = block_size.to_bytes(4, "little")
+    if cache_salt:  # not memoized: salts are the clients', and a cache of them would grow without bound
+        return _sha256(_SALTED + size + cache_salt.encode("utf-8", "surrogatepass")).digest()
     root = _roots.get(block_size)
     if root is None:
-        root = _roots[block_size] = _sha256(_VERSION + block_size.to_bytes(4, "little")).digest()
+        root = _roots[block_size] = _sha256(_VERSION + size).digest()
     return root
 
 
@@ -58,9 +91,12 @@ def _pack(token_ids: Sequence[int]) -> bytes:
         raise InvalidRequestError("prompt token ids must be integers in the int64 range", field="prompt") from None
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    """One block's key (parent None: the first block)."""
-    return _sha256((root_key(len(token_ids)) if parent is None else parent) + _pack(token_ids) + extra).digest()
+def hash_block(
+    parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"", cache_salt: str | None = None
+) -> bytes:
+    """One block's key (parent None: the first block, salted by cache_salt)."""
+    p = root_key(len(token_ids), cache_salt) if parent is None else parent
+    return _sha256(p + _pack(token_ids) + extra).digest()
 
 
 def chain_hashes(
@@ -69,18 +105,20 @@ def chain_hashes(
     start: list[bytes] | None = None,
     extra: bytes = b"",
     num_blocks: int | None = None,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
     """The keys of the full blocks of token_ids (the first `num_blocks` of
     them if given); `start` (keys already computed for its first blocks) is
     extended in place and returned. Only the blocks past `start` are packed
-    and hashed."""
+    and hashed. `extra` salts every block (the LoRA adapter); `cache_salt`
+    the first one's parent (root_key), and so the whole chain."""
     hashes = start if start is not None else []
     first = len(hashes)
     last = len(token_ids) // block_size if num_blocks is None else min(num_blocks, len(token_ids) // block_size)
     if last <= first:
         return hashes
     data = _pack(token_ids[first * block_size : last * block_size])
-    p = hashes[-1] if hashes else root_key(block_size)
+    p = hashes[-1] if hashes else root_key(block_size, cache_salt)
     step, new, append = block_size * 8, _EMPTY.copy, hashes.append
     # extra goes last: the parent and the tokens have fixed lengths, so the bytes hashed read only one way.
     for j in range(0, len(data), step):  # (one SHA-256 a block is most of the cost: ~0.3 us)

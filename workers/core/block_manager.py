@@ -38,7 +38,7 @@ class BlockManager:
         """seq's keys, at least its first n (if it has n full blocks)."""
         hashes = seq.block_hashes
         if len(hashes) < n:
-            chain_hashes(seq.token_ids, self.block_size, hashes, seq.block_hash_extra, n)
+            chain_hashes(seq.token_ids, self.block_size, hashes, seq.block_hash_extra, n, seq.cache_salt)
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
@@ -63,7 +63,10 @@ class BlockManager:
         reads them) that hold seq's leading tokens (a parallel-sampling
         sibling's prompt): seq may take them as it takes prefix hits (no
         reference taken yet), also with prefix caching off. The last token
-        is left to compute."""
+        is left to compute. Only under the same keys' salts (cache_salt, the
+        adapter): a prefix is never shared where the cache would not share it."""
+        if (seq.cache_salt, seq.block_hash_extra) != (donor.cache_salt, donor.block_hash_extra):
+            return []
         bs = self.block_size
         limit = min((seq.num_tokens - 1) // bs, len(donor.block_table), num_ready_tokens // bs)
         n = 0

@@ -59,6 +59,8 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     sampling_seed: int | None = None  # set for sampled requests: with the output index, fixes each draw
     block_hash_extra: bytes = b""  # salts every block's key: what else changes its contents (the LoRA adapter)
+    # The request's cache_salt (block_hash.root_key): only sequences with the same one share prefix blocks.
+    cache_salt: str | None = None
     # Its grammar's matcher (structured_output/request.py), when its output is constrained. Not part of
     # any block's key: only sampled tokens are constrained, so a prompt's blocks are the same either way.
     structured_output_request: object | None = None

@@ -44,6 +44,7 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
 
     async def main():
         fe = make_frontend(tiny_model, num_workers=2, api_key="sekret")
+        fe.load_snapshot.max_age_s = 0  # each scrape reads the workers as they are now, not 0.5 s ago
         auth = {"Authorization": "Bearer sekret"}
         async with http_client(fe) as c:
             before = (await c.get("/metrics")).text  # no key needed, like /health

@@ -11,6 +11,7 @@ from shoal.cluster.options import ServeOptions
 from shoal.router.fronts.frontend import Frontend, ModelInfo
 from shoal.router.fronts.grpc_server import GrpcServer
 from shoal.router.fronts.openai_app import OpenAIApp
+from shoal.router.observability.loop_monitor import LoopMonitor
 from shoal.router.routing.worker_pool import LocalWorkerPool
 from shoal.workers import EngineArgs
 from shoal.workers.worker import Worker
@@ -52,8 +53,23 @@ def local_cluster_app(name: str, num_gpus: int = 0, **opts):
 async def http_client(fe: Frontend, **kw):
     kw.setdefault("max_request_bytes", ServeOptions().max_request_bytes)
     app = OpenAIApp(fe, **kw).app
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://shoal") as client:
+    async with (
+        _loop_monitor(fe),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://shoal") as client,
+    ):
         yield client
+
+
+@asynccontextmanager
+async def _loop_monitor(fe: Frontend):
+    """The event-loop monitor a router runs (ingress.Router), on this loop while the front serves."""
+    monitor = LoopMonitor()
+    fe.metrics.watch_loop(monitor)
+    monitor.start()
+    try:
+        yield monitor
+    finally:
+        monitor.stop()
 
 
 @asynccontextmanager
@@ -61,6 +77,7 @@ async def grpc_server(fe: Frontend):
     server = GrpcServer(fe, "127.0.0.1", 0, ServeOptions().max_request_bytes)
     await server.start()
     try:
-        yield f"127.0.0.1:{server.port}"
+        async with _loop_monitor(fe):
+            yield f"127.0.0.1:{server.port}"
     finally:
         await server.stop(0)

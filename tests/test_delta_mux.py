@@ -40,13 +40,20 @@ class _Call:
                 raise WorkerLost(f"worker {self.index} died")
             if self._next is None:
                 self._next = asyncio.ensure_future(self.agen.__anext__())
+                # read here, or retrieved if its reader was cancelled first (its end is then nobody's)
+                self._next.add_done_callback(lambda f: f.cancelled() or f.exception())
             done, _ = await asyncio.wait({self._next}, timeout=self.handle.poll_s)
             if done:
                 next_, self._next = self._next, None
                 return next_.result()
 
     def cancel(self):
-        asyncio.get_running_loop().create_task(self.agen.aclose())
+        # As Serve cancels the replica's call: the generator stops where it waits (aclose() would
+        # refuse a generator that is running, as it is while a __anext__ is pending).
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
+        else:
+            asyncio.get_running_loop().create_task(self.agen.aclose())
 
 
 class StandInHandle:

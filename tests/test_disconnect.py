@@ -41,7 +41,7 @@ def test_http_client_hanging_up_aborts_in_the_engine_and_frees_its_blocks(tiny_m
             body = json.dumps(
                 {
                     "prompt": prompt if num_prompts == 1 else [prompt] * num_prompts,
-                    "max_tokens": 500,
+                    "max_tokens": 400,  # 2 prompts of 64 tokens + 2 x 400 fit --max-tokens-per-request (1024)
                     "ignore_eos": True,
                     "stream": stream,
                 }

@@ -35,7 +35,9 @@ HISTOGRAMS = {
     "shoal:request_prompt_tokens",
     "shoal:request_generation_tokens",
 }
-METRIC_NAMES = GAUGES | COUNTERS | HISTOGRAMS
+# The router's own, one series per router (not read from the workers).
+ROUTER_GAUGES = {"shoal:router_event_loop_lag_seconds"}
+METRIC_NAMES = GAUGES | ROUTER_GAUGES | COUNTERS | HISTOGRAMS
 assert METRIC_NAMES == set(EXPOSED), "the dashboard's list of series and /metrics' differ"
 # Read from the workers and exposed identically by every router: summing them over routers would count each
 # worker once per router, so every query over them must go through `max by (worker)`.

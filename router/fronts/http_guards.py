@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 
 LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
 # Probes and scrapers call these by the pod's address; their answers are not secret.
@@ -72,7 +72,10 @@ class HostCheck:
 
 class AdmissionLimit:
     """At most `limit` HTTP requests in the app at once (a stream counts until
-    it ends); past it 429 at once. /health and /metrics are not counted."""
+    it ends); past it 429 at once. /health and /metrics are not counted.
+    A backstop: generation requests are counted by their sequences once
+    parsed (admission.py, against the same limit), which this bounds from
+    below; it also bounds what is not generation (/tokenize, LoRA loads)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -87,7 +90,7 @@ class AdmissionLimit:
                 429,
                 "rate_limit_error",
                 "too_many_requests",
-                f"this router serves {self.limit} requests at once; try again later",
+                f"this router serves {self.limit} requests at once (--max-concurrent-requests); try again later",
                 [(b"retry-after", b"1")],
             )
             return
@@ -98,11 +101,12 @@ class AdmissionLimit:
             self.in_flight -= 1
 
 
-async def until_disconnect(receive, work: Awaitable):
+async def until_disconnect(receive, work: Coroutine, name: str | None = None):
     """Run `work` (a request's handling, once its body is read) until it
     returns or the client hangs up; then cancel it, which ends its streams
-    and aborts it in the engine. Returns work's result, or None after a hang-up."""
-    task = asyncio.ensure_future(work)
+    and aborts it in the engine. Returns work's result, or None after a hang-up.
+    name: the task's (loop_monitor.name_task's form: what a report of a held loop names)."""
+    task = asyncio.get_running_loop().create_task(work, name=name)
 
     async def hang_up() -> None:
         while (await receive())["type"] != "http.disconnect":

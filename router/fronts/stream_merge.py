@@ -1,5 +1,10 @@
 """Several engine requests' delta streams as one (the choices of n, the prompts
-of one completions request), each delta tagged with its stream's index."""
+of one completions request), each delta tagged with its stream's index.
+
+Bounded: the queue holds as many items as there are streams, so a client that reads
+slowly stops the pumps, and each stream's own deltas then wait (merged, and
+up to --max-stream-buffer-tokens) in its buffer at the router
+(routing/stream_buffer.py)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ Two kinds of series:
 - read from the workers at scrape time (WorkerLoad): running, waiting, KV
   blocks, preemptions and prefix-cache lookups. Every router reports the
   same figures for a worker, so a dashboard takes `max by (worker)`.
+And one of the router itself: its event loop's lag (loop_monitor.py).
 
 Each router owns a registry of its own (not prometheus_client's global
 one), so several fronts can live in one process, as they do in tests.
@@ -23,7 +24,7 @@ import math
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shoal.router.routing import replica_stats
@@ -120,6 +121,7 @@ METRIC_NAMES = (
     "shoal:request_queue_time_seconds",
     "shoal:request_prompt_tokens",
     "shoal:request_generation_tokens",
+    "shoal:router_event_loop_lag_seconds",
 )
 
 
@@ -138,8 +140,10 @@ def token_buckets(max_len: int) -> tuple[int, ...]:
 class _WorkerFigures:
     """A custom collector: the workers' loads as last read, as gauges and counters."""
 
-    def __init__(self, model: str, max_loras: int = 0):
+    def __init__(self, model: str, max_loras: int = 0, include_lora_names: bool = False):
         self.model, self.max_loras = model, max_loras  # max_loras 0: LoRA off, no lora_requests_info
+        # /metrics answers without the API key: adapter names only with --metrics-include-lora-names, else counts.
+        self.include_lora_names = include_lora_names
         self.loads: list[WorkerLoad] = []
 
     def collect(self):
@@ -155,7 +159,8 @@ class _WorkerFigures:
             CounterMetricFamily, "shoal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         hits = family(CounterMetricFamily, "shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        # vLLM's vllm:lora_requests_info: the adapters in use as labels, the value the time they were read.
+        # vLLM's vllm:lora_requests_info: the adapters in use as labels (their names, or how many), the value
+        # the time they were read.
         lora = GaugeMetricFamily(
             "shoal:lora_requests_info",
             "Running stats on LoRA requests: the adapters of the running and the waiting requests.",
@@ -171,8 +176,9 @@ class _WorkerFigures:
             queries.add_metric(lv, s.prefix_cache_queries)
             hits.add_metric(lv, s.prefix_cache_hits)
             if self.max_loras:
-                adapters = [",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters), str(self.max_loras)]
-                lora.add_metric(lv + adapters, s.time)
+                run, wait = s.running_lora_adapters, s.waiting_lora_adapters
+                shown = [",".join(run), ",".join(wait)] if self.include_lora_names else [str(len(run)), str(len(wait))]
+                lora.add_metric(lv + [*shown, str(self.max_loras)], s.time)
         return [running, waiting, usage, free, preempt, queries, hits, *([lora] if self.max_loras else [])]
 
 
@@ -187,7 +193,7 @@ class RouterMetrics:
     # A request that finishes on a worker after it left (draining) brings its series back for this long.
     LATE_S = 60.0
 
-    def __init__(self, model: str, max_model_len: int, max_loras: int = 0):
+    def __init__(self, model: str, max_model_len: int, max_loras: int = 0, include_lora_names: bool = False):
         self.model = model
         r = self.registry = CollectorRegistry(auto_describe=False)
         tokens = token_buckets(max_model_len)
@@ -232,8 +238,15 @@ class RouterMetrics:
         self.generation_hist = Histogram(
             "shoal:request_generation_tokens", "Generated tokens per request.", LABELS, buckets=tokens, registry=r
         )
-        self._workers = _WorkerFigures(model, max_loras)
+        self._workers = _WorkerFigures(model, max_loras, include_lora_names)
         r.register(self._workers)
+        # This router's own: how late its event loop runs (observability/loop_monitor.py; 0 unwatched).
+        self.loop_lag = Gauge(
+            "shoal:router_event_loop_lag_seconds",
+            "The router's event-loop lag: the largest delay of its periodic wake-ups in about the last minute.",
+            ("model_name",),
+            registry=r,
+        ).labels(model)
         # (monotonic time of a first token, its TTFT), oldest first
         self._firsts: deque[tuple[float, float]] = deque(maxlen=self.MAX_FIRSTS)
         self._reasons: set[str] = set()  # finish reasons seen: a worker's series go by (worker, reason)
@@ -300,6 +313,10 @@ class RouterMetrics:
             metric.remove(*lv)
         for reason in list(self._reasons):
             self.success.remove(*lv, reason)
+
+    def watch_loop(self, monitor) -> None:
+        """The lag gauge reads `monitor` (a LoopMonitor) at each scrape."""
+        self.loop_lag.set_function(monitor.lag_s)
 
     def render(self, loads: list[WorkerLoad]) -> bytes:
         if self._late:

@@ -14,7 +14,10 @@ A delta stream that ends or breaks ends its riders: their streams raise
 WorkerLost and the failover pool resumes them from what the client has.
 
 Every entry keyed by a request goes when its stream ends (close), and a
-worker's when its delta stream does.
+worker's when its delta stream does. A request's inbox is a StreamBuffer
+(stream_buffer.py): its deltas merge while its client lags, and past
+max_buffer_tokens waiting the request is aborted, so a client that stops
+reading holds a bounded share of this router's memory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import os
 import time
 
+from shoal.router.routing.stream_buffer import StreamBuffer
 from shoal.workers.messages import Subscribe
 
 logger = logging.getLogger(__name__)
@@ -42,10 +46,14 @@ class DeltaMux:
     # A subscription that did not connect (misrouted, timed out) is tried again after this.
     RETRY_S = 1.0
 
-    def __init__(self, handle, router_id: str | None = None):
+    # Tokens a request's inbox holds for a client that does not read (--max-stream-buffer-tokens).
+    MAX_BUFFER_TOKENS = 4096
+
+    def __init__(self, handle, router_id: str | None = None, max_buffer_tokens: int | None = None):
         self.router_id = router_id or f"router-{os.getpid()}-{id(self):x}"
+        self.max_buffer_tokens = max_buffer_tokens or self.MAX_BUFFER_TOKENS
         self._subscribe = handle.options(method_name="subscribe", stream=True, _by_reference=False)
-        self._inboxes: dict[str, asyncio.Queue] = {}  # request id -> what arrives for it
+        self._inboxes: dict[str, StreamBuffer] = {}  # request id -> what arrives for it
         self._readers: dict[str, asyncio.Task] = {}  # worker -> its stream's reader
         self._riders: dict[str, set[str]] = {}  # worker -> request ids riding its stream
         self._retry_at: dict[str, float] = {}  # worker -> when to try its stream again (failed lately)
@@ -53,8 +61,9 @@ class DeltaMux:
 
     # ---- requests ---------------------------------------------------------------
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        q = self._inboxes[request_id] = asyncio.Queue()
+    def open(self, request_id: str, on_overflow=None) -> StreamBuffer:
+        """The request's inbox; on_overflow(tokens): its client stopped reading (StreamBuffer)."""
+        q = self._inboxes[request_id] = StreamBuffer(self.max_buffer_tokens, on_overflow)
         return q
 
     def ride(self, request_id: str, worker: str) -> bool:
@@ -105,7 +114,7 @@ class DeltaMux:
                 for request_id, delta in batch:
                     q = inboxes.get(request_id)
                     if q is not None:
-                        q.put_nowait(delta)
+                        q.put(delta)
             ended = True
         except StopAsyncIteration:  # the subscription reached another replica, which declined it
             ended = True
@@ -128,7 +137,7 @@ class DeltaMux:
                 error = ConnectionError(f"worker {worker}'s delta stream ended with requests riding on it")
             for request_id in riders:
                 if (q := self._inboxes.get(request_id)) is not None:
-                    q.put_nowait(MuxEnded(error))
+                    q.put(MuxEnded(error))
             if error is not None and connected:
                 logger.warning(
                     "delta stream from worker %s ended: %s (%d requests riding)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -13,7 +14,10 @@ from shoal.router.routing import policies, rebalance, replica_stats
 from shoal.router.routing.delta_mux import DeltaMux, MuxEnded
 from shoal.router.routing.failover import WorkerLost
 from shoal.router.routing.replica_stats import ReplicaStats
+from shoal.router.routing.stream_buffer import StreamBuffer
 from shoal.workers.messages import GenerateDelta, GenerateRequest, Riding, WorkerError, WorkerInfo, WorkerLoad
+
+logger = logging.getLogger(__name__)
 
 
 def _take_in(stats: ReplicaStats, request_id: str, msg, first: bool) -> None:
@@ -29,14 +33,15 @@ def _take_in(stats: ReplicaStats, request_id: str, msg, first: bool) -> None:
 _END = object()  # a request's own stream ended
 
 
-async def _pump(gen, inbox: asyncio.Queue) -> None:
-    """A riding request's own stream into its inbox: a refusal, its end, or its error."""
+async def _pump(gen, inbox: StreamBuffer) -> None:
+    """A request's own stream into its inbox: its deltas until it rides, a
+    refusal, its end, or its error."""
     try:
         async for msg in gen:
-            inbox.put_nowait(msg)
-        inbox.put_nowait(_END)
+            inbox.put(msg)
+        inbox.put(_END)
     except Exception as e:
-        inbox.put_nowait(e)
+        inbox.put(e)
 
 
 class ServeWorkerPool:
@@ -46,10 +51,11 @@ class ServeWorkerPool:
     the freshest it has under load. Deltas come back on this router's one
     stream per worker (delta_mux.py) once it is open there."""
 
-    def __init__(self, handle, router_id: str | None = None):
+    def __init__(self, handle, router_id: str | None = None, max_buffer_tokens: int | None = None):
+        """max_buffer_tokens: what a request's inbox holds for a client that does not read (delta_mux.py)."""
         self._stream = handle.options(method_name="generate", stream=True, _by_reference=False)
         self._handle = handle
-        self.mux = DeltaMux(handle, router_id)
+        self.mux = DeltaMux(handle, router_id, max_buffer_tokens)
         # A new worker takes over requests still waiting on deeper queues.
         self._rebalancer = rebalance.start(handle)
 
@@ -57,35 +63,50 @@ class ServeWorkerPool:
         stats, mux, rid = replica_stats.REGISTRY, self.mux, request.request_id
         request.mux = mux.router_id
         done, first, worker, pump, gen = False, True, None, None, None
+        cancelled = False  # the request's own stream was cancelled: aborted at its worker
+
+        def overflow(tokens: int) -> None:
+            """Its client stopped reading: abort it at its worker now, not when the client next reads."""
+            nonlocal cancelled
+            logger.warning(
+                "%s aborted: its client read none of its last %d tokens (--max-stream-buffer-tokens %d)",
+                request.log_name,
+                tokens,
+                mux.max_buffer_tokens,
+            )
+            mux.close(rid, worker)
+            if pump is not None:
+                pump.cancel()
+            if gen is not None and not cancelled:
+                cancelled = True
+                gen.cancel()
+
         try:
-            inbox = mux.open(rid)
+            inbox = mux.open(rid, overflow)
             gen = self._stream.remote(request)
-            async for msg in gen:  # the request's own stream: its deltas, until it says Riding
-                if isinstance(msg, Riding):
-                    worker = msg.worker
-                    break
-                _take_in(stats, rid, msg, first)
-                load = getattr(msg, "load", None)
-                if first and load is not None:
-                    mux.connect(load.worker)  # this router's next requests there ride
-                first = False
-                yield msg
-            else:
-                done = True
-                return
-            if not mux.ride(rid, worker):
-                raise WorkerLost(f"the delta stream from worker {worker} ended")
-            # Riding: deltas come into the inbox; the own stream may still bring a refusal or an error.
+            # The own stream is read into the inbox whether or not the client reads: what
+            # waits for a slow client is the inbox's, merged and bounded (stream_buffer.py).
             pump = asyncio.get_running_loop().create_task(_pump(gen, inbox))
             while True:
                 msg = await inbox.get()
+                if isinstance(msg, Riding):  # its deltas come on this router's delta stream from here
+                    worker = msg.worker
+                    if not mux.ride(rid, worker):
+                        raise WorkerLost(f"the delta stream from worker {worker} ended")
+                    continue
                 if isinstance(msg, MuxEnded):
                     raise WorkerLost(f"worker {worker}'s delta stream: {msg.error}") from msg.error
-                if isinstance(msg, BaseException):
+                if isinstance(msg, BaseException):  # StreamBufferFull too
                     raise msg
-                if msg is _END:  # the own stream ended; the last delta is on its way here
-                    continue
+                if msg is _END:
+                    if worker is None:  # the own stream carried it all and ended
+                        done = True
+                        return
+                    continue  # riding: the own stream ended; the last delta is on its way here
                 _take_in(stats, rid, msg, first)
+                load = getattr(msg, "load", None)
+                if first and worker is None and load is not None:
+                    mux.connect(load.worker)  # this router's next requests there ride
                 first = False
                 yield msg
                 if isinstance(msg, WorkerError) or msg.finished is not None:
@@ -96,7 +117,7 @@ class ServeWorkerPool:
             mux.close(rid, worker)
             if pump is not None:
                 pump.cancel()
-            if not done and gen is not None:  # the client went away: abort in the engine, free its blocks
+            if not done and gen is not None and not cancelled:  # the client went away: abort in the engine
                 gen.cancel()
 
     async def info(self) -> WorkerInfo:

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -73,6 +74,20 @@ EVERYTHING = {
 }
 # Custom resources: checked against their CRDs, not Kubernetes' own schemas.
 CRD_KINDS = {"RayService", "ServiceMonitor"}
+# What every install must say (the examples do): the KubeRay operator's namespace.
+REQUIRED = {"networkPolicy": {"kuberayOperator": {"namespace": "kuberay"}}}
+
+
+def with_required(values: dict | None) -> dict:
+    """`values` over REQUIRED (the values win)."""
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        return out
+
+    return merge(REQUIRED, values or {})
 
 
 def load_values(name: str | None) -> dict | None:
@@ -82,10 +97,11 @@ def load_values(name: str | None) -> dict | None:
         return yaml.safe_load(f)
 
 
-def render(values: dict | None = None) -> list[dict]:
-    """The chart's manifests for `values` (over the chart's defaults), parsed."""
+def render(values: dict | None = None, required: bool = True) -> list[dict]:
+    """The chart's manifests for `values` (over the chart's defaults, and
+    REQUIRED unless `required` is false), parsed."""
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        out = chart.render(with_required(values) if required else values, name=RELEASE, namespace=NAMESPACE)
     docs = []
     for path, text in sorted(out.items()):
         if path.endswith(".yaml"):
@@ -131,7 +147,8 @@ def values_for(case: str | None) -> dict | None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_chart_lints_without_errors_or_warnings(case):
-    report = helm.lint(CHART, values_for(case), strict=True, kube_version=f"v{KUBE_VERSION}.0", namespace=NAMESPACE)
+    values = with_required(values_for(case))
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}.0", namespace=NAMESPACE)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 = warning, 3 = error
 
@@ -526,7 +543,7 @@ def test_optional_ingress_and_service_monitor():
 
 def test_notes_say_how_to_reach_the_api_and_the_status_page():
     with helm.Chart.load(CHART) as chart:
-        notes = chart.render(EVERYTHING, name=RELEASE, namespace=NAMESPACE)["shoal/templates/NOTES.txt"]
+        notes = chart.render(with_required(EVERYTHING), name=RELEASE, namespace=NAMESPACE)["shoal/templates/NOTES.txt"]
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
     assert "Authorization: Bearer $SHOAL_API_KEY" in notes
     assert "grpcurl -plaintext" in notes and "127.0.0.1:9000 shoal.v1.Shoal/GetModelInfo" in notes
@@ -543,6 +560,8 @@ OPERATOR = {
     "namespace": {"kubernetes.io/metadata.name": "kuberay"},
     "labels": {"app.kubernetes.io/name": "kuberay-operator"},
 }
+# A pod labelled like the operator in another namespace: anyone may make one.
+OPERATOR_LOOKALIKE = {**OPERATOR, "namespace": {"kubernetes.io/metadata.name": "elsewhere"}}
 
 
 def test_ray_token_authentication_is_on_with_the_token_from_a_secret(rayservice_schema):
@@ -627,11 +646,124 @@ def test_network_policy_admits_from_outside_only_the_routers_api(monitor):
             want = (name == "routers" and port in ("http", "grpc")) or (monitor and port == "metrics")
             assert from_outside == want, (name, port)
             assert _admitted(docs, pod, port, OPERATOR) == (want or (name == "head" and port == "dashboard"))
+            assert _admitted(docs, pod, port, OPERATOR_LOOKALIKE) == want
     apis = render({"networkPolicy": {"apiFrom": [{"namespaceSelector": {"matchLabels": {"team": "edge"}}}]}})
     router = groups(rayservice(apis))["routers"]["template"]
     assert not _admitted(apis, router, "http", OUTSIDE)
     assert _admitted(apis, router, "http", {"namespace": {"team": "edge"}, "labels": {}})
     assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_network_policy_names_the_operators_namespace():
+    np = [d for d in render() if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-ray")]
+    (operator,) = [r for r in np[0]["spec"]["ingress"] if r.get("ports") == [{"port": "dashboard", "protocol": "TCP"}]]
+    assert operator["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+        }
+    ]
+    # Required: no default admits the operator's label from any namespace.
+    message = "at '/networkPolicy/kuberayOperator/namespace': minLength: got 0, want 1"
+    with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
+        render(required=False)
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'namespaceSelector' not allowed"):
+        render({"networkPolicy": {"kuberayOperator": {"namespaceSelector": {}}}})
+    with pytest.raises(helm.HelmValuesError, match="/networkPolicy/kuberayOperator/namespace"):
+        render({"networkPolicy": {"kuberayOperator": {"namespace": "Not A Namespace"}}})
+    # Without the NetworkPolicies nothing needs naming.
+    assert not [
+        d for d in render({"networkPolicy": {"enabled": False}}, required=False) if d["kind"] == "NetworkPolicy"
+    ]
+    for name in EXAMPLES:  # each example says where its operator runs
+        assert load_values(name)["networkPolicy"]["kuberayOperator"]["namespace"] == "kuberay-system"
+
+
+@pytest.mark.parametrize(
+    "exposed",
+    [
+        {"service": {"type": "LoadBalancer"}},
+        {"service": {"type": "NodePort"}},
+        {"ingress": {"enabled": True}},
+        {"shoal": {"enable_lora": True, "allow_runtime_lora_updating": True}},  # clients name files workers read
+    ],
+)
+def test_an_exposed_api_or_runtime_lora_updates_need_an_api_key(exposed):
+    with pytest.raises(helm.HelmValuesError, match=re.escape("at '/apiKeySecret/name': minLength: got 0, want 1")):
+        render(exposed)
+    docs = render({**exposed, "apiKeySecret": {"name": "shoal-api-key"}})
+    env = {e["name"] for e in ray_container(groups(rayservice(docs))["routers"])["env"]}
+    assert "SHOAL_API_KEY" in env
+    render({"service": {"type": "ClusterIP"}})  # inside the cluster only, the NetworkPolicy in front: allowed
+
+
+TLS = {"tls": {"secretName": "shoal-tls"}}
+
+
+@pytest.mark.parametrize(("client_auth", "cert_reqs"), [("none", 0), ("optional", 1), ("required", 2)])
+def test_tls_from_a_secret_on_the_routers_ports(client_auth, cert_reqs, rayservice_schema):
+    from shoal.cluster.cli import build_parser
+
+    values = {"tls": {"secretName": "shoal-tls", "clientAuth": client_auth}}
+    report = helm.lint(
+        CHART, with_required(values), strict=True, kube_version=f"v{KUBE_VERSION}.0", namespace=NAMESPACE
+    )
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    docs = render(values)
+    rs = rayservice(docs)
+    assert list(rayservice_schema.iter_errors(rs)) == []
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "routers"}}
+    kubernetes_validate.validate({**pod, "template": groups(rs)["routers"]["template"]}, KUBE_VERSION, strict=True)
+    # The routers' args: shoal serve's --ssl-* flags, read from the mounted Secret.
+    flags = "--host 0.0.0.0 --device cuda --allowed-hosts * "
+    flags += "--ssl-certfile /etc/shoal/tls/tls.crt --ssl-keyfile /etc/shoal/tls/tls.key"
+    if cert_reqs:
+        flags += f" --ssl-ca-certs /etc/shoal/tls/ca.crt --ssl-cert-reqs {cert_reqs}"
+    expected = ServeOptions.from_cli_args(build_parser().parse_args(["serve", *flags.split()]))
+    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert config == serve_config(expected, otel_env={})
+    assert ServeOptions.from_dict(config["applications"][0]["args"]) == expected
+    # The Secret in the router pods alone (the key never on the head or the workers).
+    for name, group in groups(rs).items():
+        spec, container = group["template"]["spec"], ray_container(group)
+        volumes = [v for v in spec["volumes"] if v["name"] == "tls"]
+        mounts = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+        if name != "routers":
+            assert volumes == mounts == [], name
+            continue
+        assert volumes == [{"name": "tls", "secret": {"secretName": "shoal-tls", "defaultMode": 0o440}}]
+        assert mounts == [{"name": "tls", "mountPath": "/etc/shoal/tls", "readOnly": True}]
+        probe = container["readinessProbe"]
+        if client_auth == "required":  # the kubelet has no client certificate: the port answers
+            assert probe["tcpSocket"] == {"port": "http"} and "httpGet" not in probe
+        else:
+            assert probe["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    (http,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == RELEASE]
+    assert http["spec"]["ports"][0]["appProtocol"] == "https"
+    with helm.Chart.load(CHART) as chart:
+        notes = chart.render(with_required(values), name=RELEASE, namespace=NAMESPACE)["shoal/templates/NOTES.txt"]
+    assert "curl -s -k https://127.0.0.1:8000/v1/chat/completions" in notes
+    assert "grpcurl -insecure 127.0.0.1:9000" in notes
+
+
+def test_without_tls_the_routers_speak_plain_http_and_grpc():
+    docs = render()
+    rs = rayservice(docs)
+    assert "ssl_" not in rs["spec"]["serveConfigV2"]
+    router = ray_container(groups(rs)["routers"])
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert not [m for m in router["volumeMounts"] if m["name"] == "tls"]
+    monitor = render({**TLS, "serviceMonitor": {"enabled": True}})
+    (sm,) = [d for d in monitor if d["kind"] == "ServiceMonitor"]
+    assert sm["spec"]["endpoints"][0]["scheme"] == "https"  # the routers' /metrics, under TLS
+    # The files are the chart's to set, from tls.
+    with pytest.raises(helm.HelmValuesError, match="at '/shoal/ssl_certfile': false schema"):
+        render({"shoal": {"ssl_certfile": "/x.crt"}})
+    with pytest.raises(helm.HelmValuesError, match="/tls/clientAuth"):
+        render({"tls": {"secretName": "s", "clientAuth": "sometimes"}})
 
 
 @pytest.mark.parametrize("case", [None, "values-8gpu-tp2.yaml"])
@@ -730,7 +862,8 @@ def test_schema_and_values_list_every_shoal_serve_option():
     three the chart sets), and the schema types each one: a new option fails here."""
     fields = {f.name for f in dataclasses.fields(ServeOptions)} - {"engine"}
     fields |= {f.name for f in dataclasses.fields(EngineArgs)}
-    chart_set = {"host", "model", "api_key", "nodes_join_later"}
+    chart_set = {"host", "model", "api_key", "nodes_join_later", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"}
+    chart_set |= {"ssl_cert_reqs"}  # the TLS files: from `tls`
     with open(os.path.join(CHART, "values.schema.json")) as f:
         schema = json.load(f)
     props = schema["properties"]["shoal"]["properties"]
@@ -754,7 +887,8 @@ def test_the_cpu_demos_serve_config_serves_under_serve_run(tmp_path):
 def test_lora_modules_and_the_runtime_gate_reach_the_serve_config():
     modules = ["sql=/adapters/sql", {"name": "chat", "path": "/adapters/chat", "base_model_name": "m"}]
     shoal = {"enable_lora": True, "max_loras": 4, "lora_modules": modules, "allow_runtime_lora_updating": True}
-    (app,) = yaml.safe_load(rayservice(render({"shoal": shoal}))["spec"]["serveConfigV2"])["applications"]
+    values = {"shoal": shoal, "apiKeySecret": {"name": "shoal-api-key"}}  # runtime updates need a key
+    (app,) = yaml.safe_load(rayservice(render(values))["spec"]["serveConfigV2"])["applications"]
     opts = ServeOptions.from_dict(app["args"])
     assert opts.allow_runtime_lora_updating and opts.engine.enable_lora and opts.engine.max_loras == 4
     assert [(m.name, m.path, m.base_model_name) for m in parse_lora_modules(opts.engine.lora_modules)] == [

@@ -115,6 +115,18 @@ not started) would make it a CPU deployment.
 {{- if not .Values.apiKeySecret.name }}{{ $_ := set $args "allowed_hosts" "*" }}{{ end }}
 {{- range $k, $v := .Values.shoal }}
 {{- if not (kindIs "invalid" $v) }}{{ $_ := set $args $k $v }}{{ end }}
+{{- end }}
+{{- /* TLS: the files of the Secret mounted in the router pods (shoal.tlsVolume). */}}
+{{- with .Values.tls }}
+{{- if .secretName }}
+{{- $dir := trimSuffix "/" .mountPath }}
+{{- $_ := set $args "ssl_certfile" (printf "%s/tls.crt" $dir) }}
+{{- $_ := set $args "ssl_keyfile" (printf "%s/tls.key" $dir) }}
+{{- if ne .clientAuth "none" }}
+{{- $_ := set $args "ssl_ca_certs" (printf "%s/ca.crt" $dir) }}
+{{- $_ := set $args "ssl_cert_reqs" (ternary 2 1 (eq .clientAuth "required")) }}
+{{- end }}
+{{- end }}
 {{- end -}}
 proxy_location: Disabled
 applications:
@@ -187,7 +199,7 @@ maxReplicas: {{ ceil (divf $high $per) | int }}
 Writable scratch space: the root filesystem is read-only, so each path Ray and
 shoal write is an emptyDir: /tmp (Ray's session folder, logs, sockets, spilled
 objects), /dev/shm in memory (Ray's object store) and the image user's home
-(torch's extension cache and Triton's kernel cache, compiled on first use).
+(the CPU kernels' and Triton's caches, compiled on first use).
 */}}
 {{- define "shoal.scratchVolumes" -}}
 {{- $s := .Values.scratch }}
@@ -247,6 +259,27 @@ into the Ray head container that runs the Serve controller.
                 fieldPath: metadata.namespace
 {{- end }}
 
+{{/*
+TLS for the routers: the Secret's files (tls.crt, tls.key, ca.crt), readable
+by the pods' group (fsGroup) only, in the router pods alone.
+*/}}
+{{- define "shoal.tlsVolume" -}}
+{{- with .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "shoal.tlsVolumeMount" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{- define "shoal.modelVolumeMounts" -}}
 {{- $m := .Values.model }}
 {{- if ne $m.source "image" }}
@@ -298,8 +331,8 @@ check it, so the head (which runs the Serve controller) and the workers never ho
 {{/*
 One Ray pod template. Arguments: root (the chart context), component (head,
 worker, router), group (its values), container (the container's name), and as
-YAML text: resources, ports, probes, lifecycle (optional), extraVolumes
-(optional); terminationGrace (optional).
+YAML text: resources, ports, probes, lifecycle (optional), extraVolumes and
+extraMounts (optional); terminationGrace (optional).
 */}}
 {{- define "shoal.podTemplate" -}}
 {{- $root := .root }}
@@ -348,6 +381,9 @@ spec:
       volumeMounts:
         {{- include "shoal.scratchVolumeMounts" $root | nindent 8 }}
         {{- with include "shoal.modelVolumeMounts" $root | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- with .extraMounts }}
         {{- . | nindent 8 }}
         {{- end }}
       {{- .probes | nindent 6 }}

@@ -77,14 +77,24 @@ livenessProbe:
 
 {{/*
 Ready when the router on the pod answers /health (503 until it serves and
-while it drains), so the Services send traffic only there. Alive while the
+while it drains), so the Services send traffic only there; over HTTPS under
+tls. With client certificates required the kubelet, which has none, cannot
+ask: readiness is then that the port accepts connections. Alive while the
 pod's Ray node is: a router still waiting for its workers is not restarted.
 */}}
 {{- define "shoal.routerProbes" -}}
 readinessProbe:
+  {{- if and .Values.tls.secretName (eq .Values.tls.clientAuth "required") }}
+  tcpSocket:
+    port: http
+  {{- else }}
   httpGet:
     path: /health
     port: http
+    {{- if .Values.tls.secretName }}
+    scheme: HTTPS
+    {{- end }}
+  {{- end }}
   {{- toYaml .Values.routerGroup.readinessProbe | nindent 2 }}
 livenessProbe:
   {{- include "shoal.rayletCheck" . | nindent 2 }}

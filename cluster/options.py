@@ -8,6 +8,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from shoal.router.fronts.cache_isolation import CACHE_ISOLATION_MODES
+from shoal.router.fronts.tls import check_tls_options
 from shoal.router.fronts.tool_parsers import TOOL_PARSERS
 from shoal.router.options import RouterOptions
 from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
@@ -43,8 +45,20 @@ class ServeOptions:
     max_prompts: int = cli_field(64, "most prompts one completions request may batch")
     max_concurrent_requests: int = cli_field(
         1024,
-        "connections (HTTP) and calls (gRPC) one router serves at once; "
-        "past it 429 / RESOURCE_EXHAUSTED, or 503 from uvicorn",
+        "sequences one router serves at once, a request counting prompts x max(n, best_of), "
+        "and at most as many HTTP requests and gRPC calls; past it 429 / RESOURCE_EXHAUSTED, "
+        "and a request larger than all of it 400 (open connections: --max-connections)",
+    )
+    max_tokens_per_request: int | None = cli_field(
+        None,
+        "tokens one request may reserve: its prompts' tokens plus max_tokens for each of its sequences; "
+        "a max_tokens that does not fit is 400, the chat default (the rest of the context) shrinks to fit "
+        "(default: the model's context length)",
+    )
+    max_stream_buffer_tokens: int = cli_field(
+        4096,
+        "tokens a router holds for one stream whose client does not read (merged into one delta); "
+        "past it the request is aborted",
     )
     tokenizer_threads: int = cli_field(
         2, "threads per router that tokenize and apply chat templates off its event loop"
@@ -71,7 +85,48 @@ class ServeOptions:
         "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): clients "
         "then make the workers read adapter files from paths they name, so set an API key too",
     )
+    metrics_include_lora_names: bool = cli_field(
+        False,
+        "name the adapters in shoal:lora_requests_info (/metrics answers without the API key); "
+        "off: how many adapters the running and the waiting requests use",
+    )
+    cache_isolation: str | None = cli_field(
+        None,
+        "which callers may share prefix-cache blocks (and so learn from cached_tokens or timing that "
+        "another sent a prompt): key = only callers of the same API key identity, each request's "
+        "cache_salt apart; none = any, unless their cache_salt differs (default: key when an API key "
+        "is set, else none)",
+        choices=CACHE_ISOLATION_MODES,
+    )
     drain_timeout_s: float = cli_field(30.0, "seconds streams get to finish on shutdown", aliases=("--drain-timeout",))
+    http_header_timeout_s: float = cli_field(
+        10.0,
+        "seconds a client gets to send a request's line and headers, from connecting or from its first "
+        "byte after an idle wait; then the connection is closed (gRPC: the connection's handshake)",
+    )
+    http_body_timeout_s: float = cli_field(
+        30.0, "seconds a client gets to send a request's whole body once its headers are in; then 408"
+    )
+    http_keep_alive_timeout_s: float = cli_field(
+        5.0, "seconds an HTTP connection may idle between requests", aliases=("--timeout-keep-alive",)
+    )
+    max_connections: int | None = cli_field(
+        None,
+        "connections each of the router's servers (HTTP, gRPC) holds open at once; past it a new one is "
+        "closed (HTTP: with a 503). Default and ceiling: half of the open-files limit left after a headroom",
+    )
+    ssl_keyfile: str | None = cli_field(None, "TLS: the private key (PEM) for HTTPS and gRPC over TLS")
+    ssl_certfile: str | None = cli_field(
+        None, "TLS: the certificate chain (PEM); with --ssl-keyfile both ports serve TLS only"
+    )
+    ssl_ca_certs: str | None = cli_field(
+        None, "TLS: CA certificates (PEM) that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = cli_field(
+        0,
+        "TLS client certificates: 0 not asked, 1 checked when sent (HTTPS only), 2 required (needs --ssl-ca-certs)",
+        choices=(0, 1, 2),
+    )
     cpus_per_worker: float = cli_field(1.0, "Ray CPUs a CPU worker asks for")
     max_retries: int = cli_field(
         3,
@@ -154,11 +209,19 @@ class ServeOptions:
             raise ValueError("max_waiting must be >= 0")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
-        for name in ("max_prompts", "max_concurrent_requests", "tokenizer_threads"):
+        for name in ("max_prompts", "max_concurrent_requests", "tokenizer_threads", "max_stream_buffer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be >= 0 (0: never)")
+        if self.max_tokens_per_request is not None and self.max_tokens_per_request < 2:
+            raise ValueError("max_tokens_per_request must be >= 2 (a prompt token and an output token)")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        check_tls_options(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs, self.ssl_cert_reqs)
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number")
@@ -170,6 +233,10 @@ class ServeOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))}; got {self.tool_call_parser!r}"
+            )
+        if self.cache_isolation is not None and self.cache_isolation not in CACHE_ISOLATION_MODES:
+            raise ValueError(
+                f"cache_isolation must be one of {', '.join(CACHE_ISOLATION_MODES)}; got {self.cache_isolation!r}"
             )
 
     def _validate_autoscaling(self) -> None:
@@ -249,9 +316,23 @@ class ServeOptions:
             self.routing,
             max_prompts=self.max_prompts,
             max_concurrent_requests=self.max_concurrent_requests,
+            max_tokens_per_request=self.max_tokens_per_request,
+            max_stream_buffer_tokens=self.max_stream_buffer_tokens,
             tokenizer_threads=self.tokenizer_threads,
             allow_client_priority=self.allow_client_priority,
             allowed_hosts=self.allowed_hosts,
             tool_call_parser=self.tool_call_parser,
             allow_runtime_lora_updating=self.allow_runtime_lora_updating,
+            lora_root=self.engine.lora_root,
+            max_runtime_loras=self.engine.max_runtime_loras,
+            metrics_include_lora_names=self.metrics_include_lora_names,
+            http_header_timeout_s=self.http_header_timeout_s,
+            http_body_timeout_s=self.http_body_timeout_s,
+            http_keep_alive_timeout_s=self.http_keep_alive_timeout_s,
+            max_connections=self.max_connections,
+            ssl_keyfile=self.ssl_keyfile,
+            ssl_certfile=self.ssl_certfile,
+            ssl_ca_certs=self.ssl_ca_certs,
+            ssl_cert_reqs=self.ssl_cert_reqs,
+            cache_isolation=self.cache_isolation,
         )

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from shoal.workers.core.block_hash import check_cache_salt
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import SequenceStatus
@@ -156,13 +157,15 @@ class AsyncEngine:
         block_hashes: list[bytes] | None = None,
         parent_request_id: str | None = None,
         lora_request=None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; the last has finish_reason set.
         Bad input raises InvalidRequestError before anything is queued; a
         dead engine raises EngineDeadError (before or amid the deltas).
         num_resumed_*: a failover's reply so far; block_hashes: the router's
         prefix-cache keys of the prompt; parent_request_id: its parallel-sampling
-        group; lora_request: its LoRA adapter (LLMEngine.add_request)."""
+        group; lora_request: its LoRA adapter; cache_salt: its prefix-cache
+        salt (LLMEngine.add_request)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
         request_id = request_id or f"req-{next(self._ids)}"
@@ -173,6 +176,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params, num_resumed_tokens)
+        check_cache_salt(cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
         try:
@@ -197,6 +201,7 @@ class AsyncEngine:
                     grammar,
                     parent_request_id,
                     lora_request,
+                    cache_salt,
                 )
             )
             while True:
@@ -223,9 +228,9 @@ class AsyncEngine:
 
     # ---- LoRA adapters served by name (the worker's runtime loads) ---------------
 
-    async def add_named_lora(self, request) -> None:
+    async def add_named_lora(self, request, root: str | None = None) -> None:
         """LLMEngine.add_named_lora, its files read off the event loop."""
-        await asyncio.to_thread(self.engine.add_named_lora, request)
+        await asyncio.to_thread(self.engine.add_named_lora, request, root)
 
     def num_lora_requests(self, name: str) -> int:
         """Requests under the adapter served as `name`, from generate() to
@@ -295,6 +300,7 @@ class AsyncEngine:
                         grammar=cmd.grammar,
                         parent_request_id=cmd.parent_request_id,
                         lora_request=cmd.lora_request,
+                        cache_salt=cmd.cache_salt,
                     )
                 except Exception as e:  # validated already; never let one request stop the loop
                     delivered.append((cmd.request_id, e))

@@ -172,6 +172,7 @@ class EngineArgs:
     max_logprobs: int = cli_field(20, "most top logprobs one request may ask for per token")
     max_stop_strings: int = cli_field(64, "most stop strings one request may carry (each at most 1,024 characters)")
     max_n: int = cli_field(16, "most parallel samples (n, best_of) one request may ask for")
+    max_logit_bias: int = cli_field(300, "most logit_bias entries one request may carry (OpenAI's limit)")
     grammar_compile_timeout_s: float = cli_field(
         10.0, "a structured-output grammar that takes longer to compile is refused (400), not left to block others"
     )
@@ -193,6 +194,14 @@ class EngineArgs:
     max_loras: int = cli_field(1, "adapters one step may use, each in a device slot")
     max_lora_rank: int = cli_field(16, "the largest adapter rank served (the slots are padded to it)")
     max_cpu_loras: int | None = cli_field(None, "adapters kept in host memory (default: --max-loras)")
+    lora_root: str | None = cli_field(
+        None,
+        "runtime loads (/v1/load_lora_adapter) read adapters only from inside this folder (symlinks and .. "
+        "resolved; a relative lora_path is taken under it); outside it is 403. Unset: any path the workers can read",
+    )
+    max_runtime_loras: int = cli_field(
+        8, "adapters loaded at run time (/v1/load_lora_adapter) served at once; past it a load is 409"
+    )
     lora_dtype: str = cli_field(
         "auto",
         "the adapters' slots: auto = --dtype; bfloat16 (or float16) under a float32 model keeps A and B in half "

@@ -22,6 +22,7 @@ class AddRequest:
     grammar: object | None = None  # params.structured_outputs, compiled (structured_output/manager.py)
     parent_request_id: str | None = None  # its parallel-sampling group (n > 1)
     lora_request: object | None = None  # the LoRA adapter it runs under (workers/lora/)
+    cache_salt: str | None = None  # salts its prefix-cache keys (block_hash.root_key)
 
 
 @dataclass(slots=True)

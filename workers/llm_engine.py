@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.core.block_hash import adopt_chain, lora_extra
+from shoal.workers.core.block_hash import adopt_chain, check_cache_salt, lora_extra
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import RequestOutput, TokenLogprob
@@ -27,7 +28,7 @@ from shoal.workers.core.stats import EngineStats
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import EngineFaultError, InvalidRequestError, LoRAAdapterError
 from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
-from shoal.workers.lora.peft_adapter import load_peft_adapter
+from shoal.workers.lora.peft_adapter import read_lora_adapter
 from shoal.workers.lora.request import LoRARequest
 from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
@@ -73,7 +74,9 @@ class LLMEngine:
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
         max_len = args.max_model_len or cfg.max_position_embeddings  # every backend applies sliding windows
         self.max_model_len = max_len
-        self.limits = RequestLimits(cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings, args.max_n)
+        self.limits = RequestLimits(
+            cfg.vocab_size, max_len, args.max_logprobs, args.max_stop_strings, args.max_n, args.max_logit_bias
+        )
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.args = args
         cfg.check_tp_size(args.tensor_parallel_size, args.enable_expert_parallel)  # before any actor starts
@@ -103,6 +106,8 @@ class LLMEngine:
             )
         self.requests: dict[str, _Request] = {}
         self.lora_requests: dict[int, LoRARequest] = {}  # adapters checked and registered, by id
+        # Their checked tensors, the only source of a slot's fill (rank 0's manager holds them).
+        self.lora_host = self.runner.lora_manager.host if args.enable_lora else None
         self.lora_by_name: dict[str, LoRARequest] = {}  # those served by name (--lora-modules, runtime loads)
         try:
             for module in parse_lora_modules(args.lora_modules):
@@ -183,6 +188,7 @@ class LLMEngine:
         grammar=None,
         parent_request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (a ValueError) at once
         for bad input, leaving everything else untouched.
@@ -200,7 +206,10 @@ class LLMEngine:
         the cache). parent_request_id: the request's parallel-sampling group
         (n > 1), whose members share one prefill of the prompt (Scheduler).
         lora_request: the adapter it runs under (--enable-lora), checked
-        and registered the first time its id is seen."""
+        and registered the first time its id is seen. cache_salt: salts the
+        prompt's prefix-cache keys (block_hash.root_key): it shares blocks
+        only with requests of the same salt; the router's block_hashes must
+        be salted by it too (they are: the router hashes with it)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
@@ -210,6 +219,7 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params, num_resumed_tokens)
+        check_cache_salt(cache_salt)
         if lora_request is not None:
             self.register_lora(lora_request)
         num_prompt = len(prompt_ids) - num_resumed_tokens
@@ -229,6 +239,7 @@ class LLMEngine:
             priority,
             RequestTimings(arrival_time or time.time()),
         )
+        seq.cache_salt = cache_salt
         if parent_request_id is not None:
             if not isinstance(parent_request_id, str):
                 raise InvalidRequestError("parent_request_id must be a string", field="parent_request_id")
@@ -260,10 +271,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.num_prompt_tokens += num_prompt
 
-    def register_lora(self, request: LoRARequest) -> None:
+    def register_lora(self, request: LoRARequest, root: str | None = None) -> None:
         """Check an adapter (its files, against the base model) the first
-        time its id is seen, and keep its request; a different adapter
-        under a known id, or any adapter without --enable-lora, is refused."""
+        time its id is seen, keep its request, and hold the checked tensors
+        in host memory: a slot is filled from those alone, never from disk.
+        One evicted from there since is read again here (outside any step)
+        and refused if its files changed. A different adapter under a known
+        id, or any adapter without --enable-lora, is refused. root: a
+        runtime load's --lora-root, which its files must lie inside."""
         if not self.args.enable_lora:
             raise InvalidRequestError("LoRA adapters need --enable-lora", field="lora_request")
         if not isinstance(request, LoRARequest):
@@ -274,22 +289,35 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} already", field="lora_request"
                 )
+            if self.lora_host.get(request.lora_int_id) is None:  # evicted from host memory since
+                self._hold_lora(request, None, self.lora_host.digest(request.lora_int_id))
             return
-        try:
-            load_peft_adapter(request, self.model_config, self.args.max_lora_rank, self.model_name)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), field="lora_request") from None
+        self._hold_lora(request, root)
         self.lora_requests[request.lora_int_id] = request
 
-    def add_named_lora(self, request: LoRARequest) -> None:
-        """Serve an adapter under its name (--lora-modules, or a runtime load):
-        checked and registered as register_lora does; a name served already
-        is a LoRAAdapterError 'conflict'."""
+    def _hold_lora(self, request: LoRARequest, root: str | None, digest: str | None = None) -> None:
+        adapter = read_lora_adapter(request, self.model_config, self.args.max_lora_rank, self.model_name, root)
+        if digest is not None and adapter.digest != digest:
+            logger.warning(
+                "LoRA adapter %r: its files at %r changed since it was loaded", request.lora_name, request.lora_path
+            )
+            raise InvalidRequestError(
+                f"LoRA adapter {request.lora_name!r} changed on disk since it was loaded; "
+                "load it again under a new name",
+                field="lora_request",
+            )
+        in_use = {r.seq.lora_request.lora_int_id for r in list(self.requests.values()) if r.seq.lora_request}
+        self.lora_host.put(adapter, in_use | self.runner.lora_manager.slot_ids())
+
+    def add_named_lora(self, request: LoRARequest, root: str | None = None) -> None:
+        """Serve an adapter under its name (--lora-modules, or a runtime load
+        whose files must lie inside `root`): checked and registered as
+        register_lora does; a name served already is a LoRAAdapterError 'conflict'."""
         if not isinstance(request, LoRARequest):
             raise InvalidRequestError("lora_request must be a LoRARequest", field="lora_request")
         if request.lora_name in self.lora_by_name:
             raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} is loaded already", "conflict")
-        self.register_lora(request)
+        self.register_lora(request, root)
         self.lora_by_name[request.lora_name] = request
 
     def remove_named_lora(self, name: str, in_flight: int = 0) -> LoRARequest:
@@ -307,6 +335,7 @@ class LLMEngine:
             )
         del self.lora_by_name[name]
         self.lora_requests.pop(request.lora_int_id, None)
+        self.lora_host.forget(request.lora_int_id)
         return request
 
     def num_lora_requests(self, lora_int_id: int) -> int:
@@ -414,8 +443,10 @@ class LLMEngine:
         culprits: list[tuple[Sequence, Exception]] = []
 
         def probe(group: list) -> Exception | None:
+            # With the group's LoRA slots: a slot fill that fails is then pinned on its adapter's requests.
+            slots = {s.lora_slot: s.lora_request for s, _ in group if s.lora_slot is not None}
             try:
-                self.model_executor.execute_model(SchedulerOutput(group))
+                self.model_executor.execute_model(SchedulerOutput(group, lora_slots=slots))
             except Exception as e:
                 if is_engine_fault(e, self.device):
                     raise
@@ -525,3 +556,7 @@ def _check_lora_args(args: EngineArgs) -> None:
         raise ValueError(
             f"max_cpu_loras must be an integer >= max_loras ({args.max_loras}); got {args.max_cpu_loras!r}"
         )
+    if type(args.max_runtime_loras) is not int or args.max_runtime_loras < 0:
+        raise ValueError(f"max_runtime_loras must be an integer >= 0; got {args.max_runtime_loras!r}")
+    if args.lora_root is not None and not os.path.isabs(args.lora_root):
+        raise ValueError(f"lora_root must be an absolute path; got {args.lora_root!r}")

@@ -46,6 +46,10 @@ class GenerateRequest:
     # The LoRA adapter it runs under, by the name it is served as (never a
     # path: the worker knows its adapters); None is the base model.
     lora_name: str | None = None
+    # Salts the prompt's prefix-cache chain (block_hash.root_key), block_hashes
+    # included: only requests with the same salt share KV blocks. The client's
+    # cache_salt, folded with its identity under --cache-isolation key.
+    cache_salt: str | None = None
 
     @property
     def log_name(self) -> str:
@@ -138,6 +142,7 @@ class WorkerInfo:
     max_loras: int = 0  # adapters one step may use (0: LoRA off)
     # The adapters it serves by name (--lora-modules and runtime loads) -> lora_int_id.
     loras: dict[str, int] = field(default_factory=dict)
+    max_logit_bias: int = 300  # --max-logit-bias, which the router checks too
 
 
 @dataclass(slots=True)

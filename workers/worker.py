@@ -7,7 +7,7 @@ dataclasses of workers/messages.py.
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import itertools
 import logging
 import sys
@@ -24,12 +24,12 @@ from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import (
     EngineDeadError,
     InvalidRequestError,
-    LoRAAdapterError,
     RequestFailedError,
     RequestMoved,
 )
-from shoal.workers.lora.registry import LoRARegistry, RuntimeLoRA, serve_app_registry
-from shoal.workers.lora.request import LoRARequest
+from shoal.workers.lora.modules import parse_lora_modules
+from shoal.workers.lora.registry import LoRARegistry, serve_app_registry
+from shoal.workers.lora.worker_adapters import WorkerAdapters
 from shoal.workers.messages import (
     GenerateDelta,
     GenerateRequest,
@@ -61,7 +61,8 @@ class Worker:
     work (0: never) makes the worker dead: see check_health. The adapters
     loaded at run time come from `lora_registry` (inside Serve: the
     application's, in Ray's GCS): those there at start, and any a request
-    names that is not loaded here yet."""
+    names that is not loaded here yet. An adapter that cannot be loaded
+    here leaves the worker up without it (workers/lora/worker_adapters.py)."""
 
     def __init__(
         self,
@@ -73,6 +74,9 @@ class Worker:
         replica_logs.use_serve_handlers()  # the per-request lines below reach Serve's logs
         self.name = _worker_name()
         tracing.configure("shoal-worker")  # on only when OTEL_* asks for it
+        lora_modules = parse_lora_modules(engine_args.lora_modules) if engine_args.enable_lora else []
+        if lora_modules:  # loaded below, each on its own: one unreadable adapter must not stop the start
+            engine_args = dataclasses.replace(engine_args, lora_modules=None)
         self.engine = AsyncEngine.from_engine_args(engine_args, stall_timeout_s)
         self.max_waiting = max_waiting
         self._outboxes: dict[str, DeltaOutbox] = {}  # router id -> its delta stream here
@@ -81,8 +85,10 @@ class Worker:
         self.lora_registry = None
         if engine_args.enable_lora:
             self.lora_registry = lora_registry if lora_registry is not None else serve_app_registry()
-            for lora_name, entry in (self.lora_registry.entries() if self.lora_registry else {}).items():
-                self._add_registered_lora(lora_name, entry)
+        self.loras = WorkerAdapters(
+            self.engine, self.name, engine_args.lora_root, engine_args.max_runtime_loras, self.lora_registry
+        )
+        self.loras.start(lora_modules)
 
     def info(self) -> WorkerInfo:
         eng = self.engine.engine
@@ -99,13 +105,15 @@ class Worker:
             eng.args.grammar_compile_timeout_s,
             eng.args.enable_lora,
             eng.args.max_loras if eng.args.enable_lora else 0,
-            {name: r.lora_int_id for name, r in list(eng.lora_by_name.items())},
+            self.loras.ids(),
+            max_logit_bias=eng.limits.max_logit_bias,
         )
 
     def stats(self) -> WorkerLoad:
         load = WorkerLoad(**asdict(self.engine.stats()), worker=self.name, time=time.time())
         load.num_waiting = self.engine.num_waiting  # counting requests added since the engine's last step
-        load.loras, load.running_lora_adapters, load.waiting_lora_adapters = self.engine.engine.lora_stats()
+        loras, load.running_lora_adapters, load.waiting_lora_adapters = self.engine.engine.lora_stats()
+        load.loras = self.loras.where(loras)
         return load
 
     def check_health(self) -> None:
@@ -132,14 +140,10 @@ class Worker:
             return
         lora = None
         if request.lora_name is not None:
-            lora = self.engine.engine.lora_by_name.get(request.lora_name) or await self._lora_from_registry(
-                request.lora_name
-            )
-            if lora is None:  # unloaded since the router chose this worker, or not loadable here
-                logger.info("%s refused: no LoRA adapter %r here", name, request.lora_name)
-                yield WorkerError(
-                    "not_found", f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.name}", "model"
-                )
+            lora = await self.loras.for_request(request.lora_name)
+            if isinstance(lora, WorkerError):  # unloaded since the router chose this worker, or not loadable here
+                logger.info("%s refused: LoRA adapter %r: %s", name, request.lora_name, lora.message)
+                yield lora
                 return
         logged, num_output_tokens = False, 0
         attrs = {"shoal.worker": self.name, "shoal.resumed_tokens": request.num_resumed_tokens}
@@ -162,6 +166,7 @@ class Worker:
                 request.block_hashes,
                 request.parent_request_id,
                 lora,
+                cache_salt=request.cache_salt,
             )
             async with aclosing(stream):
                 async for out in stream:
@@ -303,45 +308,9 @@ class Worker:
     # ---- LoRA adapters loaded and unloaded at run time (the router's /v1/load_lora_adapter)
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, lora_int_id: int) -> WorkerError | None:
-        """Serve a peft adapter from lora_path as lora_name (its files read and
-        checked against the base model off the event loop). None when done,
-        or when it is loaded here already under this id (read from the
-        registry at start); a WorkerError ('invalid', or 'conflict': the name
-        is loaded under another id)."""
-        held = self.engine.engine.lora_by_name.get(lora_name)
-        if held is not None and (held.lora_int_id, held.lora_path) == (lora_int_id, lora_path):
-            return None
-        try:
-            await self.engine.add_named_lora(LoRARequest(lora_name, lora_int_id, lora_path))
-        except LoRAAdapterError as e:
-            return WorkerError(e.kind, f"worker {self.name}: {e}", e.field)
-        except (InvalidRequestError, ValueError) as e:
-            return WorkerError("invalid", f"worker {self.name}: {e}", "lora_path")
-        logger.info("loaded LoRA adapter %r (id %d)", lora_name, lora_int_id)
-        return None
-
-    def _add_registered_lora(self, lora_name: str, entry: RuntimeLoRA) -> None:
-        """Serve a registry entry here (at start); one that cannot be read here is logged and left out."""
-        try:
-            self.engine.engine.add_named_lora(LoRARequest(lora_name, entry.lora_int_id, entry.lora_path))
-        except (LoRAAdapterError, InvalidRequestError, ValueError) as e:
-            logger.warning("the runtime LoRA adapter %r cannot be loaded here: %s", lora_name, e)
-            return
-        logger.info("loaded LoRA adapter %r (id %d) from the registry", lora_name, entry.lora_int_id)
-
-    async def _lora_from_registry(self, lora_name: str) -> LoRARequest | None:
-        """A request names an adapter this worker does not hold: loaded at run
-        time by a router while this worker was starting. Loaded now from the
-        registry (None: not there, or unreadable here)."""
-        if self.lora_registry is None:
-            return None
-        entry = await asyncio.to_thread(self.lora_registry.get, lora_name)
-        if entry is None:
-            return None
-        error = await self.load_lora_adapter(lora_name, entry.lora_path, entry.lora_int_id)
-        if error is not None and error.kind != "conflict":  # (conflict: a request beside this one loaded it)
-            logger.warning("the runtime LoRA adapter %r cannot be loaded here: %s", lora_name, error.message)
-        return self.engine.engine.lora_by_name.get(lora_name)
+        """Serve a peft adapter from lora_path as lora_name: None when done (or
+        loaded here already under this id), else a WorkerError (WorkerAdapters.load)."""
+        return await self.loras.load(lora_name, lora_path, lora_int_id)
 
     def num_lora_requests(self, lora_name: str) -> int:
         """Requests here under the adapter, from their arrival to their end."""
@@ -350,12 +319,7 @@ class Worker:
     def unload_lora_adapter(self, lora_name: str) -> WorkerError | None:
         """Stop serving lora_name. None when done; a WorkerError 'not_found',
         or 'conflict' while requests under it are here (it stays loaded)."""
-        try:
-            self.engine.remove_named_lora(lora_name)
-        except LoRAAdapterError as e:
-            return WorkerError(e.kind, f"worker {self.name}: {e}", e.field)
-        logger.info("unloaded LoRA adapter %r", lora_name)
-        return None
+        return self.loras.unload(lora_name)
 
     # ---- autoscaling (cluster/autoscaling.py) and rebalancing (router/routing/rebalance.py)
 

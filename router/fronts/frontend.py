@@ -14,19 +14,23 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
 
+from shoal.router.fronts.admission import Admission, Admitted
+from shoal.router.fronts.cache_isolation import CacheIsolation
+from shoal.router.fronts.grammar_checks import GrammarChecks
+from shoal.router.fronts.load_snapshot import LoadSnapshot
 from shoal.router.fronts.lora_adapters import LoRAAdapters
 from shoal.router.fronts.prompt import Prompt, tokenize
 from shoal.router.fronts.serving_error import ServingError
 from shoal.router.observability import tracing
 from shoal.router.observability.metrics import RouterMetrics
 from shoal.router.routing.pool import WorkerPool
+from shoal.router.routing.stream_buffer import StreamBufferFull
 from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.request_checks import RequestLimits, check_request
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.lora.registry import LoRARegistry
 from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
-from shoal.workers.structured_output.guidance import validate as validate_grammar
 
 logger = logging.getLogger(__name__)
 # Bounded: a client's own request id goes into the log lines of its request.
@@ -48,6 +52,7 @@ class ModelInfo:
     enable_lora: bool = False
     max_loras: int = 0
     loras: dict[str, int] = field(default_factory=dict)  # the adapters served at start: name -> lora_int_id
+    max_logit_bias: int = 300
 
     @classmethod
     def from_worker_info(cls, info: WorkerInfo, num_workers: int) -> ModelInfo:
@@ -65,6 +70,7 @@ class ModelInfo:
             info.enable_lora,
             info.max_loras,
             dict(info.loras),
+            info.max_logit_bias,
         )
 
 
@@ -82,18 +88,45 @@ class Frontend:
         tokenizer_threads: int = 2,
         allow_runtime_lora_updating: bool = False,
         lora_registry: LoRARegistry | None = None,
+        cache_isolation: str | None = None,
+        max_concurrent_requests: int | None = None,
+        max_tokens_per_request: int | None = None,
+        lora_root: str | None = None,
+        max_runtime_loras: int | None = None,
+        metrics_include_lora_names: bool = False,
     ):
         self.pool, self.tokenizer, self.info = pool, tokenizer, info
+        # Sequences in flight (--max-concurrent-requests; None: no cap) and one request's tokens
+        # (--max-tokens-per-request; None: the model's context): admission.py.
+        self.admission = Admission(max_concurrent_requests, max_tokens_per_request or info.max_model_len)
+        # Runtime loads: inside --lora-root (None: anywhere), at most --max-runtime-loras (None: no cap).
         self.lora = LoRAAdapters(
-            pool, info.model, info.enable_lora, info.loras, self.load, allow_runtime_lora_updating, lora_registry
+            pool,
+            info.model,
+            info.enable_lora,
+            info.loras,
+            self.load,
+            allow_runtime_lora_updating,
+            lora_registry,
+            lora_root,
+            max_runtime_loras,
         )
         self.api_key = api_key or None
+        # --cache-isolation (unset: `key` when an API key is set): whose prefixes a request may share.
+        self.cache_isolation = CacheIsolation.build(cache_isolation, self.api_key)
         self.max_prompts = max_prompts  # prompts in one completions request
         self.limits = RequestLimits(
-            info.vocab_size, info.max_model_len, info.max_logprobs, info.max_stop_strings, info.max_n
+            info.vocab_size,
+            info.max_model_len,
+            info.max_logprobs,
+            info.max_stop_strings,
+            info.max_n,
+            info.max_logit_bias,
         )
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="shoal-tokenize")
-        self.metrics = RouterMetrics(info.model, info.max_model_len, info.max_loras)
+        self.grammar_checks = GrammarChecks()  # structured-output specs: a pool of their own
+        self.metrics = RouterMetrics(info.model, info.max_model_len, info.max_loras, metrics_include_lora_names)
+        self.load_snapshot = LoadSnapshot(self.load)  # what /health, /metrics and GetLoad read
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -175,13 +208,12 @@ class Frontend:
         """Token ids and SamplingParams, or a ServingError('invalid') naming
         the field (which also ends `span`, the request's, as failed)."""
         if span is None:
-            ids, params = self._check(await self.tokenize(prompt), sampling)
-            await self.check_grammar(params)
-            return ids, params
+            await self.check_grammar(sampling.get("structured_outputs"))
+            return self._check(await self.tokenize(prompt), sampling)
         try:
             with tracing.stage_span(span, "shoal.prepare"):
+                await self.check_grammar(sampling.get("structured_outputs"))
                 ids, params = self._check(await self.tokenize(prompt), sampling)
-                await self.check_grammar(params)
         except ServingError as e:
             tracing.fail_request_span(span, e)
             raise
@@ -189,26 +221,14 @@ class Frontend:
         tracing.set_request_params(span, **tracing.request_params(params))
         return ids, params
 
-    async def check_grammar(self, params: SamplingParams) -> None:
-        """A structured output the grammar library refuses is a 400 naming its
-        field before any worker sees it (checked on the tokenizer pool, bounded
-        by --grammar-compile-timeout-s; the worker compiles it again)."""
-        spec = params.structured_outputs
-        if spec is None:
-            return
-        timeout = self.info.grammar_compile_timeout_s
-        try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, validate_grammar, spec), timeout
-            )
-        except TimeoutError:
-            raise ServingError(
-                "invalid",
-                f"{spec.field}: the grammar took longer than {timeout:g} s to compile (--grammar-compile-timeout-s)",
-                spec.field,
-            ) from None
-        except InvalidRequestError as e:
-            raise ServingError("invalid", str(e), e.field) from None
+    async def check_grammar(self, spec) -> None:
+        """A structured output (the request's StructuredOutputsParams) that its
+        own check or the grammar library refuses is a 400 naming its field
+        before any worker sees it: checked off the event loop on a pool of its
+        own, once per request and once per distinct spec, bounded by
+        --grammar-compile-timeout-s (grammar_checks.py; the worker compiles
+        it again). Before _check, whose SamplingParams then find it checked."""
+        await self.grammar_checks.check(spec, self.info.grammar_compile_timeout_s)
 
     def _check(self, ids: list[int], sampling: dict) -> tuple[list[int], SamplingParams]:
         """The engine's own check (request_checks), so a bad request is
@@ -247,16 +267,24 @@ class Frontend:
         span=None,
         parent_request_id: str | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
+        caller: bytes | None = None,
+        admitted: Admitted | None = None,
     ) -> AsyncIterator[GenerateDelta]:
         """Stream one request. Raises ServingError before the first delta when
         the request is refused (draining, full, invalid). `span` (start_span's)
         ends with the request. parent_request_id: its parallel-sampling group
-        (GenerateRequest's); lora_name: its adapter (LoRAAdapters.resolve_model's)."""
+        (GenerateRequest's); lora_name: its adapter (LoRAAdapters.resolve_model's);
+        cache_salt: the client's (checked by its front), which --cache-isolation
+        key folds with the caller's identity (`caller`, CacheIsolation.identity;
+        None: the one API key's); admitted: the request's sequences (admission.py),
+        one of which this stream holds until it ends."""
         if self.draining:
             err = ServingError("unavailable", "the server is shutting down")
             tracing.fail_request_span(span, err)
             raise err
         arrival = time.time()
+        salt = self.cache_isolation.salt(cache_salt, caller)
         # The prompt's prefix-cache chain, hashed once here: the request router ranks replicas by it.
         request = GenerateRequest(
             request_id,
@@ -265,11 +293,14 @@ class Frontend:
             priority,
             client_request_id,
             # Salted by the adapter as the workers salt it: a prefix cached under one adapter is not another's.
-            chain_hashes(prompt_ids, self.info.block_size, extra=self.lora.salt(lora_name)),
+            # And by the request's salt, as the workers salt it: only prompts of one salt share blocks.
+            chain_hashes(prompt_ids, self.info.block_size, extra=self.lora.salt(lora_name), cache_salt=salt),
             trace_context=tracing.inject(span) if span is not None else None,
             parent_request_id=parent_request_id,
             lora_name=lora_name,
+            cache_salt=salt,
         )
+        claimed = admitted is not None and admitted.claim()
         self.num_in_flight += 1
         self._idle.clear()
         first_token = last_token = None
@@ -302,6 +333,10 @@ class Frontend:
             raise
         except (asyncio.CancelledError, GeneratorExit):
             raise
+        except StreamBufferFull as e:  # its client stopped reading; the worker was told to abort it
+            err = ServingError("full", str(e), code="stream_buffer_full")
+            tracing.fail_request_span(span, err)
+            raise err from None
         except Exception as e:  # the worker died or its stream broke: say so, never hang
             logger.warning("%s failed in its worker: %r", request.log_name, e)
             err = ServingError(
@@ -313,6 +348,8 @@ class Frontend:
             raise err from None
         finally:
             tracing.end_request_span(span, cancelled=True)  # the client went away (a no-op once ended)
+            if claimed:
+                admitted.release()
             self.num_in_flight -= 1
             if self.num_in_flight == 0:
                 self._idle.set()

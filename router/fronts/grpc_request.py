@@ -13,6 +13,8 @@ from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.router.fronts.frontend import ServingError
 from shoal.router.fronts.prompt import Prompt
 from shoal.router.fronts.tools import ToolChoice, constrain_sampling, parse_messages, parse_tools
+from shoal.workers.core.block_hash import check_cache_salt
+from shoal.workers.core.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
 from shoal.workers.core.structured_outputs import StructuredOutputsParams
 from shoal.workers.errors import InvalidRequestError
 
@@ -38,19 +40,24 @@ class ParsedGenerate:
     sampling: dict  # SamplingParams fields
     n: int = 1  # choices, each its own engine request
     tool_choice: ToolChoice | None = None  # chat with tools: how each choice's reply is read
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
 
-def parse_generate(request: pb.GenerateRequest, max_n: int) -> ParsedGenerate:
+def parse_generate(
+    request: pb.GenerateRequest, max_n: int, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+) -> ParsedGenerate:
     try:
         prompt = _prompt(request)
-        sampling = _sampling(request.sampling)
+        sampling = _sampling(request.sampling, max_logit_bias)
         n = request.sampling.n if request.sampling.HasField("n") else 1
         if not 1 <= n <= max_n:
             raise InvalidRequestError(f"n must be in [1, {max_n}] (--max-n), got {n}", field="n")
         choice = _tools(request, prompt, sampling)
+        cache_salt = request.cache_salt or None  # proto3: empty is unset
+        check_cache_salt(cache_salt)
     except InvalidRequestError as e:
         raise ServingError("invalid", str(e), e.field) from None
-    return ParsedGenerate(prompt, sampling, n, choice)
+    return ParsedGenerate(prompt, sampling, n, choice, cache_salt)
 
 
 def parse_prompt(request) -> Prompt:
@@ -90,7 +97,7 @@ def _call(c: pb.ToolCall) -> dict:
     return {"id": c.id, **call} if c.id else call
 
 
-def _sampling(sp: pb.SamplingParams) -> dict:
+def _sampling(sp: pb.SamplingParams, max_logit_bias: int) -> dict:
     out = {name: getattr(sp, name) for name in _SAMPLING_FIELDS if sp.HasField(name)}
     out.setdefault("max_tokens", 16)
     if sp.stop:
@@ -99,8 +106,9 @@ def _sampling(sp: pb.SamplingParams) -> dict:
         out["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.ignore_eos:
         out["ignore_eos"] = True
-    if sp.logit_bias:  # the engine's check bounds the ids and the values
-        out["logit_bias"] = {int(t): float(b) for t, b in sp.logit_bias.items()}
+    if sp.logit_bias:  # counted first (--max-logit-bias), checked once; the engine bounds the ids too
+        check_count(len(sp.logit_bias), max_logit_bias)
+        out["logit_bias"] = LogitBias({int(t): float(b) for t, b in sp.logit_bias.items()})
     if (so := _structured_output(sp)) is not None:
         out["structured_outputs"] = so
     return out

@@ -14,11 +14,14 @@ from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.fronts import parallel_sampling
 from shoal.router.fronts.frontend import Frontend, ServingError
+from shoal.router.fronts.grpc_connections import connection_options
 from shoal.router.fronts.grpc_request import parse_generate, parse_prompt
 from shoal.router.fronts.stream_merge import merge_streams
+from shoal.router.fronts.tls import TLSFiles
 from shoal.router.fronts.tool_parsers import get_tool_parser
 from shoal.router.fronts.tool_replies import ToolReply
 from shoal.router.observability import tracing
+from shoal.router.observability.loop_monitor import name_task
 from shoal.workers.messages import GenerateDelta
 
 logger = logging.getLogger(__name__)
@@ -96,9 +99,9 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         """n choices are n engine requests `rid-<k>` (parallel_sampling.py, as
         the HTTP front's), merged into one stream; each message has its index."""
-        spans = []
+        spans, admitted = [], None
         try:
-            g = parse_generate(request, self.fe.info.max_n)
+            g = parse_generate(request, self.fe.info.max_n, self.fe.limits.max_logit_bias)
             if request.priority and not self.allow_client_priority:
                 raise ServingError(
                     "invalid",
@@ -109,12 +112,19 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
             client_id = self.fe.client_request_id(request.request_id, "request_id")
             lora = await self.fe.lora.resolve_model(request.lora) if request.lora else None
             rid = self.fe.new_request_id("gen")
+            name_task(rid)  # a callback that holds the event loop is logged with it (loop_monitor.py)
+            # Its n sequences count against --max-concurrent-requests until their streams end (admission.py).
+            admitted = self.fe.admission.admit(g.n, "n")
             rids = parallel_sampling.request_ids(rid, g.n)
             # One trace span per engine request, each a child of the client's context (traceparent metadata).
             parent = tracing.context_from_metadata(context.invocation_metadata())
             op = "chat" if g.prompt.messages is not None else "text_completion"
             spans = [self.fe.start_span(parent, op, r, client_id, True, lora) for r in rids]
             ids, params = await self.fe.prepare(g.prompt, g.sampling, spans[0])
+            # Within --max-tokens-per-request: an unset max_tokens (16) shrinks, a chosen one must fit.
+            [(ids, params)] = self.fe.admission.fit_tokens(
+                [(ids, params)], g.n, request.sampling.HasField("max_tokens")
+            )
             group = rids[0] if g.n > 1 else None  # the request router keeps the samples on one worker
             streams = [
                 self.fe.generate(
@@ -126,17 +136,19 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                     span=s,
                     parent_request_id=group,
                     lora_name=lora,
+                    cache_salt=g.cache_salt,
+                    admitted=admitted,
                 )
                 for k, (r, s) in enumerate(zip(rids, spans))
             ]
-            texts = [""] * g.n
+            texts: list[list[str]] = [[] for _ in range(g.n)]  # joined once: `+=` per delta copies the reply
             async with aclosing(merge_streams(streams)) as merged:
                 async for k, msg in merged:
                     r = _response(rid, request.request_id, msg, k)
                     if replies is not None:
-                        texts[k] += msg.text
+                        texts[k].append(msg.text)
                         if msg.finished is not None:
-                            _add_tool_calls(r, replies[k], texts[k])
+                            _add_tool_calls(r, replies[k], "".join(texts[k]))
                     yield r
         except ServingError as e:
             for s in spans:  # a no-op for those whose own path ended them
@@ -145,6 +157,8 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
         finally:
             for s in spans:  # the client went away before a stream began (a no-op once ended)
                 tracing.end_request_span(s, cancelled=True)
+            if admitted is not None:  # those of streams that never started (each started one gives its own back)
+                admitted.release_unclaimed()
 
     def _tool_replies(self, choice, n: int) -> list[ToolReply] | None:
         """A reader of each choice's reply for tool calls, when the request has a tool choice."""
@@ -187,7 +201,7 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                     num_running=s.num_running,
                     num_waiting=s.num_waiting,
                 )
-                for s in await self.fe.load()
+                for s in await self.fe.load_snapshot.get()  # at most 0.5 s old, shared with /health
             ]
         )
 
@@ -242,7 +256,11 @@ class GrpcServer:
         max_concurrent_rpcs: int | None = None,
         allow_client_priority: bool = False,
         tool_call_parser: str | None = None,
+        max_connections: int | None = None,
+        handshake_timeout_s: float | None = None,
+        tls: TLSFiles | None = None,
     ):
+        """max_connections, handshake_timeout_s: grpc_connections.py; tls: serve TLS (tls.py)."""
         # Past max_concurrent_rpcs calls in flight, grpc.aio answers RESOURCE_EXHAUSTED itself.
         self.server = grpc.aio.server(
             interceptors=[_AuthInterceptor(frontend)],
@@ -251,6 +269,7 @@ class GrpcServer:
                 # SO_REUSEPORT: the routers on one host share the port (see ingress.reuse_port_socket).
                 ("grpc.max_receive_message_length", max_request_bytes),
                 ("grpc.so_reuseport", 1),
+                *connection_options(max_connections, handshake_timeout_s),
             ],
         )
         shoal_pb2_grpc.add_ShoalServicer_to_server(
@@ -260,7 +279,11 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         host = f"[{host}]" if ":" in host else host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, tls.grpc_credentials())
         if self.port == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")
 

@@ -16,9 +16,12 @@ import socket
 
 from shoal.router.fronts.frontend import Frontend, ModelInfo
 from shoal.router.fronts.grpc_server import GrpcServer
+from shoal.router.fronts.http_connections import ConnectionLimits, connection_cap, protocol_class, raise_file_limit
 from shoal.router.fronts.http_guards import host_allowlist
 from shoal.router.fronts.openai_app import OpenAIApp
+from shoal.router.fronts.tls import TLSFiles
 from shoal.router.observability import tracing
+from shoal.router.observability.loop_monitor import LoopMonitor
 from shoal.router.observability.status_page import StatusPage
 from shoal.router.options import RouterOptions
 from shoal.router.routing.failover import FailoverPool
@@ -46,15 +49,23 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_http(
-    app, host: str, port: int, headers: list[tuple[str, str]] | None = None, max_concurrent_requests: int | None = None
+    app,
+    host: str,
+    port: int,
+    headers: list[tuple[str, str]] | None = None,
+    limits: ConnectionLimits | None = None,
+    tls: TLSFiles | None = None,
 ):
     """Run uvicorn on this event loop, on a port shared with the host's other
     routers; every response carries `headers`. Return (server, its task) once it listens.
-    The app answers 429 past max_concurrent_requests (http_guards.AdmissionLimit); uvicorn's
-    own limit, which counts idle keep-alive connections too and answers 503, is a backstop above it."""
+    `limits` bound each connection's idle wait and header time and how many are open
+    (http_connections.py); `tls`: HTTPS. The app answers 429 past --max-concurrent-requests
+    (http_guards.AdmissionLimit). uvicorn's limit_concurrency stays off: it counts idle
+    connections too, so a crowd of them would turn every request away with 503."""
     import uvicorn
 
-    backstop = None if max_concurrent_requests is None else 2 * max_concurrent_requests + 64
+    limits = limits or ConnectionLimits()
+    cap = connection_cap(limits.max_connections)
     config = uvicorn.Config(
         app,
         host=host,
@@ -64,7 +75,9 @@ async def start_http(
         lifespan="off",
         timeout_graceful_shutdown=2,
         headers=headers,
-        limit_concurrency=backstop,
+        http=protocol_class(limits.header_timeout_s, cap),
+        timeout_keep_alive=limits.keep_alive_timeout_s,
+        **(tls.uvicorn_settings() if tls else {}),
     )
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[reuse_port_socket(host, port)]))
@@ -97,7 +110,7 @@ class Router:
         self.name = replica_name()
         tracing.configure("shoal-router")  # on only when OTEL_* asks for it
         # A stream whose worker is lost goes on on another one.
-        pool = FailoverPool(ServeWorkerPool(workers, self.name), options.max_retries)
+        pool = FailoverPool(ServeWorkerPool(workers, self.name, options.max_stream_buffer_tokens), options.max_retries)
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
         tokenizer = load_model_files(options.model).tokenizer
@@ -110,13 +123,35 @@ class Router:
             options.tokenizer_threads,
             options.allow_runtime_lora_updating,
             serve_app_registry(),
+            cache_isolation=options.cache_isolation,
+            max_concurrent_requests=options.max_concurrent_requests,
+            max_tokens_per_request=options.max_tokens_per_request,
+            lora_root=options.lora_root,
+            max_runtime_loras=options.max_runtime_loras,
+            metrics_include_lora_names=options.metrics_include_lora_names,
         )
+        # The event loop's lag (a gauge) and whatever holds it past 0.1 s (a warning naming the request).
+        self.loop_monitor = LoopMonitor()
+        self.frontend.metrics.watch_loop(self.loop_monitor)
+        self.loop_monitor.start()
         if options.allow_runtime_lora_updating and self.frontend.api_key is None:
             logger.warning(
                 "--allow-runtime-lora-updating without an API key: any client that reaches this router "
                 "can make the workers read adapter files from paths it names"
             )
+        if options.allow_runtime_lora_updating and not options.lora_root:
+            logger.warning(
+                "--allow-runtime-lora-updating without --lora-root: runtime loads may read adapters from any "
+                "path the workers can read; set --lora-root to the folder adapters are kept in"
+            )
         limit, concurrent = options.max_request_bytes, options.max_concurrent_requests
+        raise_file_limit()  # before the connection cap is derived from it
+        self.tls = TLSFiles.from_options(options)
+        conns = ConnectionLimits(
+            options.http_header_timeout_s,
+            options.http_keep_alive_timeout_s,
+            connection_cap(options.max_connections),
+        )
         self.grpc = GrpcServer(
             self.frontend,
             options.host,
@@ -125,6 +160,9 @@ class Router:
             concurrent,
             options.allow_client_priority,
             options.tool_call_parser,
+            max_connections=conns.max_connections,
+            handshake_timeout_s=conns.header_timeout_s,
+            tls=self.tls,
         )
         await self.grpc.start()
         try:
@@ -135,9 +173,10 @@ class Router:
                 concurrent,
                 host_allowlist(options.allowed_hosts, self.frontend.api_key),
                 options.tool_call_parser,
+                body_timeout_s=options.http_body_timeout_s,
             ).app
             self.http, self._http_task = await start_http(
-                app, options.host, options.http_port, [("X-Shoal-Router", self.name)], concurrent
+                app, options.host, options.http_port, [("X-Shoal-Router", self.name)], conns, self.tls
             )
         except BaseException:
             await self.grpc.stop()
@@ -149,7 +188,7 @@ class Router:
 
         o = self.options
         return {
-            "http": f"http://{o.host}:{o.http_port}",
+            "http": f"{'https' if self.tls else 'http'}://{o.host}:{o.http_port}",
             "grpc": f"{o.host}:{self.grpc.port}",
             "model": self.frontend.info.model,
             "router": self.name,
@@ -177,6 +216,7 @@ class Router:
             await asyncio.wait_for(self._http_task, 5.0)
         except Exception:
             pass
+        self.loop_monitor.stop()
         if left:
             logger.warning("shutdown: %d streams were still running after %.0f s", left, timeout_s)
         return left

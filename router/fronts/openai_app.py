@@ -5,6 +5,8 @@ and vLLM's /tokenize and /detokenize."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.metadata
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -14,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shoal.router.fronts import parallel_sampling, strict_json
+from shoal.router.fronts import openapi, parallel_sampling, request_schema, strict_json
+from shoal.router.fronts.admission import sequences_field
 from shoal.router.fronts.frontend import Frontend, ServingError
 from shoal.router.fronts.http_guards import AdmissionLimit, HostCheck, until_disconnect
 from shoal.router.fronts.openai_format import ChunkFormat, usage_so_far
@@ -29,6 +32,7 @@ from shoal.router.fronts.stream_merge import merge_streams
 from shoal.router.fronts.tool_parsers import TOOL_PARSERS, get_tool_parser
 from shoal.router.fronts.tool_replies import ToolReplies
 from shoal.router.observability import tracing
+from shoal.router.observability.loop_monitor import REQUEST_TASK_PREFIX, name_task
 from shoal.router.observability.status_page import StatusPage
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateDelta
@@ -44,6 +48,7 @@ _ERRORS = {
     "conflict": (409, "invalid_request_error", "conflict"),
     "too_large": (413, "invalid_request_error", "request_too_large"),
     "media_type": (415, "invalid_request_error", "unsupported_media_type"),
+    "timeout": (408, "invalid_request_error", "request_timeout"),
     "full": (429, "rate_limit_error", "server_full"),
     "unavailable": (503, "service_unavailable_error", "shutting_down"),
     "internal": (500, "internal_error", None),
@@ -53,6 +58,8 @@ _ERRORS = {
 def error_response(e: ServingError, headers: dict | None = None) -> JSONResponse:
     status, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
     code = e.code or code
+    if status == 408:  # the rest of the body may still come: the connection ends with this answer
+        headers = {**(headers or {}), "Connection": "close"}
     return JSONResponse(
         {"error": {"message": e.message, "type": etype, "param": e.field, "code": code}}, status, headers
     )
@@ -73,15 +80,18 @@ class OpenAIApp:
         max_concurrent_requests: int | None = None,
         allowed_hosts: tuple[str, ...] | None = None,
         tool_call_parser: str | None = None,
+        body_timeout_s: float = 30.0,
     ):
         """max_concurrent_requests: past it 429 (None: no cap); allowed_hosts:
         the Host names answered (http_guards.host_allowlist; None: any);
-        tool_call_parser: reads tool_choice auto replies (None: auto is refused)."""
+        tool_call_parser: reads tool_choice auto replies (None: auto is refused);
+        body_timeout_s: a request body not all in by then gets 408 (--http-body-timeout-s)."""
         if tool_call_parser is not None:
             get_tool_parser(tool_call_parser)  # an unknown name fails the start, not a request
         self.tool_call_parser = tool_call_parser
         self.fe = frontend
         self.max_request_bytes = max_request_bytes
+        self.body_timeout_s = body_timeout_s
         status = status or StatusPage(frontend)
         self.app = self.starlette = Starlette(
             routes=[
@@ -93,6 +103,7 @@ class OpenAIApp:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),  # public, as vLLM's
                 *status.routes(self._denied),  # /metrics, the status page and its JSON
             ]
         )
@@ -129,11 +140,17 @@ class OpenAIApp:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ServingError("too_large", f"the request body exceeds {limit} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ServingError("too_large", f"the request body exceeds {limit} bytes")
-            chunks.append(chunk)
+        try:  # a body sent slowly, or never finished, holds a connection and its buffer: a deadline
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ServingError("too_large", f"the request body exceeds {limit} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ServingError(
+                "timeout", f"the request body was not all received within {self.body_timeout_s:g} s"
+            ) from None
         return strict_json.loads(b"".join(chunks))
 
     async def _start(
@@ -156,6 +173,18 @@ class OpenAIApp:
         if parsed.user is not None:  # %r: one log line whatever the client sent
             logger.info("request %s from user %r", rid, parsed.user)
         width = parallel_sampling.width(parsed)
+        # Its sequences count against --max-concurrent-requests from here until its streams end.
+        field = sequences_field(len(parsed.prompts), parsed.n, parsed.best_of)
+        admitted = self.fe.admission.admit(len(parsed.prompts) * width, field)
+        try:
+            return await self._dispatch(request, parsed, rid, client_id, chat, width, admitted)
+        finally:
+            admitted.release_unclaimed()  # those of streams that never started (each started one gives its own back)
+
+    async def _dispatch(
+        self, request: Request, parsed: ParsedRequest, rid: str, client_id: str, chat: bool, width: int, admitted
+    ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:
+        """_start's work once the request's sequences are admitted."""
         rids = parallel_sampling.request_ids(rid, len(parsed.prompts) * width)
         # One trace span per engine request, each a child of the client's context.
         parent = tracing.context_from_headers(request.headers)
@@ -163,6 +192,8 @@ class OpenAIApp:
         spans = [self.fe.start_span(parent, op, r, client_id, parsed.stream, parsed.lora_name) for r in rids]
         try:
             prepared = [await self.fe.prepare(p, parsed.sampling, s) for p, s in zip(parsed.prompts, spans[::width])]
+            # Within --max-tokens-per-request: the chat default shrinks, a chosen max_tokens must fit.
+            prepared = self.fe.admission.fit_tokens(prepared, width, parsed.sampling.get("max_tokens") is not None)
             parsed.num_prompt_tokens = [len(ids) for ids, _ in prepared]
             if parsed.echo:  # a token-id prompt echoes as its text
                 parsed.echo_texts = [
@@ -174,7 +205,17 @@ class OpenAIApp:
                 tracing.fail_request_span(s, e)
             raise
         streams = [
-            self.fe.generate(ids, params, r, client_id, span=s, parent_request_id=group, lora_name=parsed.lora_name)
+            self.fe.generate(
+                ids,
+                params,
+                r,
+                client_id,
+                span=s,
+                parent_request_id=group,
+                lora_name=parsed.lora_name,
+                cache_salt=parsed.cache_salt,
+                admitted=admitted,
+            )
             for r, (ids, params, group), s in zip(rids, parallel_sampling.expand(prepared, rids, parsed), spans)
         ]
         try:
@@ -201,10 +242,13 @@ class OpenAIApp:
     # ---- endpoints ----------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, lambda body: parse_completion(body, self.fe.max_prompts), chat=False)
+        fe = self.fe  # --max-prompts and --max-logit-bias are checked before the entries are read
+        return await self._serve(
+            request, lambda body: parse_completion(body, fe.max_prompts, fe.limits.max_logit_bias), chat=False
+        )
 
     async def chat(self, request: Request) -> Response:
-        return await self._serve(request, parse_chat, chat=True)
+        return await self._serve(request, lambda body: parse_chat(body, self.fe.limits.max_logit_bias), chat=True)
 
     async def _serve(self, request: Request, parse, chat: bool) -> Response:
         client_id = request.headers.get("x-request-id", "")
@@ -218,7 +262,9 @@ class OpenAIApp:
             return error_response(e, headers)
         # From here the client may hang up at any time, before or after its first token.
         answer = await until_disconnect(
-            request.receive, self._answer(request, body, parse, rid, client_id, chat, headers)
+            request.receive,
+            self._answer(request, body, parse, rid, client_id, chat, headers),
+            REQUEST_TASK_PREFIX + rid,  # a callback that holds the event loop is logged with it (loop_monitor.py)
         )
         return answer if answer is not None else Response(status_code=499)  # nobody reads it
 
@@ -237,10 +283,11 @@ class OpenAIApp:
                 self._events(fmt, parsed, streams, firsts, replies), media_type="text/event-stream", headers=headers
             )
         choices = [{"index": i, "text": "", "lps": [], "final": None} for i in range(len(streams))]
+        texts: list[list[str]] = [[] for _ in choices]  # joined once: `+=` per delta copies the reply
         try:
             async for i, msg in merge_streams(streams, firsts):
                 c = choices[i]
-                c["text"] += msg.text
+                texts[i].append(msg.text)
                 c["lps"].extend(msg.logprobs or [])
                 if msg.finished is not None:
                     c["final"] = msg.finished
@@ -248,6 +295,8 @@ class OpenAIApp:
             return error_response(e, headers)
         finally:
             await _close(streams)
+        for c, parts in zip(choices, texts):
+            c["text"] = "".join(parts)
         if parsed.echo_texts is not None:
             for c in choices:
                 c["text"] = parsed.echo_texts[c["index"] // fmt.width] + c["text"]
@@ -264,6 +313,7 @@ class OpenAIApp:
         prompt_of = [i // fmt.width for i in range(len(streams))]  # each choice's prompt
         echo = [parsed.echo_texts[p] for p in prompt_of] if parsed.echo_texts is not None else None  # None once sent
         made = [0] * len(streams) if parsed.continuous_usage else None  # completion tokens so far, per choice
+        name_task(fmt.rid)  # the response's task, as _serve's: for loop_monitor.py
         try:
             for i in range(len(streams) if fmt.chat else 0):  # the role goes out for every choice, as vLLM's
                 chunk = fmt.chunk(i, {"role": "assistant", "content": ""}, None, None)
@@ -327,6 +377,10 @@ class OpenAIApp:
             return error_response(e)
         return JSONResponse({"prompt": text})
 
+    async def openapi(self, request: Request) -> Response:
+        """The OpenAPI 3.1 document of this API (openapi.py), built from the parsers' table."""
+        return JSONResponse(openapi_document())
+
     async def models(self, request: Request) -> Response:
         try:
             self._authenticate(request)
@@ -352,6 +406,7 @@ class OpenAIApp:
             body = await self._read_json(request)
             if not isinstance(body, dict):
                 raise ServingError("invalid", "the request body must be a JSON object")
+            _parsed(lambda b: request_schema.check("load_lora_adapter", b), body)
             await self.fe.lora.load_adapter(body.get("lora_name"), body.get("lora_path"))
         except ServingError as e:
             return error_response(e)
@@ -364,6 +419,7 @@ class OpenAIApp:
             body = await self._read_json(request)
             if not isinstance(body, dict):
                 raise ServingError("invalid", "the request body must be a JSON object")
+            _parsed(lambda b: request_schema.check("unload_lora_adapter", b), body)
             await self.fe.lora.unload_adapter(body.get("lora_name"))
         except ServingError as e:
             return error_response(e)
@@ -372,11 +428,12 @@ class OpenAIApp:
     async def health(self, request: Request) -> Response:
         """200 while this router can route to a worker (what a load balancer
         needs: one worker restarting must not take every router out);
-        `?all=1`: only while every configured worker answers."""
+        `?all=1`: only while every configured worker answers. The loads are
+        a snapshot at most 0.5 s old, shared by every caller (load_snapshot.py)."""
         if self.fe.draining:
             return JSONResponse({"status": "draining"}, 503)
         try:
-            up = len(await self.fe.load())
+            up = len(await self.fe.load_snapshot.get())
         except Exception:
             up = 0
         need = self.fe.info.num_workers if request.query_params.get("all") in ("1", "true") else 1
@@ -384,6 +441,13 @@ class OpenAIApp:
         return JSONResponse(
             {"status": status, "workers": up, "num_workers": self.fe.info.num_workers}, 200 if up >= need else 503
         )
+
+
+@functools.cache
+def openapi_document() -> dict:
+    """Built once, with every error status the app answers."""
+    statuses = {status: f"{etype}: {kind}" for kind, (status, etype, _) in _ERRORS.items()}
+    return openapi.document(dict(sorted(statuses.items())), importlib.metadata.version("shoal"))
 
 
 def _parsed(parse, body):

@@ -2,20 +2,25 @@
 
 Every known field is type-checked and a bad one raises InvalidRequestError
 naming it (HTTP 400, `param` set). Unknown fields are ignored, as OpenAI's
-own server and vLLM's do, so newer clients keep working.
+own server and vLLM's do, so newer clients keep working (and logged).
+Which fields each endpoint has, and their JSON types, is request_schema.py's
+table, which the OpenAPI document is built from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.router.fronts import request_schema
 from shoal.router.fronts.prompt import Prompt
+from shoal.router.fronts.request_schema import MAX_USER_LEN
 from shoal.router.fronts.structured_fields import parse_structured
 from shoal.router.fronts.tools import ToolChoice, constrain_sampling, parse_messages, parse_tools
+from shoal.workers.core.block_hash import check_cache_salt
+from shoal.workers.core.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
 from shoal.workers.errors import InvalidRequestError
 
 _NUMBER = (int, float)
-MAX_USER_LEN = 256  # `user` is logged, so it is bounded like a client's request id
 
 
 def _get(body: dict, name: str, types, default=None):
@@ -63,9 +68,10 @@ class ParsedRequest:
     n: int = 1  # choices per prompt (parallel samples; router/fronts/parallel_sampling.py)
     best_of: int | None = None  # completions: samples per prompt, of which the n likeliest are returned
     lora_name: str | None = None  # the LoRA adapter `model` names, once resolved (None: the base model)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
 
-def _sampling(body: dict) -> dict:
+def _sampling(body: dict, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> dict:
     s: dict = {}
     for name, types in (
         ("temperature", _NUMBER),
@@ -97,16 +103,19 @@ def _sampling(body: dict) -> dict:
         s["stop_token_ids"] = ids
     bias = _get(body, "logit_bias", dict)
     if bias:
-        s["logit_bias"] = _logit_bias(bias)
+        s["logit_bias"] = _logit_bias(bias, max_logit_bias)
     structured = parse_structured(body)
     if structured is not None:
         s["structured_outputs"] = structured
     return s
 
 
-def _logit_bias(bias: dict) -> dict[int, float]:
-    """OpenAI's map of token ids (JSON keys are strings) to numbers; the
-    engine's check bounds the ids by the vocabulary and the values."""
+def _logit_bias(bias: dict, limit: int) -> LogitBias:
+    """OpenAI's map of token ids (JSON keys are strings) to numbers, at most
+    `limit` entries (--max-logit-bias, counted before any is read), checked
+    once for the whole request (its prompts and samples share the LogitBias);
+    the engine's check bounds the ids by the vocabulary."""
+    check_count(len(bias), limit)
     out = {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
@@ -114,7 +123,7 @@ def _logit_bias(bias: dict) -> dict[int, float]:
         if isinstance(value, bool) or not isinstance(value, _NUMBER):
             raise InvalidRequestError("logit_bias values must be numbers", field="logit_bias")
         out[int(key)] = float(value)
-    return out
+    return LogitBias(out)
 
 
 def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling: dict) -> ParsedRequest:
@@ -134,6 +143,8 @@ def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling:
         raise InvalidRequestError(f"user has {len(user)} characters; at most {MAX_USER_LEN} are allowed", field="user")
     parsed = ParsedRequest(prompts, sampling, stream, include_usage, _get(body, "model", str))
     parsed.continuous_usage, parsed.user = continuous, user
+    parsed.cache_salt = body.get("cache_salt")
+    check_cache_salt(parsed.cache_salt)
     parsed.n = _get(body, "n", int, 1)  # its upper bound is the engine's --max-n (parallel_sampling.py)
     if parsed.n < 1:
         raise InvalidRequestError(f"n must be at least 1, got {parsed.n}", field="n")
@@ -146,11 +157,12 @@ def _common(body: dict, prompts: list[Prompt], max_tokens: int | None, sampling:
     return parsed
 
 
-def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
+def parse_completion(body: dict, max_prompts: int = 64, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> ParsedRequest:
     """POST /v1/completions. `prompt` is a string, token ids, or a list of
     at most max_prompts (--max-prompts) of either."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    request_schema.check("completions", body)
     raw = body.get("prompt")
     if raw is None:
         raise InvalidRequestError("prompt is required", field="prompt")
@@ -175,7 +187,7 @@ def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
             raise InvalidRequestError("each prompt must be a string or an array of token ids", field="prompt")
     if _get(body, "suffix", str):
         raise InvalidRequestError("suffix is not supported", field="suffix")
-    sampling = _sampling(body)
+    sampling = _sampling(body, max_logit_bias)
     logprobs = _get(body, "logprobs", int)
     if logprobs is not None:  # its upper bound is the engine's --max-logprobs (request_checks)
         sampling["logprobs"] = logprobs
@@ -187,14 +199,15 @@ def parse_completion(body: dict, max_prompts: int = 64) -> ParsedRequest:
     return parsed
 
 
-def parse_chat(body: dict) -> ParsedRequest:
+def parse_chat(body: dict, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> ParsedRequest:
     """POST /v1/chat/completions. Content may be a string or text parts;
     tools and tool calls as tools.py reads them."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    request_schema.check("chat", body)
     rendered = parse_messages(body.get("messages"))
     tools, choice = parse_tools(body)
-    sampling = _sampling(body)
+    sampling = _sampling(body, max_logit_bias)
     constrain_sampling(sampling, tools, choice, "tool_choice")
     if _get(body, "logprobs", bool, False):
         top = _get(body, "top_logprobs", int, 0)
@@ -219,6 +232,7 @@ def parse_tokenize(body: dict) -> tuple[Prompt, str | None]:
     (`add_generation_prompt`, default true; `add_special_tokens` default false)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    request_schema.check("tokenize", body)
     special = _get(body, "add_special_tokens", bool)
     if body.get("messages") is not None:
         chat = {k: body[k] for k in ("messages", "add_generation_prompt", "tools") if k in body}
@@ -227,6 +241,7 @@ def parse_tokenize(body: dict) -> tuple[Prompt, str | None]:
         prompt = Prompt(text=_get(body, "prompt", str))
         if prompt.text is None:
             raise InvalidRequestError("prompt (a string) or messages is required", field="prompt")
+        parse_tools({"tools": body.get("tools")})  # unused by a text prompt, but checked as the document says
     prompt.add_special_tokens = special
     return prompt, _get(body, "model", str)
 
@@ -236,6 +251,7 @@ def parse_detokenize(body: dict) -> tuple[list[int], str | None]:
     vocabulary bound is the Frontend's."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    request_schema.check("detokenize", body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
         raise InvalidRequestError("tokens must be an array of token ids (integers)", field="tokens")

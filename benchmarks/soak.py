@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from shoal.benchmarks.hostile import hostile_request
 from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.serve import random_words
 
@@ -57,6 +58,14 @@ def add_parser(sub) -> None:
         type=int,
         default=10,
         help="every Nth request streams and hangs up after its first chunk (0: none)",
+    )
+    p.add_argument(
+        "--hostile-fraction",
+        type=float,
+        default=0.0,
+        help="with F > 0: two phases of --duration each, the first honest only, the second with every "
+        "(1/F)th request drawn from the hostile mix (benchmarks/hostile.py); the honest requests stream and "
+        "their TTFT is reported for both phases",
     )
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--baseline-s", type=float, default=120.0, help="growth is measured from this time to the end")
@@ -161,6 +170,8 @@ class LoadResult:
     started: int = 0
     skipped: int = 0  # ticks that found --max-concurrency requests in flight
     codes: Counter = field(default_factory=Counter)  # "200", "429", "aborted" (hung up on purpose), "error: ..."
+    hostile: Counter = field(default_factory=Counter)  # the hostile mix's answers, "<kind>: <code>"
+    ttft_s: list[float] = field(default_factory=list)  # honest streamed requests answered 200
 
 
 async def offer_load(
@@ -172,29 +183,49 @@ async def offer_load(
     abort_every: int = 0,
     on_tick=None,
     request_timeout: float = 120.0,
+    hostile=None,
+    hostile_every: int = 0,
+    measure_ttft: bool = False,
 ) -> LoadResult:
     """Start body(k) at start + k / rate for every k with k / rate < duration.
-    Every abort_every-th request streams and closes after its first chunk.
-    Returns once every started request has ended."""
+    Every abort_every-th request streams and closes after its first chunk;
+    every hostile_every-th is hostile(k) instead (benchmarks/hostile.py).
+    measure_ttft: the honest requests stream, and their time to the first
+    chunk is kept. Returns once every started request has ended."""
     import aiohttp
+
+    from shoal.benchmarks.hostile import send_hostile
 
     out = LoadResult()
     in_flight: set[asyncio.Task] = set()
     timeout = aiohttp.ClientTimeout(total=request_timeout)
 
     async def one(session, k):
+        if hostile is not None and hostile_every > 0 and k % hostile_every == hostile_every - 1:
+            try:
+                out.hostile[await send_hostile(session, base_url, hostile(k))] += 1
+            except Exception as e:
+                out.hostile[f"error: {type(e).__name__}"] += 1
+            return
         req = body(k)
         abort = abort_every > 0 and k % abort_every == abort_every - 1
-        if abort:
+        if abort or measure_ttft:
             req = {**req, "stream": True}
         try:
+            t0 = time.perf_counter()
             async with session.post(base_url + "/completions", json=req) as resp:
                 if abort and resp.status == 200:
                     await resp.content.readline()  # the first chunk, then hang up
                     resp.close()
                     out.codes["aborted"] += 1
                     return
-                await resp.read()
+                if measure_ttft and resp.status == 200:
+                    await resp.content.readline()
+                    ttft = time.perf_counter() - t0
+                    await resp.read()
+                    out.ttft_s.append(ttft)
+                else:
+                    await resp.read()
                 out.codes[str(resp.status)] += 1
         except Exception as e:  # a refused connection, a reset: counted by kind
             out.codes[f"error: {type(e).__name__}"] += 1
@@ -343,6 +374,15 @@ def rss_plot(procs: list[Proc], title: str, width: int = 720, height: int = 420)
     return line_plot(series, title, "seconds", "RSS (MB)", width, height, legend_right=170)
 
 
+def ttft_stats(ttft_s: list[float]) -> dict:
+    xs = sorted(ttft_s)
+
+    def pct(q):
+        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1)
+
+    return {"n": len(xs), "p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "max": round(1000 * xs[-1], 1)}
+
+
 def print_report(report: dict) -> None:
     w = report["workload"]
     print(
@@ -350,6 +390,15 @@ def print_report(report: dict) -> None:
         f"{report['skipped']} skipped (at --max-concurrency {w['max_concurrency']})"
     )
     print("answers: " + ", ".join(f"{code}: {n}" for code, n in sorted(report["codes"].items())))
+    if report.get("hostile_codes"):
+        print("hostile: " + ", ".join(f"{code}: {n}" for code, n in sorted(report["hostile_codes"].items())))
+    for name, t in report.get("ttft_ms", {}).items():
+        print(f"honest TTFT ({name}): n {t['n']}, p50 {t['p50']} ms, p90 {t['p90']} ms, p99 {t['p99']} ms")
+    t = report.get("ttft_ms", {})
+    if "clean" in t and "hostile" in t:
+        print(
+            f"honest p99 TTFT with the hostile mix / without: {t['hostile']['p99'] / max(t['clean']['p99'], 1e-9):.2f}x"
+        )
     for kv in report["kv_blocks"]:
         print(f"KV blocks after: {kv['worker']}: {kv['num_free_blocks']} free of {kv['num_total_blocks']}")
     base = report["baseline_s"]
@@ -387,10 +436,32 @@ def soak(ns, base_url: str, status_base: str, root_pid: int) -> dict:
             print(f"  {now:6.0f} s: {top.role} {top.rss[-1][1] / MB:.0f} MB", flush=True)
 
     body = make_body(ns.seed, ns.input_len, ns.output_len)
-    load = asyncio.run(
-        offer_load(
-            base_url, ns.rate, ns.duration, ns.max_concurrency, body, ns.abort_every, on_tick, ns.request_timeout
+    phases = {"all": None}
+    if ns.hostile_fraction > 0:
+        phases = {"clean": None, "hostile": max(1, round(1 / ns.hostile_fraction))}
+    loads = {}
+    for name, every in phases.items():
+        rng = random.Random(ns.seed)
+        loads[name] = asyncio.run(
+            offer_load(
+                base_url,
+                ns.rate,
+                ns.duration,
+                ns.max_concurrency,
+                body,
+                ns.abort_every,
+                on_tick,
+                ns.request_timeout,
+                hostile=None if every is None else (lambda k, rng=rng: hostile_request(rng)),
+                hostile_every=every or 0,
+                measure_ttft=ns.hostile_fraction > 0,
+            )
         )
+    load = LoadResult(
+        sum(x.started for x in loads.values()),
+        sum(x.skipped for x in loads.values()),
+        sum((x.codes for x in loads.values()), Counter()),
+        sum((x.hostile for x in loads.values()), Counter()),
     )
     kv = kv_blocks(status_base)
     sampler.sample(time.perf_counter() - t0)  # after the load: what is still held
@@ -406,6 +477,7 @@ def soak(ns, base_url: str, status_base: str, root_pid: int) -> dict:
             "input_len",
             "output_len",
             "abort_every",
+            "hostile_fraction",
             "sample_every",
             "max_growth_mb",
             "num_workers",
@@ -418,6 +490,8 @@ def soak(ns, base_url: str, status_base: str, root_pid: int) -> dict:
         "started": load.started,
         "skipped": load.skipped,
         "codes": dict(load.codes),
+        "hostile_codes": dict(load.hostile),
+        "ttft_ms": {name: ttft_stats(x.ttft_s) for name, x in loads.items() if x.ttft_s},
         "kv_blocks": kv,
         "baseline_s": ns.baseline_s,
         "processes": rows,

@@ -198,3 +198,66 @@ def test_a_steps_vocabulary_wide_buffers_go_back_to_the_kernel_when_freed():
     t.join()
     assert got["held"] - got["freed"] > 180 * (1 << 20)
     release_free_heap()  # and trimming what is left free does not fail
+
+
+def test_the_hostile_mix_is_counted_apart_and_the_honest_ttft_is_kept():
+    from shoal.benchmarks.hostile import Hostile, hostile_request
+
+    async def go():
+        async def completions(request):
+            req = await request.json()
+            if "structured_outputs" in req:
+                return web.json_response({"error": {"message": "bad"}}, status=400)
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for _ in range(3):
+                await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+
+        def hostile(k):
+            if k % 20 == 4:
+                return Hostile("reader", "slow_reader", body={"prompt": "p", "stream": True})
+            return Hostile("ref", "post", body={"prompt": "p", "structured_outputs": {"json": "["}})
+
+        try:
+            return await soak.offer_load(
+                f"http://127.0.0.1:{port}/v1",
+                200,
+                0.2,
+                100,
+                lambda k: {"seed": k},
+                hostile=hostile,
+                hostile_every=5,
+                measure_ttft=True,
+            )
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(go())
+    # 40 ticks: every 5th hostile (8), of which k % 20 == 4 read slowly (2); the 32 honest ones stream.
+    assert res.started == 40 and res.hostile == {"ref: 400": 6, "reader: held": 2}
+    assert res.codes == {"200": 32} and len(res.ttft_s) == 32 and all(t > 0 for t in res.ttft_s)
+    # Every kind of the mix is a well-formed request the server can be sent.
+    import random
+
+    rng = random.Random(0)
+    kinds = {hostile_request(rng).kind for _ in range(200)}
+    assert kinds == {
+        "ref_unicode",
+        "deep_json",
+        "ref_superscript",
+        "logit_bias",
+        "fanout",
+        "tools",
+        "slow_reader",
+        "half_open",
+    }

@@ -19,8 +19,8 @@ from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers.core import logit_bias as logit_bias_module
 from shoal.workers.core import structured_outputs
-from shoal.workers.core.json_pointer import PointerError, RefWalk, ref_cycle, resolve
-from shoal.workers.core.structured_outputs import MAX_SPEC_CHARS
+from shoal.workers.core.json_pointer import PointerError, RefWalk, ref_cycle, resolve, schema_height
+from shoal.workers.core.structured_outputs import MAX_SCHEMA_HEIGHT, MAX_SPEC_CHARS
 from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.structured_output import guidance
@@ -115,6 +115,42 @@ def test_an_acyclic_spec_with_many_spellings_is_accepted_in_linear_work():
     walk = RefWalk()
     assert ref_cycle(json.loads(text), walk) is None
     assert walk.total <= len(text) // 4, walk
+
+
+def _chain(n: int, cyclic: bool, reverse: bool) -> dict:
+    """n definitions each naming the next through a property; the last names the first (cyclic) or a string."""
+
+    def last(k):
+        return (
+            {"$ref": f"#/$defs/d{k + 1}"} if k + 1 < n else ({"$ref": "#/$defs/d0"} if cyclic else {"type": "string"})
+        )
+
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    defs = {f"d{k}": {"type": "object", "properties": {"x": last(k)}} for k in order}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+@pytest.mark.parametrize("cyclic", [True, False], ids=["cyclic", "acyclic"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "listed backwards"])
+def test_a_long_chain_of_definitions_is_refused_in_linear_work_whatever_their_order(cyclic, reverse):
+    # llguidance overflowed its thread's stack on a chain of ~900 (a crash of the whole process, router or worker).
+    long = _chain(3000, cyclic, reverse)
+    walk = RefWalk()
+    assert schema_height(long, MAX_SCHEMA_HEIGHT, walk) > MAX_SCHEMA_HEIGHT
+    assert walk.total < len(json.dumps(long)) / 4  # each object visited once
+    with pytest.raises(InvalidRequestError, match="more than 256 deep") as e:
+        SO(json=json.dumps(long)).validate()
+    assert e.value.field == "structured_outputs"
+    # A short chain, and a recursive tree (a node whose children are nodes), are served.
+    assert schema_height(_chain(40, cyclic, reverse), MAX_SCHEMA_HEIGHT) <= MAX_SCHEMA_HEIGHT
+    tree = {
+        "$ref": "#/$defs/node",
+        "$defs": {
+            "node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+        },
+    }
+    SO(json=json.dumps(tree)).validate()
+    guidance.validate(SO(json=json.dumps(_chain(40, cyclic, reverse))))
 
 
 def test_deep_nesting_is_refused_not_a_recursion_error():

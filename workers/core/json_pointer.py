@@ -148,3 +148,66 @@ def _objects(document, walk: RefWalk):
         elif isinstance(x, list):
             walk.nodes += 1
             todo += [v for v in x if isinstance(v, (dict, list))]
+
+
+def schema_height(schema, limit: int, walk: RefWalk | None = None) -> int:
+    """How deep a grammar library recurses to expand `schema`: the longest
+    chain of nested objects, a local $ref counting as the object it names
+    (a reference back to one already on the chain counts nothing: the
+    library recurs lazily there). Returns as soon as it passes `limit`.
+    Linear: each object's height is computed once, iteratively, whatever
+    order the document lists its definitions in. (llguidance overflows its
+    thread's stack, killing the process, on a chain of ~900 definitions.)"""
+    walk = walk if walk is not None else RefWalk()
+    targets: dict[str, object] = {}
+    on_chain = -1
+    height: dict[int, int] = {}  # id(object) -> its height, or on_chain
+
+    def children(node: dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref not in targets:
+                targets[ref] = resolve(schema, ref, walk)
+            if isinstance(targets[ref], dict):
+                yield targets[ref]
+        lists = [v for v in node.values() if isinstance(v, list)]
+        for v in node.values():
+            if isinstance(v, dict):
+                yield v
+        while lists:  # objects inside arrays (anyOf, items, prefixItems), at any depth of arrays
+            for v in lists.pop():
+                if isinstance(v, dict):
+                    yield v
+                elif isinstance(v, list):
+                    lists.append(v)
+
+    best = 0
+    for start in _objects(schema, walk):
+        if id(start) in height:
+            continue
+        height[id(start)] = on_chain
+        stack, tallest = [(start, children(start))], [0]
+        while stack:
+            node, todo = stack[-1]
+            for child in todo:
+                walk.edges += 1
+                h = height.get(id(child))
+                if h is None:
+                    height[id(child)] = on_chain
+                    stack.append((child, children(child)))
+                    tallest.append(0)
+                    if len(stack) > limit:
+                        return len(stack)
+                    break
+                if h != on_chain:
+                    tallest[-1] = max(tallest[-1], h)
+            else:
+                stack.pop()
+                h = tallest.pop() + 1
+                height[id(node)] = h
+                best = max(best, h)
+                if h > limit:
+                    return h
+                if tallest:
+                    tallest[-1] = max(tallest[-1], h)
+    return best

@@ -10,12 +10,15 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from shoal.workers.core.json_pointer import PointerError, ref_cycle
+from shoal.workers.core.json_pointer import PointerError, ref_cycle, schema_height
 from shoal.workers.core.verdict_cache import VerdictCache
 from shoal.workers.errors import InvalidRequestError
 
 # A spec is compiled on every worker it reaches and sits in a cache: bounded like a prompt's text.
 MAX_SPEC_CHARS = 256 * 1024
+# Objects nested in a JSON schema, $refs followed (json_pointer.schema_height): a grammar library
+# recurses that deep compiling it, and one crashed its process past ~2,500 (an 8 MiB stack).
+MAX_SCHEMA_HEIGHT = 256
 MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _FIELDS = ("json", "json_object", "regex", "choice", "grammar", "field")
@@ -180,6 +183,11 @@ def json_schema_problem(text: str) -> str | None:
         return (
             f"the JSON schema has a $ref cycle ({' -> '.join(p[:80] for p in shown)}); a schema may recur only "
             "inside a property or an item"
+        )
+    if schema_height(schema, MAX_SCHEMA_HEIGHT) > MAX_SCHEMA_HEIGHT:
+        return (
+            f"the JSON schema nests objects, through its $refs, more than {MAX_SCHEMA_HEIGHT} deep (a chain of "
+            "definitions each naming the next counts as nesting)"
         )
     return None
 

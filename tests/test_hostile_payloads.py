@@ -71,6 +71,8 @@ def _payloads(byte_token: int) -> list[tuple[str, str, dict]]:
         ("a required tool call, streamed", "/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "stream": True}),
         ("a malformed hermes call, streamed", "/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "stream": True, "structured_outputs": {"regex": '<tool_call>\\{"name": tru\\}</tool_call>'}}),
         ("a malformed hermes call", "/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "structured_outputs": {"regex": "<tool_call>not json</tool_call>"}}),
+        ("a million empty objects (3 MB)", "/v1/completions", {"prompt": [{}] * 1_000_000}),
+        ("100,000 messages (3 MB)", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 100_000, "max_tokens": 1}),
         ("invalid UTF-8 forced by logit_bias, streamed", "/v1/completions", {"prompt": prompt, "max_tokens": 200, "logit_bias": {str(byte_token): 100}, "stream": True}),
     ]  # fmt: skip
 
@@ -127,7 +129,7 @@ def test_each_payload_is_a_4xx_or_a_200_and_health_keeps_answering(router):
     for what in ("$ref through Unicode zeros", "a cyclic $ref chain", "100,000 [", "$ref ending in ²"):
         assert answers[what] == 400, (what, answers[what])
     assert answers["32,000 logit_bias over 64 x n 16"] == 400 and answers["64 prompts x n 16"] == 400
-    assert answers["chat n 16 without max_tokens"] == 200
+    assert answers["chat n 16 without max_tokens"] == 200 and answers["a million empty objects (3 MB)"] == 400
     assert answers["a malformed hermes call"] == 200 and answers["a malformed hermes call, streamed"] == 200
     assert len(watch.answers) >= 5 and watch.problems() == [], watch.problems()
 

@@ -164,6 +164,12 @@ class Frontend:
         except InvalidRequestError as e:
             raise ServingError("invalid", str(e), e.field) from None
 
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer pool (bounded: --tokenizer-threads), for
+        work that grows with a request (a large body's JSON), so that it
+        never holds the event loop every other request shares."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
     async def detokenize(self, ids: list[int], field: str = "tokens") -> str:
         """The text of token ids, special tokens kept (as vLLM's /detokenize
         and echo give it), decoded on the tokenizer pool once the ids are

@@ -65,6 +65,11 @@ def error_response(e: ServingError, headers: dict | None = None) -> JSONResponse
     )
 
 
+# A body larger than this is decoded and parsed on the router's tokenizer pool: 1 MiB of
+# JSON can hold a million objects, a second of Python work, which would hold the event loop.
+OFF_LOOP_BYTES = 64 << 10
+
+
 def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -151,7 +156,10 @@ class OpenAIApp:
             raise ServingError(
                 "timeout", f"the request body was not all received within {self.body_timeout_s:g} s"
             ) from None
-        return strict_json.loads(b"".join(chunks))
+        request.state.body_bytes = size
+        if size <= OFF_LOOP_BYTES:
+            return strict_json.loads(b"".join(chunks))
+        return await self.fe.off_loop(strict_json.loads, b"".join(chunks))
 
     async def _start(
         self,
@@ -166,7 +174,10 @@ class OpenAIApp:
         refusal (full, invalid) still gets its own status code. One choice's
         engine id is `rid`; several choices' (several prompts, n, best_of:
         parallel_sampling.py) are `rid-0`, `rid-1`, ..."""
-        parsed = _parsed(parse, body)
+        if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES:  # its fields are walked in Python
+            parsed = await self.fe.off_loop(_parsed, parse, body)
+        else:
+            parsed = _parsed(parse, body)
         parsed.lora_name = await self.fe.lora.resolve_model(parsed.model)
         self._check_tool_choice(parsed)
         parallel_sampling.check(parsed, self.fe.limits.max_n, chat)

@@ -191,3 +191,18 @@ def test_the_build_key_follows_sources_and_flags_not_the_interpreter_path(tmp_pa
     assert build_key("x", src, ["-O3"], ["-fopenmp"]) != key
     (tmp_path / "a.h").write_text("// a changed header")
     assert build_key("x", src, ["-O3"], []) != key
+
+
+def test_a_build_lock_held_past_the_bound_fails_the_kernels_load_clearly(monkeypatch):
+    """Not a quiet fall-back to the torch path: the start fails naming the lock."""
+    from shoal.workers.model_executor.layers import cpu_kernels, kernel_build
+
+    def held(*a, **k):
+        raise KernelBuildTimeout("waiting for the kernel build lock /x/build.lock, held by PID 1")
+
+    monkeypatch.setattr(kernel_build, "load_extension", held)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    for _ in range(2):  # and again on the next call: a timeout is not remembered as "no kernels"
+        with pytest.raises(KernelBuildTimeout, match="held by PID 1"):
+            cpu_kernels.load()

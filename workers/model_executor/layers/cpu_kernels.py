@@ -4,9 +4,12 @@ paged KV cache, and the few-row linear layer of a decode step.
 Built once with torch's extension loader into ~/.cache/shoal/kernels/
 shoal_cpu_kernels-<hash of sources and flags> under a lock that a killed
 build cannot leave stuck (kernel_build.py; `make install` builds it ahead).
-load() returns None where it cannot be built (no compiler, or another
-process's build outlasting SHOAL_KERNEL_BUILD_TIMEOUT): the pure-torch path
-then runs, and it stays the reference either way. The engine loads it only under
+load() returns None where it cannot be built (no compiler, an unusual
+platform): the pure-torch path then runs, and it stays the reference either
+way. Another process's build outlasting SHOAL_KERNEL_BUILD_TIMEOUT is an
+error naming the lock and its owner (KernelBuildTimeout): something is
+wrong on that machine, and a start that quietly ran several times slower
+would hide it. The engine loads it only under
 EngineArgs.cpu_kernels (off: --no-cpu-kernels, or $SHOAL_CPU_KERNEL=0), when
 the cpu_kernel attention backend is chosen; bind() is then the one place
 the kernels reach the other layers.
@@ -50,10 +53,9 @@ def load():
     global _kernel, _tried
     if _tried:
         return _kernel
-    _tried = True
-    try:
-        from shoal.workers.model_executor.layers.kernel_build import load_extension
+    from shoal.workers.model_executor.layers.kernel_build import KernelBuildTimeout, load_extension
 
+    try:
         t0 = time.perf_counter()
         csrc = os.path.join(os.path.dirname(__file__), "csrc")
         _kernel = load_extension(
@@ -63,9 +65,12 @@ def load():
             extra_ldflags=["-fopenmp"],
         )
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
-    except Exception as e:  # no compiler or ninja, an unusual platform, a build lock held too long
+    except KernelBuildTimeout:
+        raise  # not remembered: a later call waits again
+    except Exception as e:  # no compiler or ninja, an unusual platform
         logger.warning("CPU kernels unavailable (%s); using the torch path", e)
         _kernel = None
+    _tried = True
     return _kernel
 
 

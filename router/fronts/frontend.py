@@ -126,7 +126,7 @@ class Frontend:
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="shoal-tokenize")
         self.grammar_checks = GrammarChecks()  # structured-output specs: a pool of their own
         self.metrics = RouterMetrics(info.model, info.max_model_len, info.max_loras, metrics_include_lora_names)
-        self.load_snapshot = LoadSnapshot(self.load)  # what /health, /metrics and GetLoad read
+        self.load_snapshot = LoadSnapshot(self.load)  # what the open /health and /metrics read
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()

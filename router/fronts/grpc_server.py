@@ -201,7 +201,7 @@ class ShoalServicer(shoal_pb2_grpc.ShoalServicer):
                     num_running=s.num_running,
                     num_waiting=s.num_waiting,
                 )
-                for s in await self.fe.load_snapshot.get()  # at most 0.5 s old, shared with /health
+                for s in await self.fe.load()  # behind the key: the workers as they are now (/health: a snapshot)
             ]
         )
 

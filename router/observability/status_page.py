@@ -63,7 +63,7 @@ class StatusPage:
         if (refused := self._denied(request)) is not None:
             return refused
         info, fe = self.fe.info, self.fe
-        loads = await fe.load_snapshot.get()
+        loads = await fe.load()  # behind the key: the workers as they are now
         p50, p99 = fe.metrics.recent_ttft()
         return JSONResponse(
             {

@@ -299,10 +299,11 @@ def measure_compile(manager, work: Workload, n: int) -> dict:
 
     manager.compiled(StructuredOutputsParams(json=work.schema("_warmup")))  # the backend's own start, not counted
     specs = [StructuredOutputsParams(json=work.schema(f"_{i}")) for i in range(n)]
-    before = len(manager.compile_seconds)
+    before = manager.num_compiled
     for so in specs:
         manager.compiled(so)
-    compile_s = manager.compile_seconds[before:]
+    done = manager.num_compiled - before  # at most the deque's 1024 latest are kept
+    compile_s = list(manager.compile_seconds)[len(manager.compile_seconds) - done :]
     hits = manager.num_cache_hits
     hit_s, matcher_s = [], []
     for so in specs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,7 +60,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="shoal-grammar")
         self.num_compiled = self.num_cache_hits = 0
-        self.compile_seconds: list[float] = []  # each compile's wall time (bench structured reads them)
+        # The latest compiles' wall times (bench structured reads them); bounded: a worker lives long
+        self.compile_seconds: deque[float] = deque(maxlen=1024)
 
     @property
     def backend(self) -> StructuredOutputBackend:

@@ -16,13 +16,15 @@ intermediate 5632), at M=1 (decode) and M=64 (a prefill chunk), against float32 
 on the Q4_K weights dequantized. gguf cannot quantize the K types: the blocks are random quants
 with valid fp16 scales (the speed does not depend on the values).
 
-Then prefill rows (--rows, default 64, 256, 512) on SmolLM2-135M's three shapes (576->1536,
-1536->576, 576->576): gguf_linear on the packed groups (tiles of 16 weight rows x 4 rows of x)
-against the same one row of x at a time (set_gguf_gemm_min_rows) and float32 F.linear (MKL) on
-the same weights dequantized; GFLOP/s-equivalent (2 M N K a call) and time per call. The weights stay in cache
-here: at these rows a layer is compute-bound.
+Then batched rows (--rows, default 16, 64, 256, 512: prefill chunks and large decode batches) on
+SmolLM2-135M's shapes, K = 576 and N = 576 (q, o), 192 (k, v), 1536 (gate, up), 49152 (the LM
+head), and its down projection (1536->576): gguf_linear on the packed groups (tiles of 16 weight
+rows x 4 rows of x) against the same one row of x at a time (set_gguf_gemm_min_rows) and float32
+F.linear (MKL) on the same weights dequantized; GOP/s (2 M N K a call: int8 multiply-adds for the
+blocks, float32 ones for F.linear) and time per call. The weights stay in cache here (but the LM
+head's 18-28 MB): at these rows a layer is compute-bound.
 
-`python -m shoal.benchmarks.gguf_kernels [--rounds 200] [--threads N] [--rows 64,256,512]`"""
+`python -m shoal.benchmarks.gguf_kernels [--rounds 200] [--threads N] [--rows 16,64,256,512]`"""
 
 from __future__ import annotations
 
@@ -40,7 +42,13 @@ from shoal.workers.model_executor.layers import cpu_kernels
 
 _ROTATE_BYTES = 256 << 20
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536)}
-PREFILL_SHAPES = {"576->1536": (1536, 576), "1536->576": (576, 1536), "576->576": (576, 576)}
+PREFILL_SHAPES = {
+    "576->576": (576, 576),
+    "576->192": (192, 576),
+    "576->1536": (1536, 576),
+    "1536->576": (576, 1536),
+    "576->49152": (49152, 576),
+}
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 K_SHAPES = {"gate_up": (11264, 2048), "down": (2048, 5632)}
 K_TYPES = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
@@ -93,8 +101,8 @@ def _bench_kquants(kernel, rounds: int) -> None:
 def _prefill(kernel, rows: list[int], rounds: int, rng: np.random.Generator) -> None:
     """The tiles of 4 rows of x against one row at a time and F.linear at prefill rows; the weights
     stay in cache."""
-    print(f"\nprefill rows, threads {torch.get_num_threads()}: GFLOP/s = 2 M N K / time; x faster than f32, 1-row")
-    print(f"{'shape':<10} {'M':>4} {'case':<10} {'us/call':>9} {'GFLOP/s':>8} {'vs f32':>7} {'vs 1-row':>8}")
+    print(f"\nbatched rows, threads {torch.get_num_threads()}: GOP/s = 2 M N K / time; x faster than f32, 1-row")
+    print(f"{'shape':<10} {'M':>4} {'case':<10} {'us/call':>9} {'GOP/s':>8} {'vs f32':>7} {'vs 1-row':>8}")
     for name, (N, K) in PREFILL_SHAPES.items():
         w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
         blocks = {q.name: kernel.gguf_pack(torch.from_numpy(quantize(w, q)), int(q)) for q in TYPES}
@@ -106,7 +114,7 @@ def _prefill(kernel, rows: list[int], rounds: int, rng: np.random.Generator) -> 
                 b, t = blocks[qtype.name], int(qtype)
                 cases[qtype.name] = lambda i, x=x, b=b, t=t: kernel.gguf_linear(x, b, t, False)
                 cases[f"{qtype.name} 1-row"] = lambda i, x=x, b=b, t=t: _one_row(kernel, x, b, t)
-            times = time_alternating(cases, max(10, min(rounds, rounds * 16 // M)))
+            times = time_alternating(cases, max(3 if N > 4096 else 10, min(rounds, rounds * 16 // M * 576 // N)))
             for case, sec in times.items():
                 tiles = times.get(f"{case} 1-row")
                 print(
@@ -129,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--rows", default="64,256,512", help="prefill rows, comma-separated ('' for none)")
+    parser.add_argument("--rows", default="16,64,256,512", help="prefill rows, comma-separated ('' for none)")
     parser.add_argument("--only-k", action="store_true", help="only the K-quants (gguf_linear_k)")
     args = parser.parse_args()
     if args.threads:

@@ -245,3 +245,35 @@ def test_gguf_linear_rejects_bad_input(kernel):
         kernel.gguf_linear(x, blocks, int(GGMLQuantizationType.Q8_0), False)  # Q4_0 bytes read as Q8_0
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernel.gguf_linear(torch.randn(2, 48), blocks, int(GGMLQuantizationType.Q4_0), False)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("M", "N", "K"),
+    [(1, 37, 96), (3, 37, 96), (17, 133, 96), (511, 133, 96), (255, 45, 1568)],  # 1568: 49 blocks, 88-row runs of x
+)
+def test_gguf_gemm_odd_shapes_same_bits_on_every_path_and_thread_count(kernel, isa, qtype, M, N, K):
+    """Odd shapes (M not a multiple of the 4- or 8-row tiles, N not one of the 16-row groups, K a
+    number of blocks that is not a power of two; at K = 1568 the rows of x split into several
+    cache-blocking runs): one thread and two give the same bits (the threads split whole groups,
+    each (weight row, x row) pair's float operations are the same), as do the scalar path and
+    one row of x at a time, within the references' bounds."""
+    x = _x(M, K, seed=M + K)
+    blocks = _weights(N, K, qtype, seed=N + K + int(qtype))
+    xt, wt = torch.from_numpy(x), kernel.gguf_pack(torch.from_numpy(blocks), int(qtype))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = kernel.gguf_linear(xt, wt, int(qtype), False)
+        torch.set_num_threads(2)
+        y2 = kernel.gguf_linear(xt, wt, int(qtype), False)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y1, y2), "1 thread and 2 threads"
+    assert torch.equal(y1, kernel.gguf_linear(xt, wt, int(qtype), True)), "the scalar path"
+    old = kernel.set_gguf_gemm_min_rows(1 << 30)
+    try:
+        assert torch.equal(y1, kernel.gguf_linear(xt, wt, int(qtype), False)), "one row of x at a time"
+    finally:
+        kernel.set_gguf_gemm_min_rows(old)
+    _check_against_references(y1.numpy().astype(np.float64), x, blocks, qtype)

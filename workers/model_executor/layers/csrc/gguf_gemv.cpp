@@ -34,11 +34,29 @@
 // gguf_linear takes its weights packed by gguf_pack (groups of 16 rows, see
 // "packed groups" below); the N % 16 rows after the last group stay as
 // stored and take tiles of 4 weight rows x 1 or 4 rows of x. Threads split
-// the weight rows in whole groups. Measured (1 thread, Zen 4, SmolLM2's
-// shapes, benchmarks/gguf_kernels.py): one row of x, 18-21 GB/s of Q4
-// blocks from memory (4.3-4.7x the float32 small_m_linear's time per call),
-// 25 GB/s of Q8_0; 64-256 rows, 310-420 GFLOP/s-equivalent (4.5-5.2x MKL's
-// float32 F.linear).
+// the weight rows in whole groups; each thread takes the rows of x in
+// cache-blocking runs of about kXRunBytes of quantized x (in L2), each run
+// against all of its groups (a group, 6-11 KB at K = 576, stays in L1 for
+// the run's tiles). A tile is one group x 4 rows of x on AVX2 (16 ymm:
+// 8 weight vectors + 4 accumulators), 8 rows of x on AVX-512 VNNI (32 zmm),
+// 1 row for the GEMV (M = 1) and the rows left over. Every (weight row, x
+// row) pair does the same float operations in the same order whatever the
+// tile, run, thread count or path: bit-identical results (tests).
+//
+// Measured (AVX2 Zen 3 EPYC, 2 cores shared with other jobs: single thread,
+// thread CPU time, best of 5 windows, old and new build in alternating
+// processes; SmolLM2-135M shapes K = 576, N = 192 / 576 / 1536 / 49152,
+// M = 16..512; an A/B of gguf_linear, and
+// `python -m shoal.benchmarks.gguf_kernels --threads 1`): this machine's
+// int8 peak, from a micro-kernel of independent vpmaddubsw + vpmaddwd +
+// vpaddd chains, is 196 GOP/s a core (32 multiply-adds a cycle), 330 with
+// int16 accumulation (vpmaddubsw + vpaddw). Q4_1 and Q4_0, 120-145 GOP/s
+// from 16 rows (61-74% of 196; the int8 dot of the tiles before int16
+// accumulation: 98-124, 1.1-1.4x less), the LM head (49152 rows, from
+// memory) 100-130; Q8_0 92-101 GOP/s (51%: 16 multiplies per 256
+// products); one row of x (GEMV) unchanged, 40-85 GOP/s (bandwidth-bound).
+// On Zen 4 (before this tiling): one row of x, 18-21 GB/s of Q4 blocks from
+// memory, 25 GB/s of Q8_0.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -432,53 +450,85 @@ void group_scalar(const uint8_t* group, const uint8_t* a, int64_t nb, float* y, 
 
 #ifdef __AVX2__
 // A packed group against C rows of x (AVX2; AVX-512 machines without VNNI):
-// the 16 rows as two halves of 8 lanes, vpmaddubsw + vpmaddwd for vpdpbusd.
+// the 16 rows as two halves of 8 lanes. The vector integer multiplies
+// bound it (Zen 3: two a cycle, vpmaddubsw and vpmaddwd alike), so the Q4
+// blocks spend 9 multiplies on 256 products, not 16: the 8
+// vpmaddubsw of a block add up in int16 (a lane pair is at most
+// 2 * 15 * 128 = 3840, 8 of them 30720 < 32767: exact) and one vpmaddwd
+// with ones widens the block's sums to int32. The 8 weight vectors of a
+// block, unpacked once, stay in registers for the C rows of x; Q4_1's
+// m_w * s_x chain runs as a second pass over the group's blocks (the same
+// float operations in the same order: its own chain) so that the C float
+// accumulators and the weights fit AVX2's 16 registers.
 // Q8_0's w + 128 times x could saturate vpmaddubsw's int16 pairs: it takes
-// |w| and x with w's sign instead (the same integers).
+// |w| and x with w's sign instead (the same integers), one vpmaddwd per k.
 template <int T, int C>
 void group_tile_avx2(const uint8_t* group, const uint8_t* xq, int64_t arow, const ActScales& as, int64_t m0, int64_t nb,
                      float* y, int64_t ldy) {
-  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff;
+  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff, abb = Layout<T>::abb;
   constexpr int aq = Layout<T>::aq;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* xr = xq + m0 * arow + aq;
+  const float* xd = as.d.data() + m0 * nb;
+  const int32_t* xs = as.start.data() + m0 * nb;
   for (int h = 0; h < 2; ++h) {
-    __m256 acc[C], accm[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), accm[c] = _mm256_setzero_ps();
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* o = group + b * kGroup * wbb;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * h)));
-      __m256 m = _mm256_setzero_ps();
-      if (T == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * h)));
-      __m256i wv[8];
-      if (T == kQ8_0) {
-        for (int k = 0; k < 8; ++k)
-          wv[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + qo + 64 * k + 32 * h)), flip);
+      if constexpr (T == kQ8_0) {
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* xb = xr + c * arow + b * abb;
+          __m256i s = _mm256_setzero_si256();
+          for (int k = 0; k < 8; ++k) {
+            const __m256i wv =
+                _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + qo + 64 * k + 32 * h)), flip);
+            int32_t x4;
+            std::memcpy(&x4, xb + 4 * k, 4);
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+          }
+          acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[c * nb + b])), _mm256_cvtepi32_ps(s), acc[c]);
+        }
       } else {
+        __m256i wv[8];
         for (int p = 0; p < 4; ++p) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + qo + 64 * p + 32 * h));
           wv[p] = _mm256_and_si256(v, low);
           wv[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-      }
-      for (int c = 0; c < C; ++c) {
-        const int64_t i = (m0 + c) * nb + b;
-        const uint8_t* xb = xq + (m0 + c) * arow + b * Layout<T>::abb + aq;
-        __m256i s = _mm256_set1_epi32(T == kQ8_0 ? 0 : as.start[i]);
-        for (int k = 0; k < 8; ++k) {
-          int32_t x4;
-          std::memcpy(&x4, xb + 4 * k, 4);
-          const __m256i xv = _mm256_set1_epi32(x4);
-          const __m256i p = T == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv[k], wv[k]), _mm256_sign_epi8(xv, wv[k]))
-                                       : _mm256_maddubs_epi16(wv[k], xv);
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* xb = xr + c * arow + b * abb;
+          __m256i p[8];
+          for (int k = 0; k < 8; ++k) {
+            int32_t x4;
+            std::memcpy(&x4, xb + 4 * k, 4);
+            p[k] = _mm256_maddubs_epi16(wv[k], _mm256_set1_epi32(x4));
+          }
+          // A tree, not a chain of 7 dependent adds (exact either way).
+          const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                               _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+          __m256i s = _mm256_madd_epi16(s16, ones);
+          if (T == kQ4_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(xs[c * nb + b]));
+          acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[c * nb + b])), _mm256_cvtepi32_ps(s), acc[c]);
         }
-        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(as.d[i])), _mm256_cvtepi32_ps(s), acc[c]);
-        if (T == kQ4_1) accm[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(as.s[i]), accm[c]);
       }
     }
-    for (int c = 0; c < C; ++c)
-      _mm256_storeu_ps(y + c * ldy + 8 * h, T == kQ4_1 ? _mm256_add_ps(acc[c], accm[c]) : acc[c]);
+    if constexpr (T == kQ4_1) {
+      __m256 accm[C];
+      for (int c = 0; c < C; ++c) accm[c] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* o = group + b * kGroup * wbb;
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * h)));
+        for (int c = 0; c < C; ++c)
+          accm[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(as.s[(m0 + c) * nb + b]), accm[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy + 8 * h, _mm256_add_ps(acc[c], accm[c]));
+    } else {
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy + 8 * h, acc[c]);
+    }
   }
 }
 #endif
@@ -531,6 +581,8 @@ constexpr bool kHavePackedVnni = false;
 // From this many rows of x the multi-row tiles run (fewer: one row of x at a
 // time); set_gguf_gemm_min_rows moves it (tests, benchmarks). Either gives the same bits.
 std::atomic<int64_t> g_gemm_min_rows{2};
+// The AVX2 tile's rows of x, and the bytes of quantized x a cache-blocking run holds.
+constexpr int64_t kTileRows = 4, kXRunBytes = 160 << 10;
 
 // Weight rows [n0, n1) of a packed matrix (n0 a multiple of 16) against rows
 // [0, M) of x: its groups, then any of the tail rows.
@@ -546,20 +598,30 @@ void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int6
     const bool vnni = kHaveVnni && kHavePackedVnni && get_isa() == "avx512";
     thread_local ActScales as;
     if (n0 < g1) act_scales<T>(xq, M, nb, as);
-    for (int64_t n = n0; n < g1; n += kGroup) {
-      const uint8_t* g = w + n * wrow;
-      int64_t m = 0;
+    // Cache blocking: the rows of x in runs of about kXRunBytes (in L2 with
+    // the group in L1), each run against all of this thread's groups.
+    const int64_t run = multi ? std::max<int64_t>(8, kXRunBytes / arow / 8 * 8) : M;
+    for (int64_t mr = 0; mr < M; mr += run) {
+      const int64_t me = std::min(M, mr + run);
+      for (int64_t n = n0; n < g1; n += kGroup) {
+        const uint8_t* g = w + n * wrow;
+        int64_t m = mr;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (vnni) {
-        if (multi)
-          for (; m + 4 <= M; m += 4) group_tile_vnni<T, 4>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
-        for (; m < M; ++m) group_tile_vnni<T, 1>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
-        continue;
-      }
+        if (vnni) {
+          // 32 registers: 8 rows of x a tile (8 weight vectors, 16 accumulators).
+          if (multi)
+            for (; m + 8 <= me; m += 8) group_tile_vnni<T, 8>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+          if (multi)
+            for (; m + 4 <= me; m += 4) group_tile_vnni<T, 4>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+          for (; m < me; ++m) group_tile_vnni<T, 1>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+          continue;
+        }
 #endif
-      if (multi)
-        for (; m + 4 <= M; m += 4) group_tile_avx2<T, 4>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
-      for (; m < M; ++m) group_tile_avx2<T, 1>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+        if (multi)
+          for (; m + kTileRows <= me; m += kTileRows)
+            group_tile_avx2<T, kTileRows>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+        for (; m < me; ++m) group_tile_avx2<T, 1>(g, xq, arow, as, m, nb, y + m * ldy + n, ldy);
+      }
     }
     // The tail rows, as stored.
     int64_t n = std::max(n0, N16);

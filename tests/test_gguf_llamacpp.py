@@ -70,4 +70,7 @@ def test_gguf_follows_llamacpp_and_none_and_matches_its_perplexity(pinned):
     )
     assert with_llamacpp >= 0.90
     assert with_none >= 0.85
-    assert abs(ppl / pinned["perplexity"] - 1) <= 0.01
+    # 8-bit activations turn a 1e-6 change in attention's summation order into up to 0.5 nats on a token: on
+    # these weights the torch attention backend gives -0.9%, the compiled prefill kernel -1.2% (the float model's
+    # logprobs agree to 1.1e-5 across the two), so 2% is the numeric spread with room; a wrong kernel is far out.
+    assert abs(ppl / pinned["perplexity"] - 1) <= 0.02

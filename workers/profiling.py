@@ -27,6 +27,8 @@ RANGES = (
     "sample",
     "decoder_layers",
     "compute_logits",
+    "attention_prefill",
+    "attention_decode",
 )
 
 _NULL = contextlib.nullcontext()

@@ -340,12 +340,18 @@ class ModelRunner:
         logits_indices: list[int] = []
         bs = self.block_size
         for r in rows:
-            seq, start, end = r.seq, r.seq.num_computed_tokens, r.seq_len
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
-            if SchedulerOutput.due_token(seq, r.num_new):
+            seq, start = r.seq, r.seq.num_computed_tokens
+            token_ids, table = seq.token_ids, seq.block_table
+            if r.num_new == 1:  # a decode: no slices, ranges or generators (this runs for every row of every step)
+                input_ids.append(token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                end = start + r.num_new
+                input_ids.extend(token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            if start + r.num_new == len(token_ids):  # SchedulerOutput.due_token
                 logits_indices.append(len(input_ids) - 1)
         return input_ids, positions, slots, logits_indices
 

@@ -39,6 +39,7 @@ _tried = False
 _SOURCES = (
     "bindings.cpp",
     "paged_decode_cpu.cpp",
+    "paged_prefill_cpu.cpp",
     "cpu_gemm.cpp",
     "cpu_ops.cpp",
     "cpu_decode_layers.cpp",

@@ -9,6 +9,12 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t sliding_window);
+// Prefill chunks against the paged cache (paged_prefill_cpu.cpp), into out [T, H, D]:
+// chunk c is q's rows query_starts[c] .. + query_lens[c], the last of its
+// context_lens[c] positions, keys in blocks block_tables[c] (int64 [chunks, max_blocks]).
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
+                             torch::Tensor context_lens, double scale, int64_t sliding_window);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor grouped_small_m_linear(torch::Tensor x, torch::Tensor w, torch::Tensor offsets);
 // Which build of small_m_linear's loops runs: "avx2", "avx512" or "auto"

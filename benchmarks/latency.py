@@ -33,7 +33,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="then profile one more request's decode steps (torch.profiler) and print where a step goes",
+        help="then profile one more request's decode steps (torch.profiler) and print where a step goes; "
+        "then a table of each part's share of a step for one stream, --profile-batch sequences decoding, "
+        "and those with a --profile-prefill-len prompt in the same step",
+    )
+    p.add_argument("--profile-batch", type=int, default=16, help="--profile: sequences decoding in the batched steps")
+    p.add_argument(
+        "--profile-prefill-len", type=int, default=512, help="--profile: the prompt prefilled beside the batch"
     )
     p.add_argument(
         "--peers",
@@ -157,6 +163,7 @@ def run(ns) -> int:
             report["peers"] = {"llama.cpp": peer}
     if ns.profile:
         report["profile"] = profile(engine, prompts[-1], ns.output_len)
+        report["step_profile"] = profile_parts(engine, ns, rng)
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
         json.dump(report, f, indent=1)
@@ -324,6 +331,18 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
         attn = (hooked["attention matrices"], attn_bytes)
         report["experts"] = _report_experts((hooked["experts"], expert_bytes), attn, steps, len(experts))
     return report
+
+
+def profile_parts(engine, ns, rng) -> list[dict]:
+    """Each part's share of a step (benchmarks/step_profile.py): one stream,
+    a batch decoding, and the batch with a prompt's prefill; printed and returned."""
+    from shoal.benchmarks.step_profile import profile_steps
+
+    print("  each part's share of a step (linear layers by the arithmetic they multiply in):")
+    steps = profile_steps(engine, ns.input_len, ns.profile_batch, ns.profile_prefill_len, max(4, ns.output_len), rng)
+    for p in steps:
+        p.print()
+    return [p.as_dict() for p in steps]
 
 
 def _moe_layers(model) -> list:

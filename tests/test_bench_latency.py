@@ -32,6 +32,10 @@ def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_pa
                 "--read-mib",
                 "16",
                 "--profile",
+                "--profile-batch",
+                "4",
+                "--profile-prefill-len",
+                "40",
                 "--output",
                 str(out),
             ]
@@ -79,6 +83,22 @@ def test_bench_latency_reports_ttft_tpot_and_the_memory_floor(tiny_model, tmp_pa
         assert m["ms"] == ops[name] and abs(m["gb_s"] - m["bytes"] / m["ms"] / 1e6) < 1e-9
     assert prof["matrices"]["lm_head"]["ms"] == prof["parts_ms"]["LM head"]
     assert set(prof["matrices"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    # The step table by part: one stream, a batch decoding, and the batch beside a prompt's prefill;
+    # each adds up to its step, the float32 matrices and both kinds of attention timed where they ran.
+    one, batched, mixed = r["step_profile"]
+    assert [p["label"] for p in (one, batched, mixed)] == [
+        "one stream, decode steps",
+        "4 sequences decoding",
+        "4 sequences decoding + a 40-token prompt",
+    ]
+    for p in (one, batched, mixed):
+        parts = p["parts_ms"]
+        assert abs(sum(parts.values()) - p["step_ms"]) < 1e-6 * p["step_ms"] + 1e-9, p["label"]
+        assert parts["linear, float32"] > 0 and parts["attention (decode)"] > 0, p["label"]
+        assert parts["input preparation (staging, attention metadata)"] > 0 and parts["sampler"] > 0
+    assert one["parts_ms"]["attention (prefill)"] == batched["parts_ms"]["attention (prefill)"] == 0
+    assert mixed["parts_ms"]["attention (prefill)"] > 0
+    assert "each part's share of a step" in printed
     # Every parameter counted once: the tiny model's embedding and LM head are separate tensors.
     model = LLMEngine(model=tiny_model, num_kv_blocks=16).runner.model
     params = {id(p): p for p in model.parameters()}

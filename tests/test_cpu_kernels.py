@@ -241,7 +241,12 @@ def test_rotary_embedding_refuses_out_of_range_positions(kernel):
 def _llm(tiny_model, backend: str, weight_dtype: str = "auto") -> LLM:
     # No prefix caching: each step's mix of prefills and decodes follows from the prompts alone.
     llm = LLM(
-        tiny_model, num_kv_blocks=256, attention_backend=backend, enable_prefix_caching=False, weight_dtype=weight_dtype
+        tiny_model,
+        num_kv_blocks=256,
+        attention_backend=backend,
+        enable_prefix_caching=False,
+        dtype="float32",  # bfloat16 weights widened, on every CPU (cpu_precision.py)
+        weight_dtype=weight_dtype,
     )
     runner = llm.engine.runner
     if backend == "torch":

@@ -55,7 +55,8 @@ def test_tiny_model_stores_matrices_in_bfloat16_and_computes_in_float32(tiny_mod
     ref = LLM(tiny_model, num_kv_blocks=64)
     want = ref.generate(prompts, params)
     ref.shutdown()
-    llm = LLM(tiny_model, num_kv_blocks=64, weight_dtype="bfloat16")
+    # float32 named: under auto a CPU with bfloat16 arithmetic computes in it (cpu_precision.py)
+    llm = LLM(tiny_model, num_kv_blocks=64, dtype="float32", weight_dtype="bfloat16")
     model = llm.engine.runner.model
     mats = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert mats and all(w.dtype == torch.bfloat16 for w in mats)
@@ -83,7 +84,7 @@ def test_default_model_in_bfloat16_weights_stays_close_to_float32():
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
     outs = {}
     for weight_dtype in ("auto", "bfloat16"):
-        llm = LLM(weight_dtype=weight_dtype)
+        llm = LLM(dtype="float32", weight_dtype=weight_dtype)
         outs[weight_dtype] = llm.generate(prompts, params)
         llm.shutdown()
     worst, equal = compare(outs["auto"], outs["bfloat16"])

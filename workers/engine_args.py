@@ -81,13 +81,21 @@ class EngineArgs:
         "written by `shoal bench calibrate` (default: coefficients "
         "measured on the development machine's CPU)",
     )
-    dtype: str = cli_field("auto", "auto = float32 on CPU, bfloat16 on GPU", choices=("auto", *_DTYPES))
+    dtype: str = cli_field(
+        "auto",
+        "auto = float32 on CPU (bfloat16 under --weight-dtype bfloat16 on a CPU with "
+        "AVX512-BF16 or AMX), bfloat16 on GPU; bfloat16 on a CPU without either "
+        "computes in float32 with the weights stored in bfloat16 (SHOAL_CPU_BF16=1 "
+        "computes in bfloat16 anyway, slowly)",
+        choices=("auto", *_DTYPES),
+    )
     weight_dtype: str = cli_field(
         "auto",
         "auto = --dtype; bfloat16 stores the weight matrices (linear layers, "
-        "embedding, LM head) in bfloat16 while a float32 model computes and "
-        "accumulates in float32: half the bytes a decode step reads, on the CPU "
-        "with its compiled kernels",
+        "embedding, LM head) in bfloat16: half the bytes a decode step reads. "
+        "On a CPU with AVX512-BF16 or AMX (under --dtype auto) the model then "
+        "computes in bfloat16 with float32 sums; else a float32 model widens "
+        "them as it reads them and computes and accumulates in float32",
         choices=("auto", "bfloat16"),
     )
     quantization: str = cli_field(
@@ -128,6 +136,26 @@ class EngineArgs:
     max_model_len: int | None = cli_field(None, "prompt + output cap (default: the model's context length)")
     max_num_batched_tokens: int = cli_field(2048, "tokens one step computes (the prefill chunk size)")
     max_num_seqs: int = cli_field(256, "sequences in one step")
+    # Prefill under a queue of prompts (vLLM's scheduler knobs): chunks sized for time to first token.
+    long_prefill_token_threshold: int = cli_field(
+        0,
+        "a prompt with more than this many tokens left to prefill is long, and no prompt prefills more than "
+        "this many in one step, so a long one never holds up the prompts behind it or the running decodes "
+        "for a whole chunk (0: off; with --max-num-partial-prefills above 1, 4% of the model length)",
+    )
+    max_num_partial_prefills: int = cli_field(
+        1,
+        "prompts whose prefill may be in progress (started, not complete) at once",
+    )
+    max_long_partial_prefills: int = cli_field(
+        1,
+        "of those, long ones (--long-prefill-token-threshold) at most: shorter prompts go ahead of long ones beyond it",
+    )
+    async_scheduling: bool = cli_field(
+        False,
+        "AsyncEngine (the workers): a second thread detokenizes and delivers each step's deltas while "
+        "the engine-core thread runs the next step (requests with stop strings are detokenized in the step)",
+    )
     # The alias also gives --no-prefix-caching, the flag's older spelling.
     enable_prefix_caching: bool = cli_field(
         True, "share KV blocks of common prompt prefixes", aliases=("--prefix-caching",)
@@ -226,13 +254,20 @@ class EngineArgs:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        """The model's compute dtype. On the CPU, bfloat16 where it is asked
+        for (--dtype bfloat16, or bfloat16 weights under auto) and the CPU
+        multiplies in bfloat16 (layers/cpu_precision.py); else float32."""
         import torch
 
-        if self.dtype == "auto":
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
-        if self.dtype not in _DTYPES:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return getattr(torch, self.dtype)
+        if device.type != "cpu":
+            return torch.bfloat16 if self.dtype == "auto" else getattr(torch, self.dtype)
+        if self.dtype == "bfloat16" or (self.dtype == "auto" and self.weight_dtype == "bfloat16"):
+            from shoal.workers.model_executor.layers.cpu_precision import cpu_bf16_compute
+
+            return torch.bfloat16 if cpu_bf16_compute()[0] else torch.float32
+        return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
 
     def resolved_lora_dtype(self, device: torch.device) -> torch.dtype:
         """The LoRA slots' storage dtype."""
@@ -249,6 +284,8 @@ class EngineArgs:
         dtype = self.resolved_dtype(device)
         import torch
 
+        if self.weight_dtype == "auto" and self.dtype == "bfloat16" and dtype == torch.float32:
+            return torch.bfloat16  # a CPU without bfloat16 arithmetic: stored as asked, computed in float32
         if self.weight_dtype == "auto" or (self.weight_dtype in _DTYPES and getattr(torch, self.weight_dtype) == dtype):
             return dtype
         if self.weight_dtype != "bfloat16":

@@ -27,6 +27,7 @@ from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
 from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
+from shoal.workers.model_executor.layers.cpu_precision import compute_dtype, cpu_bf16_compute
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
 from shoal.workers.model_executor.memory_profiler import (
@@ -130,6 +131,11 @@ class RankWorker:
         )
         self.weight_bytes = weight_bytes(model)
         logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, quantization or "unquantized")
+        why = ""
+        if self.device.type == "cpu" and "bfloat16" in (args.dtype, args.weight_dtype):
+            why = f" ({cpu_bf16_compute()[1]})"  # whether bfloat16 was computed as asked, and why
+        stored = str(self.weight_dtype).removeprefix("torch.")
+        logger.info("compute dtype: %s, weight matrices stored in %s%s", compute_dtype(model), stored, why)
         self.runner = ModelRunner(
             model,
             args.block_size,

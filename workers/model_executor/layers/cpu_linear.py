@@ -6,7 +6,10 @@ weights, where torch's BLAS (MKL) reaches half the read bandwidth at one
 row and a fifth at 2..16. The compiled kernel (csrc/cpu_gemm.cpp) takes
 those steps on the CPU in float32; long prompt chunks stay with the BLAS,
 whose cache tiling is built for them. A layer whose weights are stored in
-bfloat16 (--weight-dtype bfloat16) computes in float32 either way.
+bfloat16 under a float32 model (--weight-dtype bfloat16) computes in
+float32 either way. A bfloat16 model (where the CPU has bfloat16 dot
+products: cpu_precision.py) takes F.linear in bfloat16, which torch runs
+through oneDNN with float32 sums.
 """
 
 from __future__ import annotations

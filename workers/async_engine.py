@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
 from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
-from shoal.workers.llm_engine import EngineStats, LLMEngine
+from shoal.workers.llm_engine import EngineStats, LLMEngine, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,12 @@ class AsyncEngine:
     stalled. A watchdog on the event loop notices within a fraction of the
     timeout; the engine is then dead (EngineDeadError), its requests end
     with that error at once, and check_health() raises from then on.
+
+    Async scheduling (EngineArgs.async_scheduling): a second thread, the
+    output thread, makes the text of each step's deltas (detokenizing) and
+    hands them to the loop, while the core thread already schedules and runs
+    the next step. Requests with stop strings are detokenized in the step as
+    ever (a stop string ends the request there); their order is kept.
     """
 
     def __init__(self, engine: LLMEngine, stall_timeout_s: float | None = None):
@@ -57,6 +64,10 @@ class AsyncEngine:
         self._watchdog: asyncio.Task | None = None
         self._unstall = threading.Event()  # ends a stall() early (shutdown)
         self._lora_of: dict[str, int] = {}  # request id -> its adapter's id, from generate() to its end
+        self.async_scheduling = bool(getattr(engine.args, "async_scheduling", False))
+        engine.defer_outputs = self.async_scheduling
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # each step's deliveries, to the output thread
+        self._output_thread: threading.Thread | None = None
 
     @classmethod
     def from_engine_args(
@@ -83,6 +94,9 @@ class AsyncEngine:
             self._progress_at = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="shoal-engine-core")
             self._thread.start()
+            if self.async_scheduling:
+                self._output_thread = threading.Thread(target=self._run_outputs, name="shoal-engine-outputs")
+                self._output_thread.start()
             if self.stall_timeout_s and self._watchdog is None:
                 self._watchdog = self._loop.create_task(self._watch())
 
@@ -332,7 +346,10 @@ class AsyncEngine:
                 if delivered:
                     if self._loop.is_closed():  # the owner's loop ended without shutdown()
                         return
-                    self._loop.call_soon_threadsafe(self._deliver, delivered)
+                    if self.async_scheduling:
+                        self._outputs.put(delivered)
+                    else:
+                        self._loop.call_soon_threadsafe(self._deliver, delivered)
                 elif not self.engine.has_unfinished_requests():
                     self._wake.wait(0.25)  # wakes now and then to notice a closed loop or shutdown
                     self._wake.clear()
@@ -345,6 +362,52 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._fail, EngineDeadError(f"engine loop failed: {e}"))
         except BaseException:  # interpreter shutdown
             pass
+
+    def _run_outputs(self) -> None:
+        """The output thread: each step's deltas get their text, in step
+        order, and go to the loop. Ends once the core thread has ended and
+        everything it handed over is delivered."""
+        core = self._thread
+        while True:
+            try:
+                items = self._outputs.get(timeout=0.25)
+            except queue.Empty:
+                if core is None or not core.is_alive():
+                    return
+                continue
+            if items is None:
+                return
+            done = []
+            for request_id, item in items:
+                if isinstance(item, PendingOutput):
+                    item = self._resolve(item)
+                done.append((request_id, item))
+            if self._error is not None or self._loop.is_closed():
+                continue  # dead: its requests have their error already
+            self._loop.call_soon_threadsafe(self._deliver, done)
+
+    def _resolve(self, pending: PendingOutput) -> RequestOutput:
+        """The delta with its text; a detokenizer that raises ends its request
+        alone, as it would inside the step (LLMEngine._fail)."""
+        try:
+            return pending.resolve()
+        except Exception as e:
+            out = pending.out
+            logger.warning("request %s failed alone: %s: %s", out.request_id, type(e).__name__, e)
+            if not out.finished:
+                self._submit(AbortRequest(out.request_id))  # its blocks go before the next step
+            message = f"request {out.request_id} failed in the engine: {type(e).__name__}: {e}"
+            return RequestOutput(
+                out.request_id,
+                [],
+                "",
+                "error",
+                out.num_prompt_tokens,
+                out.num_cached_tokens,
+                out.num_output_tokens,
+                out.timings,
+                error=message,
+            )
 
     def _deliver(self, items: list) -> None:
         """On the event loop: hand each output (or error) to its consumer."""
@@ -361,6 +424,10 @@ class AsyncEngine:
             self._unstall.set()
             thread.join(timeout)
             self._thread = None
+        if self._output_thread is not None:
+            self._outputs.put(None)  # after all the core thread handed over
+            self._output_thread.join(timeout)
+            self._output_thread = None
 
     async def shutdown(self) -> None:
         """Stop the engine-core thread (after the step in progress), then the

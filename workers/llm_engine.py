@@ -59,6 +59,30 @@ class _Request:
     detok: IncrementalDetokenizer | None
 
 
+@dataclass(slots=True)
+class PendingOutput:
+    """A delta whose text is made later, off the engine-core thread (async
+    scheduling): the request's detokenizer advances by `token` there, while
+    the core thread already runs the next step. Only requests without stop
+    strings are deferred (a stop string decides the step's state), and all of
+    such a request's text is made there, in step order, so its detokenizer
+    has one thread."""
+
+    out: RequestOutput  # every field final but new_text
+    detok: IncrementalDetokenizer
+    token: int | None  # None: nothing to add (an abort's last delta)
+
+    @property
+    def request_id(self) -> str:
+        return self.out.request_id
+
+    def resolve(self) -> RequestOutput:
+        if self.token is not None:
+            self.detok.add(self.token, False)
+        self.out.new_text = self.detok.take(self.out.finished)
+        return self.out
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
@@ -88,7 +112,13 @@ class LLMEngine:
             num_blocks = self.model_executor.determine_num_available_blocks()
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
             self.scheduler = Scheduler(
-                SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+                SchedulerConfig(
+                    args.max_num_batched_tokens,
+                    args.max_num_seqs,
+                    args.long_prefill_token_threshold,
+                    args.max_num_partial_prefills,
+                    args.max_long_partial_prefills,
+                ),
                 self.block_manager,
                 max_len,
                 self.eos_token_ids,
@@ -121,6 +151,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
+        # Set by AsyncEngine under --async-scheduling: step() and abort_request() return
+        # PendingOutput for requests without stop strings, whose text its output thread makes.
+        self.defer_outputs = False
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         self.load_time_s = time.perf_counter() - t0
 
@@ -367,7 +400,7 @@ class LLMEngine:
                 (running if r.seq.lora_slot is not None else waiting).add(lora.lora_name)
         return where, tuple(sorted(running)), tuple(sorted(waiting))
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | PendingOutput | None:
         """Stop a request now; its blocks are free when this returns."""
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -409,6 +442,9 @@ class LLMEngine:
         stop_strings, failed = [], {}
         with step_range("detokenize"):
             for seq, token in zip(out.seqs, tokens):
+                if self.defer_outputs and self._deferred(self.requests[seq.request_id]):
+                    stop_strings.append(None)  # no stop string to find; its text is made later
+                    continue
                 try:
                     stop_strings.append(self._detokenize(seq, token))
                 except Exception as e:  # this request's text alone
@@ -498,11 +534,17 @@ class LLMEngine:
             return None
         return detok.add(token, seq.num_output_tokens + 1 >= seq.params.min_tokens)
 
-    def _delta(self, req: _Request, tokens: list[int], lp) -> RequestOutput:
+    @staticmethod
+    def _deferred(req: _Request) -> bool:
+        """Whether the request's text may be made after its step (it has no stop strings)."""
+        return req.detok is not None and not req.detok.stop
+
+    def _delta(self, req: _Request, tokens: list[int], lp) -> RequestOutput | PendingOutput:
         seq = req.seq
         finished = seq.finish_reason is not None
-        text = req.detok.take(finished) if req.detok is not None else ""
-        return RequestOutput(
+        deferred = self.defer_outputs and self._deferred(req)
+        text = req.detok.take(finished) if req.detok is not None and not deferred else ""
+        out = RequestOutput(
             seq.request_id,
             tokens,
             text,
@@ -514,6 +556,7 @@ class LLMEngine:
             lp,
             stop_reason=seq.stop_reason,
         )
+        return PendingOutput(out, req.detok, tokens[0] if tokens else None) if deferred else out
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -22,12 +22,30 @@ logger = logging.getLogger(__name__)
 class SchedulerConfig:
     max_num_batched_tokens: int  # the token budget of one step
     max_num_seqs: int  # sequences in one step at most
+    # Prefill under a queue of prompts (vLLM's names). A prompt with more than
+    # long_prefill_token_threshold tokens left to prefill is long, and no
+    # prompt prefills more than that in one step (0: off). At most
+    # max_num_partial_prefills prompts are left part-prefilled by a step, of
+    # which max_long_partial_prefills long ones: a prompt past either limit
+    # waits, and shorter prompts behind it may go first.
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills must be in 1..max_num_partial_prefills ({self.max_num_partial_prefills}), "
+                f"got {self.max_long_partial_prefills}"
+            )
 
 
 @dataclass(slots=True)
@@ -73,6 +91,10 @@ class Scheduler:
         lora_table: LoRASlotTable | None = None,
     ):
         self.config = config
+        # vLLM's default: with several partial prefills, a prompt over 4% of the model length is long.
+        self.long_prefill_threshold = config.long_prefill_token_threshold or (
+            max(1, int(max_model_len * 0.04)) if config.max_num_partial_prefills > 1 else 0
+        )
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -160,6 +182,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         picked: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, n), in order
         bm = self.block_manager
+        threshold = self.long_prefill_threshold
+        partial = [0, 0]  # prompts this step leaves part-prefilled: all, long ones
 
         # Running sequences: decodes first, so a long prefill chunk never
         # takes the budget that in-flight replies need.
@@ -169,7 +193,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = min(left, budget, threshold) if threshold and left > 1 else min(left, budget)
             while not bm.allocate_slots(seq, n):
                 victim = max(self.running, key=Sequence.sort_key)
                 self._preempt(victim)
@@ -181,6 +206,8 @@ class Scheduler:
             else:
                 picked[id(seq)] = (seq, n)
                 budget -= n
+        for seq, n in picked.values():  # a running prefill goes on whatever the limits (it holds its blocks)
+            self._count_partial(partial, seq.num_tokens - seq.num_computed_tokens, n)
         out.scheduled = list(picked.values())
         this_step = {id(s): n for s, n in out.scheduled}  # tokens each sequence computes in this step
 
@@ -207,7 +234,17 @@ class Scheduler:
             hits = bm.get_computed_blocks(seq)
             if donor is not None and len(shared := bm.shared_blocks(seq, donor, ready)) > len(hits):
                 hits = shared  # the cache is off, or did not keep them all
-            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            left = seq.num_tokens - len(hits) * bm.block_size
+            n = min(left, budget, threshold) if threshold else min(left, budget)
+            if n < left and (
+                partial[0] >= self.config.max_num_partial_prefills
+                or (threshold and left > threshold and partial[1] >= self.config.max_long_partial_prefills)
+            ):  # past the partial-prefill limits: it waits, and shorter prompts behind it may go
+                if seq.lora_slot is not None:
+                    self.lora_table.release(seq.lora_request)
+                    seq.lora_slot = None
+                held.append(heapq.heappop(self.waiting))
+                continue
             if not bm.allocate_slots(seq, n, hits):
                 if seq.lora_slot is not None:
                     self.lora_table.release(seq.lora_request)
@@ -225,10 +262,18 @@ class Scheduler:
             out.scheduled.append((seq, n))
             this_step[id(seq)] = n
             budget -= n
+            self._count_partial(partial, left, n)
         for item in held:
             heapq.heappush(self.waiting, item)
         out.lora_slots = {s.lora_slot: s.lora_request for s, _ in out.scheduled if s.lora_slot is not None}
         return out
+
+    def _count_partial(self, partial: list[int], left: int, n: int) -> None:
+        """Count a scheduled prefill of n of its `left` tokens in partial ([all, long])."""
+        if n < left:
+            partial[0] += 1
+            if self.long_prefill_threshold and left > self.long_prefill_threshold:
+                partial[1] += 1
 
     def _sibling_source(self, seq: Sequence, this_step: dict[int, int]) -> tuple[bool, Sequence | None, int]:
         """(whether seq waits, the member whose blocks it may take, that

@@ -1,5 +1,6 @@
 """`shoal bench offline`: workloads through shoal and its peers, in one run,
-with the compute roofline of this machine.
+with each run's share of this machine's peak for the arithmetic it used
+(roofline.py: float32 FMA, int8 or bfloat16 dot products).
 
 Workloads (offline_workloads.py; --workload, seeded by --seed, the
 engine's; random token ids, ignore_eos): default (64 requests, prompts
@@ -10,7 +11,9 @@ with one table of them. Peers, in the dtype shoal resolves and with sdpa
 attention: transformers' continuous batching (ContinuousBatchingManager,
 each request with its own max_new_tokens, its cache and batch sizes set per
 workload in CB_SETTINGS and printed beside its result) and plain batched
-generate in batches of 16.
+generate in batches of 16. --peers vllm adds vLLM's CPU build (vllm_peer.py:
+installed into its own environment on first use, fed the same token ids),
+a row for each --vllm-dtype.
 With --tensor-parallel-size K > 1, shoal also runs at K = 1 on the same
 cores, and the table gives both step times.
 """
@@ -24,10 +27,12 @@ import os
 import time
 from dataclasses import dataclass
 
+from shoal.benchmarks import vllm_peer
 from shoal.benchmarks.offline_workloads import PRESETS, Workload, make_workload
+from shoal.benchmarks.roofline import format_rooflines, format_share, measure_gemms, measure_rooflines, roofline_share
 from shoal.workers.engine_args import EngineArgs
 
-PEERS = ("cb", "generate")
+PEERS = ("cb", "generate", "vllm")  # vllm: vLLM's CPU build, installed on first use (vllm_peer.py)
 CB = "transformers continuous batching"
 INTEGER_METHODS = ("gguf", "int8")  # whose matmuls are integer dot products on the CPU
 
@@ -102,7 +107,13 @@ def add_parser(sub) -> None:
         help="output lengths, uniform: the default workload only (its default: 32 256); refused with another",
     )
     p.add_argument(
-        "--peers", help="comma list of: cb, generate (or none); default: cb,generate for one workload, cb for several"
+        "--peers",
+        help="comma list of: cb, generate, vllm (or none); default: cb,generate for one workload, cb for several",
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        default="bfloat16,float32",
+        help="--peers vllm: the dtypes vLLM runs in, each a row (default: bfloat16,float32)",
     )
     p.add_argument("--generate-batch", type=int, default=16)
     p.add_argument("--output", default="bench_results/offline.json")
@@ -137,29 +148,6 @@ def chosen_peers(ns, num_workloads: int) -> list[str]:
     return peers
 
 
-def _best_rate(step, ops: float, seconds: float, windows: int = 3) -> float:
-    """ops / s of `step`, the best of `windows` timed windows: on a shared
-    machine a single window swung the float32 peak from 109 to 177 GFLOP/s."""
-    step()
-    best = 0.0
-    for _ in range(windows):
-        iters, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / windows:
-            step()
-            iters += 1
-        best = max(best, ops * iters / (time.perf_counter() - t0))
-    return best
-
-
-def measure_matmul_flops(seconds: float = 2.0) -> float:
-    """This machine's float32 matmul rate (FLOP/s) on a large square matmul."""
-    import torch
-
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return _best_rate(lambda: a @ b, 2 * n**3, seconds)
-
-
 def served_quantization(model) -> str:
     """The --quantization the model's linear layers were built with: the
     module of their method (gguf, int8, fp8, compressed_tensors), or none."""
@@ -169,27 +157,6 @@ def served_quantization(model) -> str:
         if kind != "unquantized":
             return kind.replace("_", "-")
     return "none"
-
-
-def measure_int8_dot_ops(seconds: float = 2.0) -> float | None:
-    """This machine's integer dot-product rate (2 ops a multiply-add) through
-    the GGUF kernel on Q8_0 blocks, 256 rows by a 2048 x 2048 matrix: the
-    roofline of --quantization gguf, as measure_matmul_flops is float32's.
-    None without the compiled kernels."""
-    import numpy as np
-    import torch
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    from shoal.workers.model_executor.layers import cpu_kernels
-
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        return None
-    m, n = 256, 2048
-    w = quantize(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), GGMLQuantizationType.Q8_0)
-    w, x = kernels.gguf_pack(torch.from_numpy(w), GGMLQuantizationType.Q8_0), torch.randn(m, n)
-    return _best_rate(lambda: kernels.gguf_linear(x, w, GGMLQuantizationType.Q8_0, False), 2 * m * n * n, seconds)
 
 
 def model_params(model) -> int:
@@ -203,6 +170,7 @@ def model_params(model) -> int:
 
 def run_shoal(args: EngineArgs, work) -> dict:
     from shoal.workers import LLM, SamplingParams
+    from shoal.workers.model_executor.layers.cpu_precision import compute_dtype
 
     llm = LLM(**dataclasses.asdict(args))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
@@ -231,6 +199,8 @@ def run_shoal(args: EngineArgs, work) -> dict:
         "tensor_parallel_size": eng.args.tensor_parallel_size,
         "outputs": [o.token_ids for o in outs],
         "quantization": served_quantization(model),
+        # What its matmuls multiplied in (bfloat16 only where the CPU computes it so): picks the roofline.
+        "compute_dtype": compute_dtype(model),
     }
     if moe:
         # Rank 0 routes every token (the router is replicated), so its counts are the group's.
@@ -347,6 +317,14 @@ class Bench:
     peers: list[str]
     generate_batch: int
     int8_peak: float | None = None  # the integer dot-product rate, measured under --quantization gguf
+    rooflines: dict | None = None  # each arithmetic's peak (roofline.py), measured once per run
+    vllm_dtypes: list[str] = dataclasses.field(default_factory=list)  # --peers vllm: a row each
+    log_dir: str = "bench_results"  # where the vLLM peer's logs go
+
+    @property
+    def peer_dtype(self) -> str:
+        """What the transformers peers compute in: the dtype shoal resolved."""
+        return str(self.args.resolved_dtype(self.args.resolved_device())).removeprefix("torch.")
 
     @functools.cached_property
     def peer_model(self):
@@ -358,6 +336,14 @@ class Bench:
         return hf_model(
             resolve_model(args.model), args.resolved_dtype(args.resolved_device()), args.load_format == "dummy"
         )
+
+    @functools.cached_property
+    def vllm_peer(self):
+        """vLLM's CPU build (installed on first use) on the model written as an HF folder."""
+        from shoal.workers.model_executor.model_loader import load_model_files
+
+        cfg = load_model_files(self.args.model).config
+        return vllm_peer.OfflinePeer.prepare(self.args.model, cfg, self.vllm_dtypes, self.args.seed, self.log_dir)
 
     def run_workload(self, w: Workload) -> dict:
         """Shoal, then the peers, on one workload; prints its table and returns its report."""
@@ -379,28 +365,27 @@ class Bench:
             key = f"transformers generate (batches of {self.generate_batch})"
             results[key] = run_hf_generate(self.peer_model, work, self.generate_batch)
             print(f"{key}: {results[key]['seconds']:.1f} s", flush=True)
+        if "vllm" in self.peers:
+            results.update(self.vllm_peer.run(work, w.name))
         flops = 2 * params * (n_in + n_out)
         for r in results.values():
             r["output_tok_s"] = n_out / r["seconds"]
-            r["roofline_fraction"] = flops / r["seconds"] / self.peak
+            if "quantization" not in r:  # transformers' peers
+                r.setdefault("compute_dtype", self.peer_dtype)
+            # its share of the peak of the arithmetic it multiplied in (roofline.py)
+            r["roofline"] = roofline_share(r, flops, self.rooflines or {})
+            r["roofline_fraction"] = r["roofline"]["fraction"]
         print_table(results)
         print(
-            f"\nroofline: 2 x {params / 1e6:.1f}M {'active ' if 'active_params' in first else ''}params x {n_in + n_out} tokens = {flops / 1e12:.2f} TFLOP "
-            f"at {self.peak / 1e9:.1f} GFLOP/s = {flops / self.peak:.1f} s"
+            f"\nroofline: 2 x {params / 1e6:.1f}M {'active ' if 'active_params' in first else ''}params x "
+            f"{n_in + n_out} tokens = {flops / 1e12:.2f} TOP"
         )
-        if self.int8_peak:  # gguf, int8: shoal's matmuls are integer dot products
-            for r in results.values():
-                if r.get("quantization") in INTEGER_METHODS:
-                    r["int8_roofline_fraction"] = flops / r["seconds"] / self.int8_peak
-            print(
-                f"integer roofline: the same ops at {self.int8_peak / 1e9:.1f} GOP/s (Q8_0 kernel) = "
-                f"{flops / self.int8_peak:.1f} s; "
-                + ", ".join(
-                    f"--quantization {r['quantization']} reached {100 * r['int8_roofline_fraction']:.1f}%"
-                    for r in results.values()
-                    if "int8_roofline_fraction" in r
+        for r in {r["roofline"]["against"]: r["roofline"] for r in results.values()}.values():
+            if r["peak_ops_s"]:
+                print(
+                    f"  at the {r['against']} peak, {r['peak_ops_s'] / 1e9:.1f} GOP/s ({r['instruction']}): "
+                    f"{flops / r['peak_ops_s']:.1f} s"
                 )
-            )
         shape = dataclasses.asdict(w) | {"seed": args.seed, "prompt_tokens": n_in, "output_tokens": n_out}
         report = {"workload": shape, "params": params, "results": results}
         if CB in results:
@@ -462,12 +447,15 @@ def print_table(results: dict[str, dict]) -> None:
     base = next(iter(results.values()))["seconds"]
     first = next(iter(results))
     print()
-    print(f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {first + ' is':>12} {'% roofline':>10} {'ms/step':>8}")
+    print(
+        f"{'engine':<40} {'seconds':>8} {'out tok/s':>10} {first + ' is':>12} {'ms/step':>8}  "
+        "% of its arithmetic's roofline"
+    )
     for name, r in results.items():
         step = f"{r['step_ms']:>8.1f}" if "step_ms" in r else f"{'':>8}"
         print(
             f"{name:<40} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} {r['seconds'] / base:>11.2f}x "
-            f"{100 * r['roofline_fraction']:>9.1f}% {step}"
+            f"{step}  {format_share(r['roofline'])}"
         )
 
 
@@ -475,7 +463,7 @@ def print_summary(reports: dict[str, dict]) -> None:
     """One row a workload: shoal against transformers' continuous batching, with the settings it ran."""
     print(
         f"\n{'workload':<10} {'requests':>8} {'shoal s':>8} {'out tok/s':>10} {'CB s':>8} {'shoal vs CB':>11} "
-        f"{'% roofline':>10}  transformers CB settings"
+        f"{'% of roofline':>22}  transformers CB settings"
     )
     for name, rep in reports.items():
         s, cb = next(iter(rep["results"].values())), rep["results"].get(CB)
@@ -483,7 +471,7 @@ def print_summary(reports: dict[str, dict]) -> None:
         stated = describe_cb(cb["settings"]) if cb else "-"
         print(
             f"{name:<10} {rep['workload']['num_prompts']:>8} {s['seconds']:>8.1f} {s['output_tok_s']:>10.1f} "
-            f"{peer} {100 * s['roofline_fraction']:>9.1f}%  {stated}"
+            f"{peer} {format_share(s['roofline']):>22}  {stated}"
         )
 
 
@@ -494,22 +482,28 @@ def run(ns) -> int:
 
     workloads = chosen_workloads(ns)
     peers = chosen_peers(ns, len(workloads))
+    vllm_dtypes = vllm_peer.parse_dtypes(ns.vllm_dtype) if "vllm" in peers else []
     args = EngineArgs.from_cli_args(ns)
     cfg = load_model_files(args.model).config
     cfg.check_tp_size(args.tensor_parallel_size, args.enable_expert_parallel)  # before anything runs
-    peak = measure_matmul_flops()
-    print(f"float32 matmul rate on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    int8_peak = None
-    if args.quantization in (*INTEGER_METHODS, "auto"):
-        int8_peak = measure_int8_dot_ops()
-        if int8_peak:
-            print(f"int8 dot-product rate on this machine: {int8_peak / 1e9:.1f} GOP/s (Q8_0 kernel)")
-    bench = Bench(args, cfg.vocab_size, peak, peers, ns.generate_batch, int8_peak)
+    # Each arithmetic's peak, the real GEMMs' rates beside them (the Q8_0 kernel's under an integer
+    # quantization); every run's share is of the peak of its arithmetic.
+    threads = args.num_threads or torch.get_num_threads()
+    gemms = measure_gemms(threads, int8=args.quantization in (*INTEGER_METHODS, "auto"))
+    peak, int8_peak = gemms["float32"]["wall_ops_s"], gemms.get("int8", {}).get("wall_ops_s")
+    rooflines = measure_rooflines(threads, achieved=gemms)
+    print(format_rooflines(rooflines), flush=True)
+    bench = Bench(args, cfg.vocab_size, peak, peers, ns.generate_batch, int8_peak, rooflines=rooflines)
+    if "vllm" in peers:  # installed (first use) and the model written before anything is timed
+        bench.vllm_dtypes, bench.log_dir = vllm_dtypes, os.path.dirname(ns.output) or "."
+        bench.vllm_peer  # noqa: B018
     reports = {w.name: bench.run_workload(w) for w in workloads}
     if len(reports) > 1:
         print_summary(reports)
     os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
     with open(ns.output, "w") as f:
-        json.dump({"matmul_flops": peak, "int8_dot_ops": int8_peak, "workloads": reports}, f, indent=2)
+        json.dump(
+            {"matmul_flops": peak, "int8_dot_ops": int8_peak, "rooflines": rooflines, "workloads": reports}, f, indent=2
+        )
     print(f"wrote {ns.output}")
     return 0

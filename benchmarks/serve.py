@@ -59,9 +59,38 @@ def add_parser(sub) -> None:
         help="also a second cluster with OpenTelemetry tracing on (exporting every span to a sink in this "
         "process), offered the same work in each round: what tracing costs",
     )
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="vllm (or none): also `vllm serve` (vLLM's CPU build, installed on first use) on the same model, "
+        "offered the same work after shoal's cluster, each a column",
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        default=None,
+        help="--peers vllm: the dtype vllm serve runs in (default: bfloat16 where the CPU computes it, else float32)",
+    )
+    p.add_argument(
+        "--vllm-bench-serve",
+        type=int,
+        metavar="CONCURRENCY",
+        help="--peers vllm: also `vllm bench serve` at this max concurrency against shoal's cluster and vllm serve "
+        "(its random dataset: --input-len tokens in, --output-len out, --num-prompts)",
+    )
     p.add_argument("--output", default="bench_results/serve.json")
     EngineArgs.add_cli_args(p)  # its --seed seeds the workload too
     p.set_defaults(func=run)
+
+
+def chosen_peers(ns) -> list[str]:
+    peers = [p for p in (ns.peers or "").split(",") if p and p != "none"]
+    if set(peers) - {"vllm"}:
+        raise ValueError(f"--peers takes vllm or none; got {ns.peers!r}")
+    if peers and (ns.url or ns.grpc):
+        raise ValueError("--peers compares against shoal's own cluster: not with --url or --grpc")
+    if ns.vllm_bench_serve is not None and (not peers or ns.vllm_bench_serve < 1):
+        raise ValueError("--vllm-bench-serve takes a concurrency of 1 or more, with --peers vllm")
+    return peers
 
 
 @dataclass(slots=True)
@@ -246,6 +275,8 @@ def summarize(label: str, results: list[Result], duration: float, cpu: dict[str,
         "itl_ms": stats([x for r in ok for x in r.itl]),
         "e2el_ms": stats([r.e2e for r in ok]),
         "cpu_ms_per_output_token": cpu_ms,
+        # CPU use while it ran, by process: 100 = one core busy the whole time.
+        "cpu_percent": {proc: 100 * secs / duration for proc, secs in (cpu or {}).items()} if duration else {},
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
 
@@ -276,6 +307,17 @@ def print_table(rows: list[dict]) -> None:
         line(f"CPU ms/token: {proc}", lambda r, p=proc: r["cpu_ms_per_output_token"].get(p, float("nan")), "{:.2f}")
     if any(r.get("cpu_ms_per_output_token") for r in rows):
         line("CPU ms/token: all", lambda r: sum(r.get("cpu_ms_per_output_token", {}).values()), "{:.2f}")
+    # The engine's process: this one in-process (the load generator too), the Worker replica when served.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if any(r.get("cpu_percent") for r in rows):
+
+        def engine_pct(r):
+            pct = r.get("cpu_percent", {})
+            proc = "this process" if r["label"].startswith("in-process") else "Worker"
+            return pct.get(proc, float("nan"))
+
+        line("worker CPU (% of one core)", engine_pct, "{:.0f}")
+        line(f"worker CPU (% of {cores} cores)", lambda r: engine_pct(r) / cores, "{:.0f}")
     base = rows[0]
     for r in rows[1:]:
         print(
@@ -338,10 +380,11 @@ def _salted(work, salt: str):
     return [(t, salt + " " + p.split(" ", 1)[1], n) for t, p, n in work]
 
 
-def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
+def _compare(ns, work, after=None) -> list[tuple[str, list[Result], float]]:
     """The cluster is started first and left idle while the in-process engine
     runs, then the targets alternate for --rounds rounds (each round with its
-    own prompt prefix), so that drift in the machine's speed hits all alike."""
+    own prompt prefix), so that drift in the machine's speed hits all alike.
+    after(opts), if given, runs against the cluster before it is shut down."""
     from shoal.cluster.options import ServeOptions
     from shoal.cluster.serve_cmd import APP_NAME, launch, shut_down
     from shoal.workers import AsyncEngine
@@ -389,6 +432,8 @@ def _compare(ns, work) -> list[tuple[str, list[Result], float]]:
             return [tuple(v) for v in got.values()]
 
         out = asyncio.run(main())
+        if after is not None:
+            after(opts)
         if sink is not None:
             print(f"the traced cluster exported {sink.num_spans} spans")
         return out
@@ -430,17 +475,41 @@ def _launch_traced(opts):
 
 
 def run(ns) -> int:
+    from shoal.benchmarks import vllm_peer
+
+    peers = chosen_peers(ns)
+    vllm_dtype = vllm_peer.parse_dtype(ns.vllm_dtype or vllm_peer.best_dtype()) if peers else None
     work = make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.request_rate, ns.seed)
+    log_dir, bench_rows = os.path.dirname(ns.output) or ".", []
     if ns.url or ns.grpc:
         measured = asyncio.run(_measure_cluster(ns, None, work))
+    elif ns.vllm_bench_serve and peers:  # vLLM's load generator against our cluster too, while it is up
+        from shoal.benchmarks import vllm_server
+
+        url = "http://127.0.0.1:{}"
+        measured = _compare(
+            ns,
+            work,
+            lambda o: bench_rows.append(
+                vllm_server.run_bench_serve(url.format(o.http_port), "shoal serve", ns, log_dir)
+            ),
+        )
     else:
         measured = _compare(ns, work)
+    if "vllm" in peers:  # after shoal's cluster is down: one server on the cores at a time
+        from shoal.benchmarks import vllm_server
+
+        measured.append(vllm_server.measure(ns, work, vllm_dtype, log_dir, bench_rows))
     rows = [summarize(label, res, dur, cpu) for label, res, dur, cpu in measured]
     print(
         f"workload: {ns.num_prompts} requests, {ns.input_len} words in, {ns.output_len} tokens out, "
         f"rate {ns.request_rate} req/s, seed {ns.seed}, {ns.rounds} round(s) per target"
     )
     print_table(rows)
+    if bench_rows:
+        from shoal.benchmarks.vllm_server import print_bench_serve
+
+        print_bench_serve(bench_rows, ns.vllm_bench_serve)
     report = {
         "workload": {
             k: getattr(ns, k)
@@ -453,10 +522,13 @@ def run(ns) -> int:
                 "num_workers",
                 "rounds",
                 "tracing",
+                "peers",
             )
         },
         "results": rows,
     }
+    if bench_rows:
+        report["vllm_bench_serve"] = {"max_concurrency": ns.vllm_bench_serve, "results": bench_rows}
     if ns.tracing and not (ns.url or ns.grpc):
         from shoal.benchmarks.trace_cost import cpu_us_per_request
 

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         lora,
         offline,
         prepare_cost,
+        roofline,
         routing,
         scheduler,
         serve,
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         prepare_cost,
         structured,
         lora,
+        roofline,
     )
     for bench in benches:
         bench.add_parser(bsub)

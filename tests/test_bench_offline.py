@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from shoal.benchmarks import offline, tune_cb
+from shoal.benchmarks import offline, roofline, tune_cb
 from shoal.benchmarks.offline_workloads import PRESETS, make_workload
 from shoal.cluster.cli import main
 from shoal.workers.utils import cdiv
@@ -83,7 +83,8 @@ def test_the_peers_settings_fit_their_workload(name):
         (["--workload", "short", "--input-len", "8", "16"], "shape the default workload only"),
         (["--workload", "all", "--output-len", "8", "16"], "shape the default workload only"),
         (["--workload", "tiny"], "--workload takes"),
-        (["--peers", "cb,vllm"], "--peers takes"),
+        (["--peers", "cb,sglang"], "--peers takes"),
+        (["--peers", "vllm", "--vllm-dtype", "float16"], "--vllm-dtype takes"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_runs(flags, why, capsys):
@@ -91,11 +92,29 @@ def test_bad_flags_are_refused_before_anything_runs(flags, why, capsys):
     assert why in capsys.readouterr().err
 
 
+def fake_gemms(threads, int8):
+    return {"float32": {"ops_s": 1e11, "wall_ops_s": 1e11, "by": roofline.MKL_F32}}
+
+
+def fake_rooflines(threads, achieved):
+    """measure_rooflines as on an AVX2 machine, without timing anything."""
+    roofs = {a: {"threads": threads, "paths": {}} for a in roofline.ARITHMETICS}
+    roofs["float32"]["paths"]["avx2-fma"] = {"ops_s": 2e11, "wall_ops_s": 2e11, "instruction": "vfmadd231ps ymm"}
+    roofs["int8"]["paths"]["avx2-maddubs"] = {"ops_s": 4e11, "wall_ops_s": 4e11, "instruction": "vpmaddubsw"}
+    roofs["bfloat16"]["paths"]["avx512bf16-dpbf16"] = {"absent": "no AVX512-BF16"}
+    for arith, got in achieved.items():
+        roofs[arith]["achieved"] = got
+    for entry in roofs.values():
+        roofline._settle(entry)
+    return roofs
+
+
 def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
     tiny_model, tmp_path, capsys, monkeypatch
 ):
-    # The 2 s matmul measurement is not what this checks; the machine may be busy.
-    monkeypatch.setattr(offline, "measure_matmul_flops", lambda: 1e11)
+    # The 2 s matmul measurement and the peaks' are not what this checks; the machine may be busy.
+    monkeypatch.setattr(offline, "measure_gemms", fake_gemms)
+    monkeypatch.setattr(offline, "measure_rooflines", fake_rooflines)
     out = tmp_path / "offline.json"
     assert (
         main(
@@ -122,7 +141,9 @@ def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
     )
     report = json.loads(out.read_text())
     assert report["matmul_flops"] == 1e11 and list(report["workloads"]) == ["short", "chat"]
+    assert report["rooflines"]["float32"]["achieved"] == fake_gemms(1, False)["float32"]
     printed = capsys.readouterr().out
+    assert "vfmadd231ps ymm (avx2-fma)" in printed and "% of its arithmetic's roofline" in printed
     for name, rep in report["workloads"].items():
         w = rep["workload"]
         assert w["name"] == name and w["num_prompts"] == 4 and w["seed"] == 0
@@ -131,11 +152,15 @@ def test_two_workloads_run_against_continuous_batching_with_its_settings_stated(
         shoal, cb = rep["results"]["shoal"], rep["results"][offline.CB]
         assert shoal["seconds"] > 0 and cb["seconds"] > 0 and shoal["output_tok_s"] > 0
         assert rep["shoal_vs_cb"] == cb["seconds"] / shoal["seconds"]
-        assert (
-            0
-            < shoal["roofline_fraction"]
-            == 2 * rep["params"] * (w["prompt_tokens"] + w["output_tokens"]) / shoal["seconds"] / 1e11
-        )
+        # the tiny model runs in float32: each run's share is of the float32 peak
+        for r in (shoal, cb):
+            assert r["roofline"]["arithmetic"] == r["roofline"]["against"] == "float32"
+            assert (
+                0
+                < r["roofline_fraction"]
+                == r["roofline"]["fraction"]
+                == 2 * rep["params"] * (w["prompt_tokens"] + w["output_tokens"]) / r["seconds"] / 2e11
+            )
         # the settings transformers ran with, read back from it: the table's, on sdpa
         assert cb["settings"] == dataclasses.asdict(offline.CB_SETTINGS[name]) | {"attn_implementation": "sdpa"}
         assert offline.describe_cb(cb["settings"]) in printed

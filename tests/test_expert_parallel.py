@@ -185,7 +185,11 @@ def test_bench_offline_runs_a_moe_config_with_its_peer_and_prints_the_load(moe_m
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{moe_models['mixtral']}/{name}", folder / name)
-    monkeypatch.setattr(offline, "measure_matmul_flops", lambda: 1e11)
+    # the machine's rates are not what this checks
+    monkeypatch.setattr(
+        offline, "measure_gemms", lambda threads, int8: {"float32": {"ops_s": 1e11, "wall_ops_s": 1e11}}
+    )
+    monkeypatch.setattr(offline, "measure_rooflines", lambda threads, achieved: {})
     out = tmp_path / "offline.json"
     flags = ["--model", str(folder), "--load-format", "dummy", "--workload", "short", "--num-prompts", "4"]
     flags += ["--peers", "cb", "--num-threads", "1", "--kv-cache-memory-bytes", str(64 << 20), "--output", str(out)]

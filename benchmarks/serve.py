@@ -18,8 +18,8 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 
+from shoal.benchmarks.load_generator import Result, http_sender, offer, salted
 from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.svg_plot import cdf_plot
 from shoal.workers.engine_args import EngineArgs
@@ -93,17 +93,6 @@ def chosen_peers(ns) -> list[str]:
     return peers
 
 
-@dataclass(slots=True)
-class Result:
-    ok: bool = False
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str = ""
-
-
 def replica_cpu_s(app: str) -> dict[str, float]:
     """CPU seconds the app's replica processes have used so far, summed by
     deployment (Router, Worker), each read in its own process (tensor-parallel
@@ -153,43 +142,6 @@ def make_workload(n: int, input_len: int, output_len: int, rate: float, seed: in
     return work
 
 
-async def _offer(work, send, label: str) -> tuple[list[Result], float]:
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(work), desc=label, leave=False)
-    start = time.perf_counter()
-
-    async def one(offset, prompt, max_tokens):
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        r = Result()
-        t0 = last = time.perf_counter()
-        try:
-            # (new tokens, prompt tokens once known, completion tokens once known)
-            counted = None
-            async for ntok, nprompt, ncompletion in send(prompt, max_tokens):
-                r.prompt_tokens = nprompt or r.prompt_tokens
-                counted = ncompletion or counted
-                if not ntok:
-                    continue
-                now = time.perf_counter()
-                if r.output_tokens == 0:
-                    r.ttft = now - t0
-                else:
-                    r.itl.append(now - last)
-                last = now
-                r.output_tokens += ntok
-            r.ok, r.e2e = True, time.perf_counter() - t0
-            r.output_tokens = counted or r.output_tokens
-        except Exception as e:
-            r.error = f"{type(e).__name__}: {e}"[:200]
-        bar.update(1)
-        return r
-
-    results = await asyncio.gather(*(one(*w) for w in work))
-    bar.close()
-    return results, time.perf_counter() - start
-
-
 def in_process_sender(engine):
     from shoal.workers import SamplingParams
 
@@ -197,35 +149,6 @@ def in_process_sender(engine):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         async for out in engine.generate(None, prompt, params):
             yield len(out.new_token_ids), out.num_prompt_tokens, None
-
-    return send
-
-
-def http_sender(session, base_url: str, model: str | None, api_key: str | None):
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    async def send(prompt, max_tokens):
-        body = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if model:
-            body["model"] = model
-        async with session.post(base_url.rstrip("/") + "/completions", json=body, headers=headers) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    yield 1, 0, None  # SSE chunks count deltas; the usage chunk gives the tokens
-                elif chunk.get("usage"):
-                    yield 0, chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
 
     return send
 
@@ -356,7 +279,7 @@ async def _measure_cluster(
             out.append(
                 (
                     "cluster HTTP" + suffix if not ns.url else url,
-                    *await meter.around(_offer(_salted(work, salts[0]), send, "HTTP" + suffix)),
+                    *await meter.around(offer(salted(work, salts[0]), send, "HTTP" + suffix)),
                 )
             )
     if ns.grpc or not ns.url:
@@ -366,18 +289,10 @@ async def _measure_cluster(
             out.append(
                 (
                     "cluster gRPC" + suffix if not ns.grpc else addr,
-                    *await meter.around(_offer(_salted(work, salts[1]), send, "gRPC" + suffix)),
+                    *await meter.around(offer(salted(work, salts[1]), send, "gRPC" + suffix)),
                 )
             )
     return out
-
-
-def _salted(work, salt: str):
-    """The same prompts with another first word, so that one target's prompts
-    never hit the prefix cache another target filled."""
-    if not salt:
-        return work
-    return [(t, salt + " " + p.split(" ", 1)[1], n) for t, p, n in work]
 
 
 def _compare(ns, work, after=None) -> list[tuple[str, list[Result], float]]:
@@ -409,13 +324,13 @@ def _compare(ns, work, after=None) -> list[tuple[str, list[Result], float]]:
             send = in_process_sender(eng)
             meter = CpuMeter(APP_NAME)
             traced_meter = CpuMeter(TRACED_APP) if traced is not None else None
-            await _offer(_salted(work[:4], "warm"), send, "warm-up")
+            await offer(salted(work[:4], "warm"), send, "warm-up")
             await _measure_cluster(ns, opts, work[:4], ("warm", "warm2"))
             if traced is not None:
                 await _measure_cluster(ns, traced, work[:4], ("twarm", "twarm2"))
             got: dict[str, list] = {}
             for k in range(ns.rounds):
-                local = await meter.around(_offer(_salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}"))
+                local = await meter.around(offer(salted(work, f"local{k}"), send, f"in-process {k + 1}/{ns.rounds}"))
                 rounds = [("in-process", *local)]
                 rounds += await _measure_cluster(ns, opts, work, (f"http{k}", f"grpc{k}"), meter)
                 if traced is not None:

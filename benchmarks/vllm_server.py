@@ -146,7 +146,7 @@ def measure(ns, work, dtype: str, log_dir: str, bench_rows: list | None = None) 
 
     import aiohttp
 
-    from shoal.benchmarks.serve import _offer, _salted, http_sender
+    from shoal.benchmarks.load_generator import http_sender, offer, salted
 
     label = f"vllm serve HTTP ({dtype})"
 
@@ -155,10 +155,10 @@ def measure(ns, work, dtype: str, log_dir: str, bench_rows: list | None = None) 
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
             send = http_sender(session, server.url, SERVED_NAME, None)
-            await _offer(_salted(work[:4], "warm"), send, "vllm warm-up")
+            await offer(salted(work[:4], "warm"), send, "vllm warm-up")
             results, duration, cpu = [], 0.0, {}
             for k in range(ns.rounds):
-                res, dur, used = await meter.around(_offer(_salted(work, f"vllm{k}"), send, f"vllm {k + 1}"))
+                res, dur, used = await meter.around(offer(salted(work, f"vllm{k}"), send, f"vllm {k + 1}"))
                 results += res
                 duration += dur
                 for proc, secs in used.items():

@@ -28,7 +28,12 @@ ENTRY_POINT = "shoal.cluster.cli"
 # What each lower room may import from the package. Inside workers/ (workers/utils.py is a
 # leaf of plain arithmetic that every room may use):
 ROOMS = {
-    "shoal.workers.model_executor.layers": ("shoal.workers.model_executor.layers", "shoal.workers.utils"),
+    # profiling: the step's named ranges, a leaf module (torch and the stdlib only) that knows nothing of the engine
+    "shoal.workers.model_executor.layers": (
+        "shoal.workers.model_executor.layers",
+        "shoal.workers.utils",
+        "shoal.workers.profiling",
+    ),
     "shoal.workers.model_executor.models": (
         "shoal.workers.model_executor.models",
         "shoal.workers.model_executor.layers",
@@ -158,7 +163,8 @@ def _imports_outside(prefix: str, allowed: tuple[str, ...]) -> list[str]:
 def test_attention_backends_know_nothing_above_layers():
     """A backend takes tensors and its layer; the model runner asks it for metadata, never the reverse."""
     backends = "shoal.workers.model_executor.layers.attention.backends"
-    assert _imports_outside(backends, ("shoal.workers.model_executor.layers", "shoal.workers.utils")) == []
+    allowed = ("shoal.workers.model_executor.layers", "shoal.workers.utils", "shoal.workers.profiling")
+    assert _imports_outside(backends, allowed) == []
 
 
 def test_models_import_only_layers():
@@ -204,3 +210,8 @@ def test_every_package_is_installed():
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     on_disk = {name for name, path in module_files().items() if path.endswith("__init__.py")}
     assert listed == on_disk
+
+
+def test_profiling_stays_a_leaf():
+    """The layers may mark named ranges only because profiling knows nothing of the package."""
+    assert {d for d in import_graph()["shoal.workers.profiling"] if d.startswith("shoal.")} == set()

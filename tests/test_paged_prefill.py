@@ -80,6 +80,18 @@ def run_kernel(kernel, q, k_cache, v_cache, tables, starts, chunks, scale, windo
     return out
 
 
+def on_one_and_two_threads(fn, *args):
+    """fn(*args) with torch on 1 thread, then on 2."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn(*args)
+        torch.set_num_threads(2)
+        return one, fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     "chunks,heads,kv_heads,dim,block_size,window",
     [
@@ -99,14 +111,7 @@ def test_kernel_matches_float64_reference_bit_identical_across_threads(
     q, k_cache, v_cache, tables, starts = make_case(chunks, heads, kv_heads, dim, block_size)
     scale = dim**-0.5
     args = (kernel, q, k_cache, v_cache, tables, starts, chunks, scale, window)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_kernel(*args)
-        torch.set_num_threads(2)
-        two = run_kernel(*args)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(run_kernel, *args)
     want = reference(q, k_cache, v_cache, tables, starts, chunks, scale, window)
     torch.testing.assert_close(one.double(), want, rtol=1e-5, atol=2e-6)
     assert torch.equal(one, two), "the result depends on the thread count"
@@ -117,14 +122,7 @@ def test_kernel_splits_long_chunks_across_threads_bit_identically(kernel):
     chunks = [(600, 700), (300, 300)]
     q, k_cache, v_cache, tables, starts = make_case(chunks, 8, 2, 64, 16, seed=1)
     args = (kernel, q, k_cache, v_cache, tables, starts, chunks, 0.125, 0)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_kernel(*args)
-        torch.set_num_threads(2)
-        two = run_kernel(*args)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(run_kernel, *args)
     assert torch.equal(one, two)
     want = reference(q, k_cache, v_cache, tables, starts, chunks, 0.125, 0)
     torch.testing.assert_close(one.double(), want, rtol=1e-5, atol=2e-6)

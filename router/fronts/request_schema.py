@@ -117,19 +117,24 @@ _RESPONSE_FORMAT = {
     "required": ["type"],
     "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
-        "json_schema": {
-            "type": "object",
-            "required": ["name", "schema"],
-            "properties": {
-                "name": _SPEC,
-                "schema": {"type": "object"},
-                "strict": {"type": ["boolean", "null"]},
-                "description": {"type": ["string", "null"]},
-            },
-        },
+        "json_schema": {"description": "read only under type json_schema (ignored otherwise)"},
     },
     "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-    "then": {"required": ["json_schema"]},
+    "then": {
+        "required": ["json_schema"],
+        "properties": {
+            "json_schema": {
+                "type": "object",
+                "required": ["name", "schema"],
+                "properties": {
+                    "name": _SPEC,
+                    "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]},
+                    "description": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
 }
 _IGNORED_KNOBS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "disable_fallback")
 _STRUCTURED_OUTPUTS = {

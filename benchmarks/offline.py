@@ -29,12 +29,18 @@ from dataclasses import dataclass
 
 from shoal.benchmarks import vllm_peer
 from shoal.benchmarks.offline_workloads import PRESETS, Workload, make_workload
-from shoal.benchmarks.roofline import format_rooflines, format_share, measure_gemms, measure_rooflines, roofline_share
+from shoal.benchmarks.roofline import (
+    INTEGER_METHODS,
+    format_rooflines,
+    format_share,
+    measure_gemms,
+    measure_rooflines,
+    roofline_share,
+)
 from shoal.workers.engine_args import EngineArgs
 
 PEERS = ("cb", "generate", "vllm")  # vllm: vLLM's CPU build, installed on first use (vllm_peer.py)
 CB = "transformers continuous batching"
-INTEGER_METHODS = ("gguf", "int8")  # whose matmuls are integer dot products on the CPU
 
 
 @dataclass(frozen=True, slots=True)

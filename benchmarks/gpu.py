@@ -168,7 +168,7 @@ def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table, base
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shoal.benchmarks.offline import make_workload, run_hf_cb, run_shoal
+    from shoal.benchmarks.offline import cb_settings_to_fit, make_workload, run_hf_cb, run_shoal
     from shoal.workers.model_executor.model_loader import load_model_files
 
     vocab = load_model_files(folder).config.vocab_size
@@ -193,7 +193,9 @@ def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table, base
         device = args.resolved_device()
         with torch.device(device):  # random init on the card, not on the CPU first
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=args.resolved_dtype(device))
-        out["transformers_cb"] = run_hf_cb(hf.eval(), work)
+        # On a card transformers sizes its cache from the card's free memory; on the CPU, to the work.
+        settings = cb_settings_to_fit(work) if device.type == "cpu" else None
+        out["transformers_cb"] = run_hf_cb(hf.eval(), work, settings)
         out["transformers_cb"]["output_tok_s"] = n_out / out["transformers_cb"]["seconds"]
         del hf
     except Exception as e:

@@ -250,14 +250,17 @@ def test_gguf_linear_rejects_bad_input(kernel):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
     ("M", "N", "K"),
-    [(1, 37, 96), (3, 37, 96), (17, 133, 96), (511, 133, 96), (255, 45, 1568)],  # 1568: 49 blocks, 88-row runs of x
+    # 1568: 49 blocks, 88-row runs of x (Q8_0) and five chunks of broadcast x (Q4); N = 229: 14 groups, more
+    # than one group block at K = 1568
+    [(1, 37, 96), (3, 37, 96), (17, 133, 96), (511, 133, 96), (255, 45, 1568), (7, 229, 1568)],
 )
 def test_gguf_gemm_odd_shapes_same_bits_on_every_path_and_thread_count(kernel, isa, qtype, M, N, K):
-    """Odd shapes (M not a multiple of the 4- or 8-row tiles, N not one of the 16-row groups, K a
+    """Odd shapes (M not a multiple of the 4-, 6- or 8-row tiles, N not one of the 16-row groups, K a
     number of blocks that is not a power of two; at K = 1568 the rows of x split into several
-    cache-blocking runs): one thread and two give the same bits (the threads split whole groups,
-    each (weight row, x row) pair's float operations are the same), as do the scalar path and
-    one row of x at a time, within the references' bounds."""
+    cache-blocking runs, the blocks into chunks and, on one thread at N = 229, the groups into
+    blocks): one thread and two give the same bits (the threads split whole groups, each (weight
+    row, x row) pair's float operations are the same), as do the scalar path and one row of x at a
+    time, within the references' bounds."""
     x = _x(M, K, seed=M + K)
     blocks = _weights(N, K, qtype, seed=N + K + int(qtype))
     xt, wt = torch.from_numpy(x), kernel.gguf_pack(torch.from_numpy(blocks), int(qtype))

@@ -34,29 +34,32 @@
 // gguf_linear takes its weights packed by gguf_pack (groups of 16 rows, see
 // "packed groups" below); the N % 16 rows after the last group stay as
 // stored and take tiles of 4 weight rows x 1 or 4 rows of x. Threads split
-// the weight rows in whole groups; each thread takes the rows of x in
+// the weight rows in whole groups. Q4_0 and Q4_1 from 2 rows of x on AVX2
+// (group_tile_xb, groups_xb): each thread takes its groups in blocks of
+// about kGroupBlockBytes (in L2), each block against tiles of 6 rows of x,
+// the blocks of K in chunks whose x, each 4 bytes broadcast to 32 once a
+// chunk (kXbBytes, in L1), is vpmaddubsw's memory operand: no broadcast
+// instruction a product. Q8_0 and the AVX-512 VNNI path: the rows of x in
 // cache-blocking runs of about kXRunBytes of quantized x (in L2), each run
-// against all of its groups (a group, 6-11 KB at K = 576, stays in L1 for
-// the run's tiles). A tile is one group x 4 rows of x on AVX2 (16 ymm:
-// 8 weight vectors + 4 accumulators), 8 rows of x on AVX-512 VNNI (32 zmm),
-// 1 row for the GEMV (M = 1) and the rows left over. Every (weight row, x
-// row) pair does the same float operations in the same order whatever the
-// tile, run, thread count or path: bit-identical results (tests).
+// against all of the thread's groups (a group, 6-11 KB at K = 576, stays in
+// L1 for the run's tiles), a tile one group x 4 rows of x on AVX2 (16 ymm:
+// 8 weight vectors + 4 accumulators), 8 rows of x on AVX-512 VNNI (32 zmm).
+// One row of x (the GEMV, M = 1) and the rows left over: 1-row tiles.
+// Every (weight row, x row) pair does the same float operations in the same
+// order whatever the tile, chunk, run, thread count or path: bit-identical
+// results (tests).
 //
-// Measured (AVX2 Zen 3 EPYC, 2 cores shared with other jobs: single thread,
-// thread CPU time, best of 5 windows, old and new build in alternating
-// processes; SmolLM2-135M shapes K = 576, N = 192 / 576 / 1536 / 49152,
-// M = 16..512; an A/B of gguf_linear, and
-// `python -m shoal.benchmarks.gguf_kernels --threads 1`): this machine's
-// int8 peak, from a micro-kernel of independent vpmaddubsw + vpmaddwd +
-// vpaddd chains, is 196 GOP/s a core (32 multiply-adds a cycle), 330 with
-// int16 accumulation (vpmaddubsw + vpaddw). Q4_1 and Q4_0, 120-145 GOP/s
-// from 16 rows (61-74% of 196; the int8 dot of the tiles before int16
-// accumulation: 98-124, 1.1-1.4x less), the LM head (49152 rows, from
-// memory) 100-130; Q8_0 92-101 GOP/s (51%: 16 multiplies per 256
-// products); one row of x (GEMV) unchanged, 40-85 GOP/s (bandwidth-bound).
-// On Zen 4 (before this tiling): one row of x, 18-21 GB/s of Q4 blocks from
-// memory, 25 GB/s of Q8_0.
+// Measured (AVX2 Zen 3 EPYC, 2 cores shared with other jobs; one thread,
+// GOP/s per thread CPU second, best of 4 windows, the old build and the new
+// in one process alternating; SmolLM2-135M shapes K = 576 / 1536, N = 192 /
+// 576 / 1536 / 49152): this machine's int8 roofline (`shoal bench
+// roofline`, vpmaddubsw + vpmaddwd) is about 192 GOP/s a core (int16
+// accumulation, vpmaddubsw + vpaddw, about 320). Q4_1 from 16 rows of x
+// 126-153 GOP/s (66-80% of 192; 113-133 with the 4-row tiles on
+// vpbroadcastd), Q4_0 150-160; Q8_0 80-100 (42-52%: 16 multiplies per 256
+// products, the sign moved onto x); one row of x unchanged, 45-85 GOP/s
+// (bandwidth-bound). On Zen 4 (before this tiling): one row of x, 18-21
+// GB/s of Q4 blocks from memory, 25 GB/s of Q8_0.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -533,6 +536,128 @@ void group_tile_avx2(const uint8_t* group, const uint8_t* xq, int64_t arow, cons
 }
 #endif
 
+#ifdef __AVX2__
+// The Q4 groups' GEMM tile on AVX2 (2 or more rows of x): group_tile_avx2's
+// integers and float operations, with x read as vpmaddubsw's memory operand
+// from xb, where each 4 bytes of a row's quants were broadcast to 32 once
+// (xb_broadcast) for every group of a group block. vpbroadcastd loads cost
+// about as much as the products they feed (a micro-benchmark of the tile:
+// 160 GOP/s a core with them, 190 from xb in L1, 150 from xb in L2), so xb
+// holds a chunk of blocks [b0, b1) of C rows that stays in L1, and the
+// float sums carry from chunk to chunk in y (exact: float stores). Q4_1's
+// m_w * s_x chain runs on the last chunk, over all the blocks, as
+// group_tile_avx2's does. The unroll pragmas keep the C accumulators in
+// registers (GCC otherwise loops over C with them in memory: 15% slower).
+constexpr int kXbRows = 6;              // rows of x a tile: 8 weight + 6 float accumulator registers
+constexpr int64_t kXbBytes = 16 << 10;  // a chunk of broadcast x (with the group's blocks, in L1)
+
+// Rows [m0, m0 + C) of x, blocks [b0, b1) -> xb [b - b0][c][k]: 8 vectors of 32 bytes, vector k = bytes 4k..4k+3 x 8.
+inline void xb_broadcast(const uint8_t* xq, int64_t arow, int aq, int64_t abb, int64_t m0, int C, int64_t b0,
+                         int64_t b1, uint8_t* xb) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* q = xq + (m0 + c) * arow + b * abb + aq;
+      uint8_t* o = xb + ((b - b0) * C + c) * 256;
+      for (int k = 0; k < 8; ++k) {
+        int32_t x4;
+        std::memcpy(&x4, q + 4 * k, 4);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * k), _mm256_set1_epi32(x4));
+      }
+    }
+}
+
+template <int T, int C>
+void group_tile_xb(const uint8_t* group, const uint8_t* xb, const ActScales& as, int64_t m0, int64_t nb, int64_t b0,
+                   int64_t b1, float* y, int64_t ldy) {
+  static_assert(T == kQ4_0 || T == kQ4_1);
+  constexpr int64_t wbb = Layout<T>::wbb, qo = Layout<T>::qoff;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const float* xd = as.d.data() + m0 * nb;
+  const int32_t* xs = as.start.data() + m0 * nb;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + c * ldy + 8 * h);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* o = group + b * kGroup * wbb;
+      const uint8_t* xc = xb + (b - b0) * C * 256;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * h)));
+      __m256i wv[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + qo + 64 * p + 32 * h));
+        wv[p] = _mm256_and_si256(v, low);
+        wv[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        __m256i p[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k)
+          p[k] = _mm256_maddubs_epi16(wv[k], _mm256_load_si256(reinterpret_cast<const __m256i*>(xc + c * 256 + 32 * k)));
+        const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                             _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+        __m256i s = _mm256_madd_epi16(s16, ones);
+        if (T == kQ4_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(xs[c * nb + b]));
+        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[c * nb + b])), _mm256_cvtepi32_ps(s), acc[c]);
+      }
+    }
+    if (T == kQ4_1 && b1 == nb) {
+      __m256 accm[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) accm[c] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + b * kGroup * wbb + 32 + 16 * h)));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) accm[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(as.s[(m0 + c) * nb + b]), accm[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_add_ps(acc[c], accm[c]);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy + 8 * h, acc[c]);
+  }
+}
+
+// A thread's groups [n0, g1) against rows [0, M) of x (M >= 2) with group_tile_xb: the groups in blocks
+// of about kGroupBlockBytes (in L2), each block against every tile of rows, chunk by chunk of blocks.
+constexpr int64_t kGroupBlockBytes = 192 << 10;
+template <int T>
+void groups_xb(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t nb, int64_t n0,
+               int64_t g1, const ActScales& as) {
+  constexpr int64_t wbb = Layout<T>::wbb, abb = Layout<T>::abb;
+  const int64_t wrow = nb * wbb, arow = nb * abb;
+  const int64_t chunks = (nb * kXbRows * 256 + kXbBytes - 1) / kXbBytes, kb = (nb + chunks - 1) / chunks;
+  const int64_t gb = std::max<int64_t>(1, kGroupBlockBytes / (kGroup * wrow)) * kGroup;
+  struct alignas(32) Vec { uint8_t b[32]; };
+  thread_local std::vector<Vec> xbuf;
+  xbuf.resize(kb * kXbRows * 8);
+  uint8_t* xb = reinterpret_cast<uint8_t*>(xbuf.data());
+  for (int64_t nbk = n0; nbk < g1; nbk += gb) {
+    const int64_t ne = std::min(g1, nbk + gb);
+    for (int64_t m = 0; m < M; m += kXbRows) {
+      const int C = static_cast<int>(std::min<int64_t>(kXbRows, M - m));
+      for (int64_t b0 = 0; b0 < nb; b0 += kb) {
+        const int64_t b1 = std::min(nb, b0 + kb);
+        xb_broadcast(xq, arow, Layout<T>::aq, abb, m, C, b0, b1, xb);
+        for (int64_t n = nbk; n < ne; n += kGroup) {
+          const uint8_t* g = w + n * wrow;
+          float* yt = y + m * ldy + n;
+          switch (C) {
+            case 6: group_tile_xb<T, 6>(g, xb, as, m, nb, b0, b1, yt, ldy); break;
+            case 5: group_tile_xb<T, 5>(g, xb, as, m, nb, b0, b1, yt, ldy); break;
+            case 4: group_tile_xb<T, 4>(g, xb, as, m, nb, b0, b1, yt, ldy); break;
+            case 3: group_tile_xb<T, 3>(g, xb, as, m, nb, b0, b1, yt, ldy); break;
+            case 2: group_tile_xb<T, 2>(g, xb, as, m, nb, b0, b1, yt, ldy); break;
+            default: group_tile_xb<T, 1>(g, xb, as, m, nb, b0, b1, yt, ldy); break;
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHavePackedVnni = true;
 // A packed group against C rows of x: one vector of 16 rows' block sums a row of x.
@@ -581,7 +706,7 @@ constexpr bool kHavePackedVnni = false;
 // From this many rows of x the multi-row tiles run (fewer: one row of x at a
 // time); set_gguf_gemm_min_rows moves it (tests, benchmarks). Either gives the same bits.
 std::atomic<int64_t> g_gemm_min_rows{2};
-// The AVX2 tile's rows of x, and the bytes of quantized x a cache-blocking run holds.
+// The AVX2 Q8_0 tile's rows of x, and the bytes of quantized x a cache-blocking run holds.
 constexpr int64_t kTileRows = 4, kXRunBytes = 160 << 10;
 
 // Weight rows [n0, n1) of a packed matrix (n0 a multiple of 16) against rows
@@ -598,10 +723,14 @@ void rows_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int6
     const bool vnni = kHaveVnni && kHavePackedVnni && get_isa() == "avx512";
     thread_local ActScales as;
     if (n0 < g1) act_scales<T>(xq, M, nb, as);
-    // Cache blocking: the rows of x in runs of about kXRunBytes (in L2 with
-    // the group in L1), each run against all of this thread's groups.
+    // Q4 on AVX2: broadcast x in L1 (groups_xb). Otherwise cache blocking: the rows of x
+    // in runs of about kXRunBytes (in L2 with the group in L1), each run against all of
+    // this thread's groups.
+    const bool xb = multi && !vnni && T != kQ8_0;
+    if constexpr (T != kQ8_0)
+      if (xb && n0 < g1) groups_xb<T>(xq, w, y, ldy, M, nb, n0, g1, as);
     const int64_t run = multi ? std::max<int64_t>(8, kXRunBytes / arow / 8 * 8) : M;
-    for (int64_t mr = 0; mr < M; mr += run) {
+    for (int64_t mr = 0; mr < M && !xb; mr += run) {
       const int64_t me = std::min(M, mr + run);
       for (int64_t n = n0; n < g1; n += kGroup) {
         const uint8_t* g = w + n * wrow;

@@ -243,3 +243,30 @@ def test_gguf_linear_k_rejects_bad_input(kernel):
         kernel.gguf_linear_k(x, blocks, int(GGMLQuantizationType.Q6_K), False)  # Q4_K bytes read as Q6_K
     with pytest.raises(RuntimeError, match="multiple of 256"):
         kernel.gguf_linear_k(torch.randn(2, 128), blocks, int(GGMLQuantizationType.Q4_K), False)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [2, 5, 130, 511])
+def test_gguf_linear_k_batched_rows_odd_shapes(kernel, qtype, M):
+    """Batched rows (the AVX2 path's panels of 16 weight rows by tiles of x rows): odd M, N not a
+    multiple of the panel, against the same-quantization float64 reference, equal bits to the
+    scalar path and across thread counts."""
+    N, K = 45, 512
+    x = _x(M, K, seed=M + int(qtype))
+    blocks = _blocks(N, K, qtype, seed=M * 7 + int(qtype))
+    xt, wt = torch.from_numpy(x), torch.from_numpy(blocks)
+    y_scalar = kernel.gguf_linear_k(xt, wt, int(qtype), True)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for isa in _isas(kernel):
+                y = _run_isa(kernel, isa, lambda: kernel.gguf_linear_k(xt, wt, int(qtype), False))
+                assert torch.equal(y, y_scalar), f"{isa}, {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+    q, sc, mn, d, dmin = _weight_ints(blocks, qtype, K)
+    parts = np.abs(d[..., None] * sc * q) + np.abs(dmin[..., None] * mn)
+    scale = np.abs(x.astype(np.float64)) @ parts.reshape(N, K).T
+    tight = np.abs(y_scalar.numpy().astype(np.float64) - _same_quantization_ref(x, blocks, qtype)) / scale
+    assert tight.max() < 1e-5, tight.max()

@@ -27,16 +27,20 @@
 // + vpmaddwd as ggml_vec_dot_q*_K_q8_K, AVX-512 vpdpbusd) gets the same ones
 // and does the same float operations: equal bits on every path.
 //
-// Threads split the weight rows, in tiles of kRowsW rows. Each weight block
-// is unpacked (its quants to one byte a value in value order, its scales to
-// vectors, kept in registers) once per pass of up to kRowsX rows of x and
-// used against all of them; a tile runs every pass while it is in L1, so the
-// weights are read from memory once and x's blocks come from L2: prefill is
-// not M separate GEMVs. AVX-512 sums the lanes of 4 rows of x at once.
-// Measured (1 thread, Zen 4 EPYC shared with other jobs, so +-30%;
-// TinyLlama-1.1B's MLP shapes, weights from memory, benchmarks/gguf_kernels.py
-// --only-k): M = 1, 8-14 GB/s of Q4_K blocks, 11-22 of Q6_K, 2-4x the float32
-// small_m_linear's time per call; M = 64, 1.6x float32.
+// Threads split the weight rows. The AVX2 path (all but Q6_K at one row)
+// repacks each panel of 16 weight rows once per call so that a vector's
+// lanes are weight rows, then runs every tile of x rows against it (see
+// "panels" below). The scalar, AVX-512 and one-row AVX2 paths work in tiles
+// of kRowsW rows: each weight block is unpacked (its quants to one byte a
+// value in value order, its scales to vectors, kept in registers) once per
+// pass of up to kRowsX rows of x and used against all of them; a tile runs
+// every pass while it is in L1, so the weights are read from memory once and
+// x's blocks come from L2. AVX-512 sums the lanes of 4 rows of x at once.
+// Measured, AVX2 panels (1 thread, 2-core Zen 3 shared with other jobs,
+// GOP/s per CPU second against the vpmaddubsw+vpmaddwd loop's ~191 a thread;
+// Gemma-3-270M's shapes, N = 640, K = 1024 / 2048): Q4_K 35-38 at M = 1, 135
+// (71%) at M = 16, 155 (81%) at 48, 160-165 (84-86%) at 256; Q6_K 67, 112,
+// 125, 133 (70%) at M = 4, 16, 48, 256; 2-2.7x the one-row loop from M = 16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -45,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "gguf_fp16.h"
@@ -216,18 +221,24 @@ void scales_k4(const uint8_t* s, int16_t* sc, int16_t* mn) {
   }
 }
 
+// Per 16-value group g its scale and bias factor, and the block's d and dmin.
 template <int T>
-void unpack_scales(const uint8_t* w, WBlock& u) {
+void block_scales(const uint8_t* w, int16_t* sc, int16_t* bias, float& d, float& dmin) {
   if (T == kQ6_K) {
     for (int g = 0; g < 16; ++g) {
-      u.sc[g] = static_cast<int8_t>(w[192 + g]);
-      u.bias[g] = static_cast<int16_t>(32 * u.sc[g]);
+      sc[g] = static_cast<int8_t>(w[192 + g]);
+      bias[g] = static_cast<int16_t>(32 * sc[g]);
     }
-    u.d = fp16_load(w + 208), u.dmin = 0.f;
+    d = fp16_load(w + 208), dmin = 0.f;
   } else {
-    scales_k4(w + 4, u.sc, u.bias);
-    u.d = fp16_load(w), u.dmin = fp16_load(w + 2);
+    scales_k4(w + 4, sc, bias);
+    d = fp16_load(w), dmin = fp16_load(w + 2);
   }
+}
+
+template <int T>
+void unpack_scales(const uint8_t* w, WBlock& u) {
+  block_scales<T>(w, u.sc, u.bias, u.d, u.dmin);
 }
 
 template <int T>
@@ -477,10 +488,254 @@ inline void rows4(const WBlock& u, const uint8_t* a, int64_t arow, float* acc, f
 }
 #endif
 
+#ifdef __AVX2__
+// ------------------------------------------ panels of 16 weight rows (AVX2)
+//
+// For batched rows of x the weights go in panels of 16 rows, repacked once
+// per call into two groups of 8 so that int32 lane j of a vector is weight
+// row j of its group: k-step t holds each row's values 4t .. 4t + 3, and a
+// vpmaddubsw against the 4 bytes of one x row broadcast gives 8 rows'
+// partial sums with no horizontal sums. kSteps steps are summed in int16
+// before one vpmaddwd applies the rows' scales (exact: |sum| <= kSteps 2
+// qmax 127 < 2^15), so most of the integer multiplies are the vpmaddubsw
+// that do the work; a tile of kTileX x rows by both groups shares each load.
+// The packing transposes the file's bytes in 4-byte words across 8 rows and
+// then unpacks them bytewise as unpack_quants_avx2 does (its byte operations
+// do not care where a byte sits). The integers are the same whole-block
+// totals and the float operations the same, lane by lane: equal bits to the
+// other paths.
+constexpr int kGroup = 8;                 // weight rows a vector
+constexpr int kNG = 2;                    // groups a panel
+constexpr int64_t kPanel = kGroup * kNG;  // weight rows a panel
+constexpr int kTileX = 3;                 // x rows a tile: 2 x 3 int16 and int32 sums in registers
+
+template <int T>
+constexpr int kGroups = T == kQ6_K ? 16 : 8;  // scale groups a block: 16 of 16 or 8 sub-blocks of 32
+// Below this many rows of x the packing costs more than it saves: the one-row loop
+// (measured: Q4_K gains 1.5x at one row, Q6_K loses 12% at one and gains from two).
+template <int T>
+constexpr int64_t kPanelMinRows = T == kQ6_K ? 2 : 1;
+template <int T>
+constexpr int kSteps = T == kQ4_K ? 8 : T == kQ5_K ? 4 : 2;  // 4-value steps summed in int16 (qmax 15, 31, 63)
+
+template <int T>
+struct PanelBlock {
+  __m256i q[64][kNG];           // k-step t: row j's values 4t .. 4t + 3 in lane j
+  __m256i sc[kGroups<T>][kNG];  // scale group g: row j's scale in int16 lanes 2j, 2j + 1
+  __m256i bias[8][kNG];         // pair p: row j's bias factors of 16-groups 2p, 2p + 1 in int16 lanes 2j, 2j + 1
+  __m256 d[kNG], dmin[kNG];
+};
+
+// r[t] lane j = the input r[j]'s lane t.
+inline void transpose8x32(__m256i* r) {
+  __m256i a[8], b[8];
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
+    b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
+    b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(b[i], b[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(b[i], b[i + 4], 0x31);
+  }
+}
+
+inline __m128i load128(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Per row (int32 lane j of a vector each): its 16 group scales as int16 pairs and its 8 bias pairs.
+template <int T>
+void pack_scales(const uint8_t* const* rows, int g, PanelBlock<T>& p) {
+  auto pair = [](__m256i v) {  // int32 v -> int16 (v, v)
+    return _mm256_or_si256(_mm256_blend_epi16(v, _mm256_setzero_si256(), 0xAA), _mm256_slli_epi32(v, 16));
+  };
+  __m256i s0[8], s1[8], b[8];
+  alignas(16) uint16_t d16[kGroup], m16[kGroup];
+  for (int j = 0; j < kGroup; ++j) {
+    const uint8_t* w = rows[j];
+    if (T == kQ6_K) {
+      const __m128i s = load128(w + 192);
+      s0[j] = pair(_mm256_cvtepi8_epi32(s)), s1[j] = pair(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)));
+      b[j] = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s), 5);  // 32 sc: lane p = (32 sc 2p, 32 sc 2p + 1)
+      std::memcpy(d16 + j, w + 208, 2), m16[j] = 0;
+    } else {  // get_scale_min_k4 for all 8, as unpack_scales_vec
+      uint32_t t[4];
+      std::memcpy(t, w + 4, 12);
+      constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+      t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
+      const uint32_t m03 = t[1] & k1;
+      t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
+      t[2] = m03;
+      t[0] &= k1;
+      const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+      s0[j] = pair(_mm256_cvtepu8_epi32(sm)), b[j] = pair(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+      std::memcpy(d16 + j, w, 2), std::memcpy(m16 + j, w + 2, 2);
+    }
+  }
+  transpose8x32(s0), transpose8x32(b);
+  if (T == kQ6_K) transpose8x32(s1);
+  for (int i = 0; i < 8; ++i) {
+    p.sc[i][g] = s0[i], p.bias[i][g] = b[i];
+    if (T == kQ6_K) p.sc[8 + i][g] = s1[i];
+  }
+  p.d[g] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d16)));
+  p.dmin[g] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m16)));
+}
+
+// One block of each of 8 rows (rows[j]: row j's) into group g of p.
+template <int T>
+void pack_block(const uint8_t* const* rows, int g, PanelBlock<T>& p) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  auto words = [&](int at, __m256i* r) {
+    for (int j = 0; j < kGroup; ++j) r[j] = load256(rows[j] + at);
+    transpose8x32(r);
+  };
+  if (T == kQ6_K) {
+    const __m256i m2 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      __m256i l0[8], l1[8], qh[8];
+      words(64 * h, l0), words(64 * h + 32, l1), words(128 + 32 * h, qh);
+      for (int t = 0; t < 8; ++t) {
+        const int v = 32 * h + t;
+        p.q[v][g] = _mm256_or_si256(_mm256_and_si256(l0[t], m4), _mm256_and_si256(_mm256_slli_epi16(qh[t], 4), m2));
+        p.q[v + 8][g] =
+            _mm256_or_si256(_mm256_and_si256(l1[t], m4), _mm256_and_si256(_mm256_slli_epi16(qh[t], 2), m2));
+        p.q[v + 16][g] =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0[t], 4), m4), _mm256_and_si256(qh[t], m2));
+        p.q[v + 24][g] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1[t], 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(qh[t], 2), m2));
+      }
+    }
+  } else {
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    __m256i qh[8];
+    if (T == kQ5_K) words(16, qh);
+    for (int j = 0; j < 4; ++j) {
+      __m256i b[8];
+      words((T == kQ5_K ? 48 : 16) + 32 * j, b);
+      for (int t = 0; t < 8; ++t) {
+        __m256i lo = _mm256_and_si256(b[t], m4), hi = _mm256_and_si256(_mm256_srli_epi16(b[t], 4), m4);
+        if (T == kQ5_K) {  // as unpack_quants_avx2: bits 2j, 2j + 1 of qh
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh[t], 4), bit));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh[t], 3), bit));
+          qh[t] = _mm256_srli_epi16(qh[t], 2);
+        }
+        p.q[16 * j + t][g] = lo, p.q[16 * j + 8 + t][g] = hi;
+      }
+    }
+  }
+  pack_scales<T>(rows, g, p);
+}
+
+inline __m256i bcast32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows of x (a: their blocks b, row stride arow) against the panel's block
+// b: acc and accm as the one-row loop's, one lane a weight row.
+template <int T, int R>
+inline void tile_block(const PanelBlock<T>& p, const uint8_t* a, int64_t arow, __m256* acc, __m256* accm) {
+  constexpr int S = kSteps<T>;
+  __m256i isum[R][kNG], bsum[R][kNG];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < kNG; ++g) isum[r][g] = bsum[r][g] = _mm256_setzero_si256();
+  for (int c = 0; c < 64 / S; ++c) {
+    __m256i s16[R][kNG];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < kNG; ++g) s16[r][g] = _mm256_setzero_si256();
+    for (int s = 0; s < S; ++s) {
+      const int t = c * S + s;
+      for (int r = 0; r < R; ++r) {
+        const __m256i y = bcast32(a + r * arow + 4 + 4 * t);
+        for (int g = 0; g < kNG; ++g) s16[r][g] = _mm256_add_epi16(s16[r][g], _mm256_maddubs_epi16(p.q[t][g], y));
+      }
+    }
+    const int sg = c * S * 4 * kGroups<T> / kQK;
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < kNG; ++g)
+        isum[r][g] = _mm256_add_epi32(isum[r][g], _mm256_madd_epi16(s16[r][g], p.sc[sg][g]));
+  }
+  for (int i = 0; i < 8; ++i)  // bsums 2i, 2i + 1 of each x row against the rows' bias pairs
+    for (int r = 0; r < R; ++r) {
+      const __m256i y = bcast32(a + r * arow + 4 + kQK + 4 * i);
+      for (int g = 0; g < kNG; ++g) bsum[r][g] = _mm256_add_epi32(bsum[r][g], _mm256_madd_epi16(p.bias[i][g], y));
+    }
+  for (int r = 0; r < R; ++r) {
+    float dy;
+    std::memcpy(&dy, a + r * arow, 4);
+    const __m256 vdy = _mm256_set1_ps(dy);
+    for (int g = 0; g < kNG; ++g) {
+      __m256* o = acc + r * kNG + g;
+      if (T == kQ6_K) isum[r][g] = _mm256_sub_epi32(isum[r][g], bsum[r][g]);
+      *o = _mm256_fmadd_ps(_mm256_mul_ps(p.d[g], vdy), _mm256_cvtepi32_ps(isum[r][g]), *o);
+      if (T != kQ6_K)
+        accm[r * kNG + g] = _mm256_fmadd_ps(_mm256_mul_ps(p.dmin[g], vdy), _mm256_cvtepi32_ps(bsum[r][g]),
+                                            accm[r * kNG + g]);
+    }
+  }
+}
+
+// R rows of x (x: their first, row stride arow) times a packed panel of nv <= 16 weight rows into y.
+template <int T, int R>
+void tile(const PanelBlock<T>* pb, int64_t nb, const uint8_t* x, int64_t arow, float* y, int64_t ldy, int64_t nv) {
+  __m256 acc[R * kNG], accm[R * kNG];
+  for (int i = 0; i < R * kNG; ++i) acc[i] = accm[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) tile_block<T, R>(pb[b], x + b * kQ8Bytes, arow, acc, accm);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float o[kPanel];
+    for (int g = 0; g < kNG; ++g) _mm256_store_ps(o + kGroup * g, _mm256_sub_ps(acc[r * kNG + g], accm[r * kNG + g]));
+    std::copy(o, o + nv, y + r * ldy);
+  }
+}
+
+// The last rem < kTileX rows of x: one tile of rem rows.
+template <int T, int R>
+void tail(int64_t rem, const PanelBlock<T>* pb, int64_t nb, const uint8_t* x, int64_t arow, float* y, int64_t ldy,
+          int64_t nv) {
+  if constexpr (R > 0) {
+    if (rem == R) return tile<T, R>(pb, nb, x, arow, y, ldy, nv);
+    tail<T, R - 1>(rem, pb, nb, x, arow, y, ldy, nv);
+  }
+}
+
+// Weight rows [n0, n1) of y = x W^T in panels: each packed once, then every tile of x rows.
+template <int T>
+void gemm_range_panels(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
+                       int64_t n1) {
+  static const uint8_t zero_block[256] = {};  // rows past n1: all-zero blocks (d = 0)
+  const int64_t nb = K / kQK, bb = block_bytes(T), wrow = nb * bb, arow = nb * kQ8Bytes;
+  std::vector<PanelBlock<T>> pb(nb);
+  for (int64_t nt = n0; nt < n1; nt += kPanel) {
+    const int64_t nv = std::min(kPanel, n1 - nt);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int g = 0; g < kNG; ++g) {
+        const uint8_t* rows[kGroup];
+        for (int j = 0; j < kGroup; ++j) {
+          const int64_t n = kGroup * g + j;
+          rows[j] = n < nv ? w + (nt + n) * wrow + b * bb : zero_block;
+        }
+        pack_block<T>(rows, g, pb[b]);
+      }
+    int64_t m = 0;
+    for (; m + kTileX <= M; m += kTileX) tile<T, kTileX>(pb.data(), nb, xq + m * arow, arow, y + m * ldy + nt, ldy, nv);
+    tail<T, kTileX - 1>(M - m, pb.data(), nb, xq + m * arow, arow, y + m * ldy + nt, ldy, nv);
+  }
+}
+#endif
+
 // Weight rows [n0, n1) of y (row stride ldy) = x W^T, x already quantized.
 template <int T, Path P>
 void gemm_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
                 int64_t n1) {
+#ifdef __AVX2__
+  if (P == kAvx2 && M >= kPanelMinRows<T>) return gemm_range_panels<T>(xq, w, y, ldy, M, K, n0, n1);
+#endif
   const int64_t nb = K / kQK, bb = block_bytes(T), wrow = nb * bb, arow = nb * kQ8Bytes;
   WBlock u;
   float acc[kRowsX], accm[kRowsX];
@@ -516,6 +771,14 @@ void gemm_range(const uint8_t* xq, const uint8_t* w, float* y, int64_t ldy, int6
 
 template <int T, Path P>
 void gemm(const uint8_t* xq, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+#ifdef __AVX2__
+  if (P == kAvx2 && M >= kPanelMinRows<T>) {  // whole panels a thread
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    return at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      gemm_range_panels<T>(xq, w, y, N, M, K, p0 * kPanel, std::min(N, p1 * kPanel));
+    });
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemm_range<T, P>(xq, w, y, N, M, K, n0, n1); });
 }
 

@@ -9,7 +9,8 @@
   |y - x w_deq^T| <= s_x / 2 * sum_k |w_deq[n, k]| per output (plus float32
   rounding, taken as 1e-5 of the float64 magnitude), checked elementwise.
 - scalar == AVX2 == AVX-512 (VNNI) bit for bit: GEMV (M = 1) and GEMM rows,
-  odd row counts, odd N, K not a multiple of the 32-byte step.
+  odd row counts up to 511, odd N, K not a multiple of the 32-byte step, and
+  the same bits on 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -107,6 +108,33 @@ def test_linear_without_bias_and_threads(M, isa):
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     assert torch.equal(one, kernels.int8_linear(x, wq, ws, None, force_scalar=True))
+
+
+@pytest.mark.parametrize(("M", "K", "N"), [(2, 32, 4), (7, 608, 70), (255, 200, 13), (511, 96, 70)])
+def test_gemm_tiles_and_chunks(M, K, N, isa):
+    """The AVX2 GEMM's edges: odd M (a 1-row tile after the 2-row ones, and
+    x chunks that end mid-matrix), K with and without a tail past the 32-byte
+    steps, N past the 4-row tiles; exact against float64 and the same bits on
+    1 and 2 threads."""
+    g = torch.Generator().manual_seed(M + K + N)
+    x = torch.randn(M, K, generator=g)
+    wq, ws = quantize_per_channel(torch.randn(N, K, generator=g))
+    b = torch.randn(N, generator=g)
+    q, s = quantize_per_token(x)
+    exact = (q.double() @ wq.double().T) * s.double()[:, None] * ws.double() + b.double()
+    threads = torch.get_num_threads()
+    for name in _isas():
+        isa(name)
+        try:
+            torch.set_num_threads(1)
+            one = kernels.int8_linear(x, wq, ws, b)
+            torch.set_num_threads(2)
+            two = kernels.int8_linear(x, wq, ws, b)
+        finally:
+            torch.set_num_threads(threads)
+        torch.testing.assert_close(one.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item(), msg=name)
+        assert torch.equal(one, two), name
+        assert torch.equal(one, kernels.int8_linear(x, wq, ws, b, force_scalar=True)), name
 
 
 def test_extreme_values_are_exact():

@@ -20,17 +20,24 @@
 //   AVX2: vpmaddubsw(|x|, sign(w, x)) + vpmaddwd with ones; |x|, |w| <= 127
 //   keep its int16 pair sums (<= 2 * 127 * 127) from saturating.
 // Threads split the weight rows in runs of whole 4-row tiles. One row of x
-// (decode): 4 weight rows at a time; from two rows, tiles of 4 weight rows x
-// 4 rows of x (16 accumulators; the 1-3 rows left over in one smaller tile),
-// x in chunks of 64 rows so they stay in L2 while the weight tiles pass.
-// Software prefetch runs two tiles ahead (four short row streams the
-// hardware prefetcher does not follow; as gguf_gemv.cpp).
+// (decode): 4 weight rows at a time. From two rows, AVX2: tiles of 4 weight
+// rows x 2 rows of x whose K loop is asm on fixed registers (8 sums, nothing
+// spilled), |x| quantized once beside x, 4 outputs a row reduced and scaled
+// together; x in chunks that stay in L2 while the weight tiles pass. VNNI:
+// tiles of 4 x 4 rows (16 accumulators; the 1-3 rows left over in one smaller
+// tile), x in chunks of 64 rows. Software prefetch fetches the next weight
+// tile (short row streams the hardware prefetcher does not follow; as
+// gguf_gemv.cpp).
 // Measured (1 thread, Zen 4, shared machine: best of 15 interleaved rounds,
 // 576 x 1536 and 1536 x 576, weights in cache): M = 1, 11-12 us (VNNI) and
 // 12-14 us (AVX2), 3.1-3.4x faster than the float32 small_m_linear, 5.5-6x
-// F.linear; M = 256, 166-199 GOP/s (VNNI) and 142-172 (AVX2), 1.35-1.65x
-// small_m_linear, 2.2-2.5x F.linear; faster than gguf_linear's Q8_0 at 1, 64
-// and 256 rows (its per-block scales cost an fma a block).
+// F.linear; M = 256, 166-199 GOP/s (VNNI), 1.35-1.65x small_m_linear, 2.2-2.5x
+// F.linear; faster than gguf_linear's Q8_0 at 1, 64 and 256 rows (its
+// per-block scales cost an fma a block). AVX2 GEMM (1 thread, Zen 3, per CPU
+// second, M = 16..256): SmolLM2-135M's shapes 118-130 GOP/s, 61-68% of the
+// vpmaddubsw+vpmaddwd peak (the 4x4 tile it replaced: 92-114), 2048 x 2048
+// 125-133 (115-118); the sign trick's vpsignb is a fourth vector op a pair,
+// which holds it near 80%. K = 8192 stays near 60% (both tiles).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -210,9 +217,195 @@ void tile_rows(const int8_t* w, const int8_t* xq, const float* sx, const float* 
   }
 }
 
+// ------------------------------------------------------ AVX2 GEMM (M >= 2)
+// Register tiles of 4 weight rows x 2 rows of x: 8 accumulators, the 4 weight
+// vectors, |x| and x of one row and the ones make 16 ymm, so nothing spills
+// (the 4 x 4 tile above spilled every accumulator each step). Per 32 bytes of
+// K and pair: vpsignb, vpmaddubsw, vpmaddwd, vpaddd; |x| comes quantized
+// beside x (pack_rows), not recomputed per tile. The 4 sums of a row of x
+// reduce together and leave as one 4-float epilogue.
+
+// Row m of q to xp + 2 * ld * m and its |q| (<= 127: no 0x80 to wrap) ld
+// bytes on. ld = K rounded up to 64, plus 64: with K a multiple of 2048 the rows
+// of x would share L1 sets with each other and with the weight rows.
+int64_t packed_ld(int64_t K) { return (K + 63) / 64 * 64 + 64; }
+
+void pack_rows(const int8_t* q, int8_t* xp, int64_t M, int64_t K) {
+  const int64_t ld = packed_ld(K);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* src = q + m * K;
+      int8_t* dst = xp + m * 2 * ld;
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ld + k), _mm256_abs_epi8(v));
+      }
+      for (; k < K; ++k) dst[k] = src[k], dst[ld + k] = static_cast<int8_t>(std::abs(src[k]));
+    }
+  });
+}
+
+// [sum a0, sum a1, sum a2, sum a3].
+inline __m128i hsum4_epi32(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+constexpr int kTR = 4, kTC = 2;
+
+// The 4 x 2 tile's K loop in asm: from the intrinsics GCC 12 copied every
+// accumulator through a spare register each step and spilled one. Fixed
+// registers: ymm0-7 the sums (x row c, weight row r at 4c + r), ymm8-11 the
+// weight rows, ymm12 |x|, ymm13 a product, ymm14 the int16 ones. x, the sign
+// source, is read from memory by vpsignb. PF: prefetch the next 4 weight rows.
+#define I8_PAIR(acc, wreg, q) \
+  "vpsignb " q ", %%ymm" #wreg ", %%ymm13\n\t"   \
+  "vpmaddubsw %%ymm13, %%ymm12, %%ymm13\n\t"      \
+  "vpmaddwd %%ymm14, %%ymm13, %%ymm13\n\t"        \
+  "vpaddd %%ymm13, %%ymm" #acc ", %%ymm" #acc "\n\t"
+#define I8_PREFETCH \
+  "prefetcht0 (%[pn])\n\t"                        \
+  "prefetcht0 (%[pn],%[K])\n\t"                   \
+  "prefetcht0 (%[pn],%[K],2)\n\t"                 \
+  "prefetcht0 (%[w3],%[K],4)\n\t"
+#define I8_TILE_4X2(PREFETCH)                                                                     \
+  asm volatile(                                                                                   \
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"                                                          \
+      "vmovdqa %%ymm0, %%ymm1\n\tvmovdqa %%ymm0, %%ymm2\n\tvmovdqa %%ymm0, %%ymm3\n\t"            \
+      "vmovdqa %%ymm0, %%ymm4\n\tvmovdqa %%ymm0, %%ymm5\n\tvmovdqa %%ymm0, %%ymm6\n\t"            \
+      "vmovdqa %%ymm0, %%ymm7\n\t"                                                                \
+      "vpcmpeqw %%ymm14, %%ymm14, %%ymm14\n\tvpsrlw $15, %%ymm14, %%ymm14\n\t"                    \
+      "test %[n], %[n]\n\tjz 2f\n\t"                                                              \
+      ".p2align 4\n"                                                                              \
+      "1:\n\t"                                                                                    \
+      "vmovdqu (%[w0]), %%ymm8\n\t"                                                               \
+      "vmovdqu (%[w0],%[K]), %%ymm9\n\t"                                                          \
+      "vmovdqu (%[w0],%[K],2), %%ymm10\n\t"                                                       \
+      "vmovdqu (%[w3]), %%ymm11\n\t" PREFETCH                                                     \
+      "vmovdqu (%[a0]), %%ymm12\n\t"                                                              \
+      I8_PAIR(0, 8, "(%[q0])") I8_PAIR(1, 9, "(%[q0])") I8_PAIR(2, 10, "(%[q0])")                 \
+      I8_PAIR(3, 11, "(%[q0])")                                                                   \
+      "vmovdqu (%[a0],%[ldx]), %%ymm12\n\t"                                                         \
+      I8_PAIR(4, 8, "(%[q0],%[ldx])") I8_PAIR(5, 9, "(%[q0],%[ldx])") I8_PAIR(6, 10, "(%[q0],%[ldx])")  \
+      I8_PAIR(7, 11, "(%[q0],%[ldx])")                                                              \
+      "add $32, %[w0]\n\tadd $32, %[w3]\n\tadd $32, %[pn]\n\tadd $32, %[q0]\n\tadd $32, %[a0]\n\t" \
+      "dec %[n]\n\tjnz 1b\n"                                                                      \
+      "2:\n\t"                                                                                    \
+      "vmovdqu %%ymm0, (%[out])\n\tvmovdqu %%ymm1, 32(%[out])\n\t"                                \
+      "vmovdqu %%ymm2, 64(%[out])\n\tvmovdqu %%ymm3, 96(%[out])\n\t"                              \
+      "vmovdqu %%ymm4, 128(%[out])\n\tvmovdqu %%ymm5, 160(%[out])\n\t"                            \
+      "vmovdqu %%ymm6, 192(%[out])\n\tvmovdqu %%ymm7, 224(%[out])\n\t"                            \
+      : [w0] "+r"(w0), [w3] "+r"(w3), [pn] "+r"(pn), [q0] "+r"(q0), [a0] "+r"(a0), [n] "+r"(n)   \
+      : [K] "r"(K), [ldx] "r"(ldx), [out] "r"(out)                                                \
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",   \
+        "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14")
+
+// sums[8 * (4c + r)]: the int32 lanes of row c of x against weight row r
+// over the whole 32-byte steps of K.
+void dot_4x2(const int8_t* w, const int8_t* q, const uint8_t* qa, int64_t K, int64_t ldx, bool pf, __m256i* sums) {
+  const int8_t *w0 = w, *w3 = w + 3 * K, *pn = w + 4 * K, *q0 = q;
+  const uint8_t* a0 = qa;
+  int64_t n = K / kStep;
+  int32_t* out = reinterpret_cast<int32_t*>(sums);
+  if (pf)
+    I8_TILE_4X2(I8_PREFETCH);
+  else
+    I8_TILE_4X2("");
+}
+#undef I8_TILE_4X2
+#undef I8_PREFETCH
+#undef I8_PAIR
+
+// The same sums for the edge tiles (R < 4 weight rows, or one row of x).
+template <int R, int C>
+void dot_tile(const int8_t* w, const int8_t* q, const uint8_t* qa, int64_t K, int64_t ldx, bool pf,
+              __m256i (&acc)[C][R]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_si256();
+  for (int64_t k = 0; k + kStep <= K; k += kStep) {
+    __m256i wv[R];
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
+      if (pf && (k & 32) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + c * ldx + k));
+      const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * ldx + k));
+      for (int r = 0; r < R; ++r)
+        acc[c][r] =
+            _mm256_add_epi32(acc[c][r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv[r], s)), ones));
+    }
+  }
+}
+
+// R weight rows w (stride K, from row n) against C rows of x (q and |q|,
+// row stride ldx); y rows stride N. pf: fetch the next R weight rows while
+// these pass (the first x tile of a weight tile; the later ones find them
+// in L1).
+template <int R, int C>
+void tile_avx2(const int8_t* w, const int8_t* q, const uint8_t* qa, int64_t ldx, const float* sx, const float* sw,
+               const float* bias, int64_t n, int64_t K, float* y, int64_t N, bool pf) {
+  __m256i acc[C][R];
+  if constexpr (R == 4 && C == 2)
+    dot_4x2(w, q, qa, K, ldx, pf, &acc[0][0]);
+  else
+    dot_tile<R, C>(w, q, qa, K, ldx, pf, acc);
+  const int64_t k1 = K / kStep * kStep;
+  for (int c = 0; c < C; ++c) {
+    if constexpr (R == 4) {
+      __m128i sum = hsum4_epi32(acc[c][0], acc[c][1], acc[c][2], acc[c][3]);
+      if (k1 < K) {
+        alignas(16) int32_t tail[4];
+        for (int r = 0; r < 4; ++r) tail[r] = dot_scalar(w + r * K + k1, q + c * ldx + k1, K - k1);
+        sum = _mm_add_epi32(sum, _mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+      }
+      // epilogue() on 4 outputs: the same float operations, so the same bits.
+      const __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sum), _mm_set1_ps(sx[c]));
+      const __m128 b = bias ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+      _mm_storeu_ps(y + c * N + n, _mm_fmadd_ps(v, _mm_loadu_ps(sw + n), b));
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const int32_t acc_rc = hsum_epi32(acc[c][r]) + dot_scalar(w + r * K + k1, q + c * ldx + k1, K - k1);
+        y[c * N + n + r] = epilogue(acc_rc, sx[c], sw[n + r], bias, n + r);
+      }
+    }
+  }
+}
+
+// Weight rows [n, n + R) against x rows [m0, m1): kTC rows at a time, an odd one last.
+template <int R>
+void tile_rows_avx2(const int8_t* w, const int8_t* q, const uint8_t* qa, int64_t ldx, const float* sx, const float* sw,
+                    const float* bias, int64_t n, int64_t K, float* y, int64_t N, int64_t m0, int64_t m1) {
+  const int8_t* wr = w + n * K;
+  int64_t m = m0;
+  for (; m + kTC <= m1; m += kTC)
+    tile_avx2<R, kTC>(wr, q + m * ldx, qa + m * ldx, ldx, sx + m, sw, bias, n, K, y + m * N, N, m == m0);
+  if (m < m1) tile_avx2<R, 1>(wr, q + m * ldx, qa + m * ldx, ldx, sx + m, sw, bias, n, K, y + m * N, N, m == m0);
+}
+
+// x rows in chunks whose q and |q| stay in L2 (about 128 KiB of the 512)
+// while the thread's weight rows pass once per chunk.
+void gemm_range_avx2(const int8_t* xp, const float* sx, const int8_t* w, const float* sw, const float* bias, float* y,
+                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t ld = packed_ld(K);
+  const int8_t* q = xp;
+  const uint8_t* qa = reinterpret_cast<const uint8_t*>(xp + ld);
+  const int64_t chunk = std::clamp<int64_t>((128 << 10) / (2 * ld) / kTC * kTC, kTC, 256);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m1 = std::min(M, m0 + chunk);
+    int64_t n = n0;
+    for (; n + kTR <= n1; n += kTR) tile_rows_avx2<kTR>(w, q, qa, 2 * ld, sx, sw, bias, n, K, y, N, m0, m1);
+    for (; n < n1; ++n) tile_rows_avx2<1>(w, q, qa, 2 * ld, sx, sw, bias, n, K, y, N, m0, m1);
+  }
+}
+
 constexpr int kR = 4, kC = 4;
 constexpr int64_t kChunk = 64;
 
+// The GEMV (both ISAs) and the VNNI GEMM.
 template <bool V>
 void gemm_range(const int8_t* xq, const float* sx, const int8_t* w, const float* sw, const float* bias, float* y,
                 int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
@@ -276,10 +469,17 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
 #ifdef __AVX2__
   if (!force_scalar) {
     const bool vnni = kHaveVnni && get_isa() == "avx512";
+    torch::Tensor xp;  // q and |q| row by row, for the AVX2 GEMM
+    if (!vnni && M > 1) {
+      xp = torch::empty({M, 2 * packed_ld(K)}, xc.options().dtype(torch::kInt8));
+      pack_rows(qp, xp.data_ptr<int8_t>(), M, K);
+    }
     at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
       const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
       if (vnni)
         gemm_range<kHaveVnni>(qp, sp, wp, swp, bp, yp, M, N, K, n0, n1);
+      else if (M > 1)
+        gemm_range_avx2(xp.data_ptr<int8_t>(), sp, wp, swp, bp, yp, M, N, K, n0, n1);
       else
         gemm_range<false>(qp, sp, wp, swp, bp, yp, M, N, K, n0, n1);
     });

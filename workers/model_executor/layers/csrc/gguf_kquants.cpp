@@ -306,6 +306,20 @@ void unpack_quants_avx2(const uint8_t* w, __m256i* q) {
 #endif
 
 #ifdef __AVX2__
+// Q4_K/Q5_K's 12 bytes of 6-bit scales and mins (get_scale_min_k4 for all 8
+// at once): bytes 0..7 the sub-block scales, 8..15 the mins.
+inline __m128i scales_mins_k4(const uint8_t* w) {
+  uint32_t t[4];
+  std::memcpy(t, w + 4, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
+  const uint32_t m03 = t[1] & k1;
+  t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
+  t[2] = m03;
+  t[0] &= k1;
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+}
+
 // The scales as int16 vectors, without a scalar loop (per block, for every
 // weight row: at M = 1 this is a good part of the work). sc16: the 16 groups'
 // scales (Q4_K/Q5_K: the 8 sub-block scales, each twice).
@@ -317,16 +331,8 @@ void unpack_scales_vec(const uint8_t* w, WBlock& u) {
     u.biasv = _mm256_slli_epi16(sc16, 5);
     lo8 = _mm256_castsi256_si128(sc16), hi8 = _mm256_extracti128_si256(sc16, 1);
     u.d = fp16_load(w + 208), u.dmin = 0.f;
-  } else {  // get_scale_min_k4 for all 8 at once: bytes 0..7 the scales, 8..15 the mins
-    uint32_t t[4];
-    std::memcpy(t, w + 4, 12);
-    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
-    const uint32_t m03 = t[1] & k1;
-    t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
-    t[2] = m03;
-    t[0] &= k1;
-    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  } else {
+    const __m128i sm = scales_mins_k4(w);
     lo8 = _mm_cvtepu8_epi16(sm);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
     u.biasv = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));
@@ -562,16 +568,8 @@ void pack_scales(const uint8_t* const* rows, int g, PanelBlock<T>& p) {
       s0[j] = pair(_mm256_cvtepi8_epi32(s)), s1[j] = pair(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)));
       b[j] = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s), 5);  // 32 sc: lane p = (32 sc 2p, 32 sc 2p + 1)
       std::memcpy(d16 + j, w + 208, 2), m16[j] = 0;
-    } else {  // get_scale_min_k4 for all 8, as unpack_scales_vec
-      uint32_t t[4];
-      std::memcpy(t, w + 4, 12);
-      constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-      t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
-      const uint32_t m03 = t[1] & k1;
-      t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
-      t[2] = m03;
-      t[0] &= k1;
-      const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+    } else {
+      const __m128i sm = scales_mins_k4(w);
       s0[j] = pair(_mm256_cvtepu8_epi32(sm)), b[j] = pair(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
       std::memcpy(d16 + j, w, 2), std::memcpy(m16 + j, w + 2, 2);
     }

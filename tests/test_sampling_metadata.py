@@ -154,5 +154,6 @@ def test_on_cuda_a_step_syncs_once_for_its_results():
                 out = sampler(logits, pending.resolve(batch.upload(), cuda))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    assert len([w for w in caught if "synchronizing" in str(w.message)]) == 1  # the one fetch
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchronizing" in str(w.message)]
+    assert len(syncs) == 1, "\n".join(syncs)  # the one fetch
     assert len(out.sampled_token_ids) == len(seqs)

@@ -40,7 +40,9 @@ class Sampler:
             if metadata.grammar_rows is not None:
                 apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
             if metadata.banned_rows is not None:
-                logits[metadata.banned_rows, metadata.banned_token_ids] = float("-inf")
+                # A device tensor, not a Python float: that would be copied in from the host, a sync on CUDA.
+                neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+                logits.index_put_((metadata.banned_rows, metadata.banned_token_ids), neg_inf)
 
         tokens = self._argmax(logits)
         if not metadata.all_greedy:

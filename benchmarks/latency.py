@@ -315,14 +315,18 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
         print(f"    {'lm_head':22} {rate('lm_head', report['parts_ms']['LM head'])}")
     else:  # each matrix alone at one row, all layers' copies in turn (from memory, not cache), best of 5
         print("  each matrix at one row, read from memory (all layers' copies in turn, best of 5):")
+        device, dtype = runner.device, runner.dtype  # activations as the steps have them
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         with torch.inference_mode():
             for name, layers in matrices.items():
-                xs = [torch.randn(1, m.weight.shape[1]) for m in layers]
+                xs = [torch.randn(1, m.weight.shape[1], device=device, dtype=dtype) for m in layers]
                 best = float("inf")
                 for _ in range(6):
+                    sync()
                     t0 = time.perf_counter()
                     for m, x in zip(layers, xs):
                         m(x)
+                    sync()
                     best = min(best, time.perf_counter() - t0)
                 print(f"    {name:14} x{len(layers):<3} {rate(name, best * 1e3)}")
     report["matrices"] = rates

@@ -288,7 +288,8 @@ def cb_stated(manager) -> dict:
     """The settings transformers runs with, read back: the warm-up at the context's entry built the cache,
     so sizes it would infer are concrete by now."""
     cfg = manager.continuous_batching_config
-    stated = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(CBSettings)}
+    # None where this transformers names a field otherwise (5.17 has no page_size).
+    stated = {f.name: getattr(cfg, f.name, None) for f in dataclasses.fields(CBSettings)}
     return stated | {"attn_implementation": manager.model.config._attn_implementation}
 
 

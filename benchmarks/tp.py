@@ -89,7 +89,10 @@ def hf_greedy(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
                     attention_mask=torch.ones_like(x),
                     do_sample=False,
                     max_new_tokens=tokens,
-                    min_new_tokens=tokens,
+                    # An id past the vocabulary, never produced: the real EOS is
+                    # then an ordinary token, as under ignore_eos. (min_new_tokens
+                    # would mask it instead, and generate ignores eos_token_id=None.)
+                    eos_token_id=hf.config.vocab_size,
                     pad_token_id=0,
                 )[0, len(p) :].tolist()
             )

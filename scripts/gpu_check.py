@@ -179,6 +179,9 @@ def run(out: str, shapes: list[str], budget: float, limit_scale: float = 1.0, **
     path = [layout(ROOT, tmp), os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
     env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU
+    # The Triton test files set TRITON_INTERPRET=1 as they are imported unless this says
+    # otherwise: one such import would leave the whole pytest process interpreting.
+    env["SHOAL_TRITON_COMPILED"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     have_pytest = subprocess.run([sys.executable, "-c", "import pytest"], env=env, capture_output=True).returncode == 0
     if not have_pytest:

@@ -158,7 +158,7 @@ def test_cuda_checks_compiled():
         pytest.skip("this process compiles: the cuda_ tests ran here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"SHOAL_TRITON_COMPILED": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-k", "test_cuda_ and not compiled", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-k", "test_cuda_ and not checks_compiled", __file__],
         env=env,
         capture_output=True,
         text=True,

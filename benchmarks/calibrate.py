@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.simulated_runner import StepCostModel, StepShape, fit_cost_model
 
 
@@ -152,7 +153,9 @@ def measure_calibration(
 
     def add(prompt_ids: list[int], n: int) -> str:
         rid = f"cal-{next(ids)}"
-        engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            GenerateRequest(rid, prompt_ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        )
         return rid
 
     def prompt(n: int) -> list[int]:  # random ids: no prefix-cache hits

@@ -19,6 +19,7 @@ import statistics
 import time
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.messages import GenerateRequest
 
 PEERS = ("llamacpp",)
 
@@ -95,7 +96,11 @@ def measure(engine, prompt: list[int], output_len: int) -> tuple[float, list[flo
 
     rid = f"latency-{time.perf_counter_ns()}"
     t0 = time.perf_counter()
-    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest(
+            rid, engine.tokenize(prompt), SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        )
+    )
     times = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -228,7 +233,11 @@ def profile(engine, prompt: list[int], output_len: int) -> dict:
             handles += _time_module(m, hooked, "experts")
         for m in attn_matrices:
             handles += _time_module(m, hooked, "attention matrices")
-    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest(
+            "profile", engine.tokenize(prompt), SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        )
+    )
     engine.step()  # the prefill, not counted
     for k in hooked:
         hooked[k] = 0.0

@@ -20,6 +20,7 @@ import statistics
 import time
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.messages import GenerateRequest
 
 
 def measure(engine, prompt: list[int], n: int, output_len: int, grouped: bool) -> tuple[float, float, int]:
@@ -39,7 +40,11 @@ def measure(engine, prompt: list[int], n: int, output_len: int, grouped: bool) -
         t0 = time.perf_counter()
         for k in range(n):
             params = SamplingParams(temperature=1.0, seed=k, max_tokens=output_len, ignore_eos=True)
-            engine.add_request(f"{tag}-{k}", prompt, params, parent_request_id=f"{tag}-0" if grouped else None)
+            engine.add_request(
+                GenerateRequest(
+                    f"{tag}-{k}", engine.tokenize(prompt), params, parent_request_id=f"{tag}-0" if grouped else None
+                )
+            )
         firsts: dict[str, float] = {}
         while engine.has_unfinished_requests():
             outs = engine.step()

@@ -143,11 +143,17 @@ def make_workload(n: int, input_len: int, output_len: int, rate: float, seed: in
 
 
 def in_process_sender(engine):
+    import itertools
+
     from shoal.workers import SamplingParams
+    from shoal.workers.messages import GenerateRequest
+
+    ids = itertools.count()
 
     async def send(prompt, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        async for out in engine.generate(None, prompt, params):
+        request = GenerateRequest(f"bench-{next(ids)}", engine.engine.tokenize(prompt), params)
+        async for out in engine.generate(request):
             yield len(out.new_token_ids), out.num_prompt_tokens, None
 
     return send

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from shoal.workers.messages import GenerateRequest
+
 # The one-call decode step's ops that are matrices (the rest: norms, rotary, activation).
 FUSED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PART_ORDER = (
@@ -168,7 +170,7 @@ def profile_steps(engine, prompt_len: int, batch: int, prefill_len: int, steps: 
 
     def add(n: int, p=params) -> None:
         ids.append(f"step-profile-{len(ids)}")
-        engine.add_request(ids[-1], prompt(n), p)
+        engine.add_request(GenerateRequest(ids[-1], engine.tokenize(prompt(n)), p))
 
     out = []
     try:

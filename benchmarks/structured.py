@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from shoal.benchmarks.structured_workloads import WORKLOADS, Workload
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.messages import GenerateRequest
 
 GOALS = {1: 1.05}  # batch -> the most a guided step may cost over an unconstrained one
 DEFAULT_GOAL = 1.10
@@ -80,7 +81,7 @@ class Wave:
     def __init__(self, engine, prompts: list[str], params, tag: str):
         self.engine, self.ids = engine, [f"{tag}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(self.ids, prompts):
-            engine.add_request(rid, prompt, params)
+            engine.add_request(GenerateRequest(rid, engine.tokenize(prompt), params))
         self.started: set[str] = set()
         self.text, self.tokens = dict.fromkeys(self.ids, ""), dict.fromkeys(self.ids, 0)
         self.finish: dict[str, str] = {}

@@ -16,6 +16,7 @@ import random
 import time
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.messages import GenerateRequest
 
 
 def add_parser(sub) -> None:
@@ -129,7 +130,7 @@ def decode_step_ms(eng, batch: int, prompt_len: int, steps: int, vocab: int, see
     rng = random.Random(seed)
     sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
-        eng.add_request(f"decode-{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], sp)
+        eng.add_request(GenerateRequest(f"decode-{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], sp))
     while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         eng.step()  # prefill (and a few first decodes)
     for _ in range(4):

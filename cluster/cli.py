@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.messages import GenerateRequest
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -26,7 +27,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # The one --seed seeds the engine and, as before, this request's sampling.
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=args.seed)
     t0 = time.perf_counter()
-    engine.add_request("cli", prompt, params)
+    engine.add_request(GenerateRequest("cli", engine.tokenize(prompt), params))
     n = 0
     try:
         while engine.has_unfinished_requests():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from shoal.workers import LLM, AsyncEngine, SamplingParams
+from shoal.workers.messages import GenerateRequest
 
 
 def test_stream_equals_offline_and_carries_timings(tiny_model):
@@ -13,7 +14,10 @@ def test_stream_equals_offline_and_carries_timings(tiny_model):
 
     async def main():
         engine = AsyncEngine.from_engine_args(model=tiny_model, num_kv_blocks=128)
-        deltas = [d async for d in engine.generate("r1", "The quick brown fox", params)]
+        deltas = [
+            d
+            async for d in engine.generate(GenerateRequest("r1", engine.engine.tokenize("The quick brown fox"), params))
+        ]
         await engine.shutdown()
         return deltas
 
@@ -33,7 +37,7 @@ def test_abort_frees_blocks_at_once_and_others_continue(tiny_model):
 
         async def consume(rid, prompt, stop_after=None):
             got = []
-            async for d in engine.generate(rid, prompt, long):
+            async for d in engine.generate(GenerateRequest(rid, engine.engine.tokenize(prompt), long)):
                 got.extend(d.new_token_ids)
                 if stop_after and len(got) >= stop_after:
                     break  # leaving the stream aborts the request
@@ -74,9 +78,12 @@ def test_a_process_that_never_shuts_the_engine_down_still_exits(tiny_model):
     script = f"""
 import asyncio
 from shoal.workers import AsyncEngine, SamplingParams
+from shoal.workers.messages import GenerateRequest
 
 async def start(engine):
-    stream = engine.generate("long", "The quick brown fox", SamplingParams(max_tokens=500, ignore_eos=True))
+    stream = engine.generate(
+        GenerateRequest("long", engine.engine.tokenize("The quick brown fox"), SamplingParams(max_tokens=500, ignore_eos=True))
+    )
     return await anext(stream), stream
 
 loop = asyncio.new_event_loop()

@@ -14,6 +14,7 @@ from step_gate import StepGate
 from shoal.workers import AsyncEngine, SamplingParams
 from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers.llm_engine import PendingOutput
+from shoal.workers.messages import GenerateRequest
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -37,7 +38,7 @@ def _count_pending(monkeypatch) -> list[int]:
 
 async def _collect(aeng: AsyncEngine, rid: str, prompt, params: SamplingParams, **kw) -> dict:
     tokens, text, last = [], "", None
-    async for d in aeng.generate(rid, prompt, params, **kw):
+    async for d in aeng.generate(GenerateRequest(rid, aeng.engine.tokenize(prompt), params, **kw)):
         tokens += d.new_token_ids
         text += d.new_text
         last = d
@@ -112,7 +113,7 @@ def test_aborts_mid_stream_match_with_async_scheduling_on_and_off(tiny_model):
         left_after = {"cut": 2, "cut-late": 7}
 
         async def consume(rid, prompt):
-            async for d in aeng.generate(rid, prompt, params):
+            async for d in aeng.generate(GenerateRequest(rid, aeng.engine.tokenize(prompt), params)):
                 got[rid] += d.new_token_ids
                 if rid in left_after and len(got[rid]) >= left_after[rid]:
                     aeng.abort(rid)

@@ -10,6 +10,7 @@ import pytest
 from engine_hold import EngineHold, until
 
 from shoal.workers import AsyncEngine, InvalidRequestError, LLMEngine, SamplingParams
+from shoal.workers.messages import GenerateRequest
 
 
 @pytest.fixture(scope="module")
@@ -38,44 +39,44 @@ def test_params_mutated_after_creation_are_checked_again(engine):
     p = SamplingParams()
     p.temperature = -1.0
     with pytest.raises(InvalidRequestError, match="temperature"):
-        engine.add_request("mutated", [5, 6], p)
+        engine.add_request(GenerateRequest("mutated", [5, 6], p))
 
 
 def test_empty_prompt(engine):
     for prompt in ([], ""):
         with pytest.raises(InvalidRequestError, match="prompt is empty") as e:
-            engine.add_request("empty", prompt, SamplingParams())
+            engine.add_request(GenerateRequest("empty", engine.tokenize(prompt), SamplingParams()))
         assert e.value.field == "prompt"
 
 
 def test_too_long_for_max_model_len(engine):
     with pytest.raises(InvalidRequestError, match="max_model_len") as e:
-        engine.add_request("long", [5] * 500, SamplingParams(max_tokens=20))
+        engine.add_request(GenerateRequest("long", [5] * 500, SamplingParams(max_tokens=20)))
     assert e.value.field == "max_tokens"
     with pytest.raises(InvalidRequestError, match="max_model_len") as e:
-        engine.add_request("long2", [5] * 600, SamplingParams(max_tokens=1))
+        engine.add_request(GenerateRequest("long2", [5] * 600, SamplingParams(max_tokens=1)))
     assert e.value.field == "prompt"
 
 
 def test_token_ids_outside_vocabulary(engine):
     for bad in ([5, 512], [-1, 3]):
         with pytest.raises(InvalidRequestError, match="vocabulary") as e:
-            engine.add_request("oov", bad, SamplingParams())
+            engine.add_request(GenerateRequest("oov", engine.tokenize(bad), SamplingParams()))
         assert e.value.field == "prompt"
 
 
 def test_prompt_that_never_fits_the_cache(tiny_model):
     small = LLMEngine(model=tiny_model, num_kv_blocks=4, block_size=16)  # 64 tokens in all
     with pytest.raises(InvalidRequestError, match="KV blocks") as e:
-        small.add_request("huge", [5] * 60, SamplingParams(max_tokens=10))
+        small.add_request(GenerateRequest("huge", [5] * 60, SamplingParams(max_tokens=10)))
     assert e.value.field == "prompt"
-    small.add_request("fits", [5] * 50, SamplingParams(max_tokens=10))  # 60 tokens: fits
+    small.add_request(GenerateRequest("fits", [5] * 50, SamplingParams(max_tokens=10)))  # 60 tokens: fits
 
 
 def test_duplicate_request_id(engine):
-    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+    engine.add_request(GenerateRequest("dup", [5, 6, 7], SamplingParams(max_tokens=2)))
     with pytest.raises(InvalidRequestError, match="request_id"):
-        engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+        engine.add_request(GenerateRequest("dup", [5, 6, 7], SamplingParams(max_tokens=2)))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -84,10 +85,16 @@ def test_bad_requests_do_not_disturb_running_ones(tiny_model):
     async def main():
         engine = AsyncEngine.from_engine_args(model=tiny_model, num_kv_blocks=64)
         params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-        alone = [t async for d in engine.generate("a", [10, 11, 12, 13], params) for t in d.new_token_ids]
+        alone = [
+            t async for d in engine.generate(GenerateRequest("a", [10, 11, 12, 13], params)) for t in d.new_token_ids
+        ]
 
         async def good():
-            return [t async for d in engine.generate("b", [10, 11, 12, 13], params) for t in d.new_token_ids]
+            return [
+                t
+                async for d in engine.generate(GenerateRequest("b", [10, 11, 12, 13], params))
+                for t in d.new_token_ids
+            ]
 
         # "b" runs a few steps, then the engine holds it: it is running while the bad ones come, on any machine.
         hold = EngineHold(SimpleNamespace(engine=engine), steps=3)
@@ -97,13 +104,13 @@ def test_bad_requests_do_not_disturb_running_ones(tiny_model):
         errors = 0
         for bad in ([], [999999], [5] * 5000):
             with pytest.raises(InvalidRequestError):
-                async for _ in engine.generate(None, bad, params):
+                async for _ in engine.generate(GenerateRequest("bad", bad, params)):
                     pass
             errors += 1
         bad_params = SamplingParams()
         bad_params.top_k = -5
         with pytest.raises(InvalidRequestError, match="top_k"):
-            async for _ in engine.generate(None, [5], bad_params):
+            async for _ in engine.generate(GenerateRequest("bad", [5], bad_params)):
                 pass
         hold.release()
         got = await asyncio.wait_for(task, 30)

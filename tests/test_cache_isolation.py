@@ -236,7 +236,11 @@ def test_the_engine_refuses_a_bad_salt_that_bypassed_the_front(tiny_model):
                 refused.append([d async for d in worker.generate(req)])
             good = [d async for d in worker.generate(GenerateRequest("good", PROMPT, SamplingParams(max_tokens=1)))]
             with pytest.raises(InvalidRequestError):  # the offline engine too
-                worker.engine.engine.add_request("bad-offline", PROMPT, SamplingParams(), cache_salt=3)
+                worker.engine.engine.add_request(
+                    GenerateRequest(
+                        "bad-offline", worker.engine.engine.tokenize(PROMPT), SamplingParams(), cache_salt=3
+                    )
+                )
         finally:
             await worker.engine.shutdown()
         return refused, good

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.workers import LLM, SamplingParams
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.attention import set_forward_context
 from shoal.workers.model_executor.layers.norm import RMSNorm
@@ -355,9 +356,9 @@ def _stepwise(llm: LLM, spy: _PathSpy | None) -> tuple[dict[str, list[int]], lis
             tokens[d.request_id].extend(d.new_token_ids)
         return {d.request_id for d in deltas}
 
-    engine.add_request("a", a, params)
+    engine.add_request(GenerateRequest("a", engine.tokenize(a), params))
     assert step() == {"a"}
-    engine.add_request("b", b, params)
+    engine.add_request(GenerateRequest("b", engine.tokenize(b), params))
     assert step() == {"a", "b"}, "A's decode and B's prefill in one step"
     while engine.has_unfinished_requests():
         step()

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from shoal.workers import LLM, LLMEngine, SamplingParams
+from shoal.workers.messages import GenerateRequest
 
 
 def test_priority_goes_first(tiny_model):
     engine = LLMEngine(model=tiny_model, num_kv_blocks=64, max_num_seqs=1)
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    engine.add_request("low", [5, 6, 7], p, priority=5)
-    engine.add_request("high", [8, 9, 10], p, priority=0)
+    engine.add_request(GenerateRequest("low", [5, 6, 7], p, priority=5))
+    engine.add_request(GenerateRequest("high", [8, 9, 10], p, priority=0))
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -24,7 +25,7 @@ def test_fcfs_by_default(tiny_model):
     engine = LLMEngine(model=tiny_model, num_kv_blocks=64, max_num_seqs=1)
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for rid in ("a", "b", "c"):
-        engine.add_request(rid, [5, 6, 7], p)
+        engine.add_request(GenerateRequest(rid, [5, 6, 7], p))
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -66,9 +67,9 @@ def test_prefix_caching_can_be_switched_off(tiny_model):
 def test_chunked_prefill_shares_the_step_with_decodes(tiny_model):
     engine = LLMEngine(model=tiny_model, num_kv_blocks=128, max_num_batched_tokens=32)
     p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    engine.add_request("short", [5, 6, 7], p)
+    engine.add_request(GenerateRequest("short", [5, 6, 7], p))
     engine.step()  # short is now decoding
-    engine.add_request("long", list(range(3, 300)), p)
+    engine.add_request(GenerateRequest("long", engine.tokenize(list(range(3, 300))), p))
     shapes = []
     schedule = engine.scheduler.schedule
 
@@ -91,18 +92,20 @@ def test_stats_count_the_prompt_tokens_still_to_prefill(tiny_model):
     engine = LLMEngine(model=tiny_model, block_size=16, num_kv_blocks=128, max_num_batched_tokens=32, max_num_seqs=1)
     p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     shared = list(range(3, 67))  # 64 tokens: 4 full blocks
-    engine.add_request("first", shared + [99], p)
+    engine.add_request(GenerateRequest("first", shared + [99], p))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_waiting_tokens == 0
-    engine.add_request("hit", shared + list(range(100, 110)), p)  # 74 tokens, 64 of them cached
-    engine.add_request("miss", list(range(200, 240)), p)  # 40 tokens
+    engine.add_request(
+        GenerateRequest("hit", engine.tokenize(shared + list(range(100, 110))), p)
+    )  # 74 tokens, 64 of them cached
+    engine.add_request(GenerateRequest("miss", engine.tokenize(list(range(200, 240))), p))  # 40 tokens
     assert engine.stats().num_waiting_tokens == 10 + 40
     engine.step()  # "hit" runs (one at a time): its 10 tokens in one step, then it decodes
     assert engine.stats().num_waiting_tokens == 40
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("long", list(range(300, 400)), p)
+    engine.add_request(GenerateRequest("long", engine.tokenize(list(range(300, 400))), p))
     engine.step()  # a 32-token chunk of 100
     assert engine.stats().num_waiting_tokens == 100 - 32
 

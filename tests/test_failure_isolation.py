@@ -14,6 +14,7 @@ from shoal.router.routing.failover import FailoverPool
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.errors import EngineFaultError
 from shoal.workers.fault_injection import ENV
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 
 POISON = 7  # a token id only the poisoned request's prompt holds
@@ -38,7 +39,7 @@ def _requests(n: int = 16) -> list[tuple[str, list[int], SamplingParams]]:
 
 def _drain(engine: LLMEngine, reqs) -> dict[str, list]:
     for rid, prompt, params in reqs:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(GenerateRequest(rid, engine.tokenize(prompt), params))
     got: dict[str, list] = {rid: [] for rid in engine.requests}
     errors: dict[str, str] = {}
     while engine.has_unfinished_requests():
@@ -80,7 +81,7 @@ def test_a_request_whose_detokenizer_raises_fails_alone(tiny_model, monkeypatch)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", add)
     engine = LLMEngine(model=tiny_model, num_kv_blocks=128)
-    engine.add_request("bad-text", [30, 31, 32], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request(GenerateRequest("bad-text", [30, 31, 32], SamplingParams(max_tokens=8, ignore_eos=True)))
     engine.requests["bad-text"].detok._poisoned = True
     got, errors = _drain(engine, reqs)
     assert set(errors) == {"bad-text"} and "injected detokenizer fault" in errors["bad-text"]
@@ -92,8 +93,8 @@ def test_a_request_whose_detokenizer_raises_fails_alone(tiny_model, monkeypatch)
 def test_a_fault_no_request_can_be_blamed_for_kills_the_engine(tiny_model, monkeypatch):
     monkeypatch.setenv(ENV, f"fatal={POISON}")
     engine = LLMEngine(model=tiny_model, num_kv_blocks=64)
-    engine.add_request("ok", [30, 31], SamplingParams(max_tokens=4))
-    engine.add_request("fatal", [POISON, 30], SamplingParams(max_tokens=4))
+    engine.add_request(GenerateRequest("ok", [30, 31], SamplingParams(max_tokens=4)))
+    engine.add_request(GenerateRequest("fatal", [POISON, 30], SamplingParams(max_tokens=4)))
     with pytest.raises(EngineFaultError):
         engine.step()
 
@@ -170,7 +171,7 @@ def test_a_failed_requests_unwritten_blocks_leave_the_prefix_index(tiny_model, m
     prefix = [30 + j % 300 for j in range(48)]  # three full blocks
     clean = (prefix + [11, 12, 13], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     ref = LLMEngine(model=tiny_model, num_kv_blocks=64)
-    ref.add_request("clean", *clean)
+    ref.add_request(GenerateRequest("clean", *clean))
     want = _drain(ref, [])[0]
 
     monkeypatch.setenv(ENV, f"request={POISON}")

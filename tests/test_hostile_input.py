@@ -13,6 +13,7 @@ from serving import grpc_server, http_client, make_frontend
 
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
+from shoal.workers.messages import GenerateRequest
 
 HEADERS = {"Content-Type": "application/json"}
 NORMAL = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
@@ -190,13 +191,13 @@ def test_the_engine_refuses_what_the_router_would_have(tiny_model):
         for k, v in change.items():
             setattr(params, k, v)  # around the constructor's own check
         with pytest.raises(InvalidRequestError) as e:
-            engine.add_request(f"bad-{field}", [1, 2, 3], params)
+            engine.add_request(GenerateRequest(f"bad-{field}", [1, 2, 3], params))
         assert e.value.field == field, (field, e.value)
     for bad, field in ((5, "prompt"), ([1, "2"], "prompt"), ([1, 2.5], "prompt")):
         with pytest.raises(InvalidRequestError) as e:
-            engine.add_request("bad-prompt", bad, SamplingParams())
+            engine.add_request(GenerateRequest("bad-prompt", engine.tokenize(bad), SamplingParams()))
         assert e.value.field == field
     with pytest.raises(InvalidRequestError, match="priority"):
-        engine.add_request("bad-priority", [1, 2], SamplingParams(), priority=-(2**40))
+        engine.add_request(GenerateRequest("bad-priority", [1, 2], SamplingParams(), priority=-(2**40)))
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from serving import http_client, make_frontend
 
 from shoal.workers import InvalidRequestError, LLMEngine, SamplingParams
+from shoal.workers.messages import GenerateRequest
 
 MAX_MODEL_LEN = 32  # every request, however wild its max_tokens, stays short
 FIELDS = (
@@ -77,7 +78,7 @@ def test_any_request_to_the_engine_is_refused_clearly_or_completes(engine, batch
         rid = f"p{i}"
         try:
             params = SamplingParams(**fields)
-            engine.add_request(rid, prompt, params)
+            engine.add_request(GenerateRequest(rid, engine.tokenize(prompt), params))
         except InvalidRequestError:
             continue  # refused at once, with the field named
         admitted.append(rid)

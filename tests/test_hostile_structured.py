@@ -23,6 +23,7 @@ from shoal.workers.core.json_pointer import PointerError, RefWalk, ref_cycle, re
 from shoal.workers.core.structured_outputs import MAX_SCHEMA_HEIGHT, MAX_SPEC_CHARS
 from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers.errors import InvalidRequestError
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.structured_output import guidance
 
 UNICODE_ZEROS = "٠۰߀०০੦૦୦௦౦೦൦๐໐༠၀႐០᠐"
@@ -309,9 +310,13 @@ def test_the_engine_refuses_a_logit_bias_past_its_limit(tiny_model):
 
     engine = LLMEngine(model=tiny_model, num_kv_blocks=32, max_model_len=128, max_logit_bias=4)
     with pytest.raises(InvalidRequestError, match="--max-logit-bias") as e:
-        engine.add_request("too-many", [1, 2, 3], SamplingParams(logit_bias={t: 1.0 for t in range(5)}))
+        engine.add_request(
+            GenerateRequest("too-many", [1, 2, 3], SamplingParams(logit_bias={t: 1.0 for t in range(5)}))
+        )
     assert e.value.field == "logit_bias" and "too-many" not in engine.requests
-    engine.add_request("enough", [1, 2, 3], SamplingParams(max_tokens=1, logit_bias={t: 1.0 for t in range(4)}))
+    engine.add_request(
+        GenerateRequest("enough", [1, 2, 3], SamplingParams(max_tokens=1, logit_bias={t: 1.0 for t in range(4)}))
+    )
     engine.shutdown()
 
 

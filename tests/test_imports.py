@@ -39,7 +39,13 @@ ROOMS = {
         "shoal.workers.model_executor.layers",
         "shoal.workers.utils",
     ),
-    "shoal.workers.core": ("shoal.workers.core", "shoal.workers.errors", "shoal.workers.utils"),
+    "shoal.workers.core": (
+        "shoal.workers.core",
+        "shoal.workers.errors",
+        "shoal.workers.utils",
+        "shoal.workers.messages",
+        "shoal.proto",
+    ),
     # Inside router/: the fronts use routing and observability; routing never the fronts; observability
     # reads only routing's replica registry (a departed worker's series go).
     "shoal.router.routing": ("shoal.router.routing", "shoal.router.observability", "shoal.workers"),

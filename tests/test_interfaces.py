@@ -5,7 +5,6 @@ that apply as LLMEngine's own calls would."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import pytest
@@ -18,6 +17,7 @@ from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.engine_commands import AbortRequest, AddRequest
 from shoal.workers.llm_engine import LLMEngine
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.executor.ray_executor import RayExecutor
 from shoal.workers.model_executor.executor.uniproc_executor import UniProcExecutor
@@ -112,24 +112,16 @@ def test_every_attention_backend_meets_the_protocol(cls):
     assert not isinstance(object(), AttentionBackend)
 
 
-def test_add_request_carries_llm_engine_add_requests_arguments():
-    """Every argument of LLMEngine.add_request but the arrival time (set when
-    the thread applies it), in its order; the prompt comes tokenized."""
-    params = [p for p in inspect.signature(LLMEngine.add_request).parameters if p not in ("self", "arrival_time")]
-    fields = [f.name for f in dataclasses.fields(AddRequest)]
-    assert fields == ["prompt_ids" if p == "prompt" else p for p in params]
-
-
 def test_queued_commands_apply_in_order(tiny_model):
     """Nothing steps here: the engine-core thread is never started, so the
     queue is applied by hand, as that thread would between two steps."""
     aeng = AsyncEngine(LLMEngine(EngineArgs(model=tiny_model, num_kv_blocks=16)))
     ids = aeng.engine.tokenize("Hello there")
-    aeng._submit(AddRequest("a", ids, SamplingParams(max_tokens=4)))
-    aeng._submit(AddRequest("b", ids, SamplingParams(max_tokens=4), priority=1, num_resumed_tokens=2))
+    aeng._submit(AddRequest(GenerateRequest("a", ids, SamplingParams(max_tokens=4))))
+    aeng._submit(AddRequest(GenerateRequest("b", ids, SamplingParams(max_tokens=4), priority=1, num_resumed_tokens=2)))
     assert aeng.num_waiting == 2  # queued adds count before they reach the scheduler
     aeng._submit(AbortRequest("a"))
-    aeng._submit(AddRequest("b", ids, SamplingParams()))  # a second "b": fails alone
+    aeng._submit(AddRequest(GenerateRequest("b", ids, SamplingParams())))  # a second "b": fails alone
     aeng._submit(AbortRequest("never-added"))  # nothing to stop, nothing delivered
     delivered = aeng._apply_pending()
     assert not aeng._pending

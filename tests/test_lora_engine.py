@@ -19,6 +19,7 @@ from test_lora_adapter import make_adapter
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.lora import LoRARequest
+from shoal.workers.messages import GenerateRequest
 
 peft = pytest.importorskip("peft")
 RANKS = {"alpha": 4, "beta": 8, "gamma": 16}
@@ -136,7 +137,7 @@ def test_bad_lora_settings_are_refused_at_start(tiny_model, args, match):
 
 
 def test_the_async_engine_streams_an_adapter_as_the_offline_front_runs_it(tiny_model, adapters):
-    """AsyncEngine.generate(..., lora_request=...) through the engine-core thread."""
+    """AsyncEngine.add_lora, then generate(request) naming it, through the engine-core thread."""
     import asyncio
 
     from shoal.workers import AsyncEngine
@@ -148,11 +149,16 @@ def test_the_async_engine_streams_an_adapter_as_the_offline_front_runs_it(tiny_m
     async def main():
         engine = AsyncEngine.from_engine_args(model=tiny_model, dtype="float32", enable_lora=True)
         try:
-            tokens = []
-            async for delta in engine.generate("r", prompt, GREEDY, lora_request=adapters["gamma"]):
+            tokens, ids = [], engine.engine.tokenize(prompt)
+            await engine.add_lora(adapters["gamma"])
+            async for delta in engine.generate(
+                GenerateRequest("r", ids, GREEDY, lora_name=adapters["gamma"].lora_name)
+            ):
                 tokens += delta.new_token_ids
             with pytest.raises(InvalidRequestError, match="cannot be loaded from this lora_path"):
-                async for _ in engine.generate("bad", prompt, GREEDY, lora_request=LoRARequest("x", 7, "/nonexistent")):
+                await engine.add_lora(LoRARequest("x", 7, "/nonexistent"))
+            with pytest.raises(InvalidRequestError, match="'x' is not loaded"):
+                async for _ in engine.generate(GenerateRequest("bad", ids, GREEDY, lora_name="x")):
                     pass
             return tokens
         finally:
@@ -224,7 +230,11 @@ def test_bfloat16_slots_compute_the_rounded_adapters_in_float32(tiny_model, adap
 def _run(engine, reqs) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Add (request id, prompt, lora) all at once, step to the end: tokens and errors by request id."""
     for rid, prompt, lora in reqs:
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora_request=lora)
+        if lora is not None:
+            engine.register_lora(lora)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        name = None if lora is None else lora.lora_name
+        engine.add_request(GenerateRequest(rid, engine.tokenize(prompt), params, lora_name=name))
     got = {rid: [] for rid, _, _ in reqs}
     errors = {}
     while engine.has_unfinished_requests():

@@ -57,7 +57,7 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
 def _alone(model: str, seed: int) -> list[int]:
     """The run of one seed by itself, in an engine with no prefix cache."""
     engine = _engine(model, enable_prefix_caching=False)
-    engine.add_request("alone", PROMPT_IDS, dataclasses.replace(SAMPLED, seed=seed))
+    engine.add_request(GenerateRequest("alone", PROMPT_IDS, dataclasses.replace(SAMPLED, seed=seed)))
     return _drain(engine)["alone"]
 
 
@@ -68,7 +68,7 @@ def test_n4_prefills_once_shares_the_prompt_blocks_and_each_child_is_its_seed_al
         steps = _record_steps(engine)
         for k in range(4):
             params = dataclasses.replace(SAMPLED, seed=SAMPLED.seed + k)
-            engine.add_request(f"r-{k}", PROMPT_IDS, params, parent_request_id="r-0")
+            engine.add_request(GenerateRequest(f"r-{k}", PROMPT_IDS, params, parent_request_id="r-0"))
         made = engine.step()
         # One prefill: each sibling computes only the tokens past the two full blocks it takes from
         # the first, in the same step (which writes them before any attention reads them).
@@ -96,7 +96,9 @@ def test_siblings_go_on_alone_when_the_leader_ends_before_its_prompt_is_computed
     steps = _record_steps(engine)
     for k in range(3):
         engine.add_request(
-            f"r-{k}", PROMPT_IDS, dataclasses.replace(SAMPLED, seed=SAMPLED.seed + k), parent_request_id="g"
+            GenerateRequest(
+                f"r-{k}", PROMPT_IDS, dataclasses.replace(SAMPLED, seed=SAMPLED.seed + k), parent_request_id="g"
+            )
         )
     assert engine.step() == []  # a prefill chunk: no token yet
     assert steps[0] == [("r-0", 16)]
@@ -173,9 +175,10 @@ def test_the_request_router_sends_a_group_where_its_first_member_went():
         return GenerateRequest(rid, [1, 2, 3], SamplingParams(), parent_request_id="x-0")
 
     figs = lambda: [stats.get(n) for n in names]  # noqa: E731
-    firsts = [policies.route(stats, "round-robin", req(f"x-{k}"), names, figs(), turn=k + 1)[0] for k in range(3)]
+    rr = policies.get_policy("round-robin")
+    firsts = [policies.route(stats, rr, req(f"x-{k}"), names, figs(), turn=k + 1)[0] for k in range(3)]
     assert firsts == [1, 1, 1]  # round-robin would have said 1, 2, 0
-    other = policies.route(stats, "round-robin", GenerateRequest("y", [1], SamplingParams()), names, figs(), turn=2)
+    other = policies.route(stats, rr, GenerateRequest("y", [1], SamplingParams()), names, figs(), turn=2)
     assert other[0] == 2
     for k in range(3):
         stats.done(f"x-{k}")
@@ -202,7 +205,7 @@ def test_n_choices_whole_and_streamed_equal_their_seeds_alone_with_the_prompt_co
 
     async def main():
         fe = make_frontend(tiny_model, num_workers=2, num_threads=1)
-        fe.pool.policy = "round-robin"  # would spread the siblings, but for the group's pin
+        fe.pool.policy = policies.get_policy("round-robin")  # would spread the siblings, but for the group's pin
         for i, w in enumerate(fe.pool.workers):
             w.generate = _recording(w.generate, i, went)
         async with http_client(fe) as c:
@@ -305,9 +308,9 @@ def test_the_engine_refuses_a_group_larger_than_max_n(tiny_model):
     """The router bounds n by --max-n; the engine bounds a group by it too, whoever sends it."""
     engine = _engine(tiny_model, max_n=3)
     for k in range(3):
-        engine.add_request(f"r-{k}", PROMPT_IDS, SAMPLED, parent_request_id="g")
+        engine.add_request(GenerateRequest(f"r-{k}", PROMPT_IDS, SAMPLED, parent_request_id="g"))
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request("r-3", PROMPT_IDS, SAMPLED, parent_request_id="g")
+        engine.add_request(GenerateRequest("r-3", PROMPT_IDS, SAMPLED, parent_request_id="g"))
     assert e.value.field == "n" and "r-3" not in engine.requests
-    engine.add_request("other", PROMPT_IDS, SAMPLED, parent_request_id="h")  # another group is its own
+    engine.add_request(GenerateRequest("other", PROMPT_IDS, SAMPLED, parent_request_id="h"))  # another group is its own
     assert set(_drain(engine)) == {"r-0", "r-1", "r-2", "other"}

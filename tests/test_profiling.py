@@ -6,12 +6,15 @@ from __future__ import annotations
 import torch
 
 from shoal.workers import LLMEngine, SamplingParams, profiling
+from shoal.workers.messages import GenerateRequest
 
 ENGINE_RANGES = {"schedule", "execute_model", "update_from_output", "detokenize", "prepare_inputs", "forward", "sample"}
 
 
 def _run(engine: LLMEngine, rid: str) -> None:
-    engine.add_request(rid, [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest(rid, [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    )
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -16,6 +16,7 @@ from tiny_models import TINY_VOCAB, _train_tokenizer
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.model_runner import ModelRunner
 from shoal.workers.model_executor.simulated_runner import (
     DEFAULT_COST_MODEL,
@@ -67,7 +68,7 @@ def make_engine(sim_model: str, cost: str, **kw) -> LLMEngine:
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int] | str, SamplingParams]]) -> dict[str, list[int]]:
     for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
+        engine.add_request(GenerateRequest(rid, engine.tokenize(prompt), params))
     tokens: dict[str, list[int]] = {rid: [] for rid in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -99,7 +100,9 @@ def test_reads_no_weights_keeps_the_tokenizer_and_sizes_the_cache_as_asked(sim_m
         make_engine(sim_model, fast_cost, tensor_parallel_size=2)
 
     # Text in, text out; eos is never a stand-in token, so every request runs to max_tokens.
-    eng.add_request("t", "The quick brown fox", SamplingParams(max_tokens=20, logprobs=2))
+    eng.add_request(
+        GenerateRequest("t", eng.tokenize("The quick brown fox"), SamplingParams(max_tokens=20, logprobs=2))
+    )
     text, deltas = "", []
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -147,11 +150,11 @@ def test_the_real_scheduler_preempts_when_the_cache_is_small(sim_model, fast_cos
 def test_shared_prompts_hit_the_prefix_cache(sim_model, fast_cost):
     eng = make_engine(sim_model, fast_cost)
     shared = prompts(1, 64, seed=2)[0]
-    eng.add_request("first", shared + [7], SamplingParams(max_tokens=4))
+    eng.add_request(GenerateRequest("first", shared + [7], SamplingParams(max_tokens=4)))
     eng.step()  # its prefill registers the shared blocks
     outs = []
     for i in range(3):
-        eng.add_request(f"later{i}", shared + [8 + i], SamplingParams(max_tokens=4))
+        eng.add_request(GenerateRequest(f"later{i}", shared + [8 + i], SamplingParams(max_tokens=4)))
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     cached = {o.request_id: o.num_cached_tokens for o in outs}
@@ -241,7 +244,9 @@ def test_32_simulated_engines_share_one_process(sim_model, tmp_path):
 
     async def one(eng: AsyncEngine, i: int) -> int:
         n = 0
-        async for out in eng.generate(f"r{i}", ps[i % 8], SamplingParams(max_tokens=32, seed=i)):
+        async for out in eng.generate(
+            GenerateRequest(f"r{i}", eng.engine.tokenize(ps[i % 8]), SamplingParams(max_tokens=32, seed=i))
+        ):
             n += len(out.new_token_ids)
         return n
 

@@ -156,7 +156,9 @@ def test_resumed_tokens_the_grammar_refuses_are_a_clear_error(tiny_model, llm):
     eng = llm.engine
     ids = eng.tokenize(SHORT_PROMPTS[0]) + eng.tokenize("hello")  # "hello" is no start of a JSON object
     with pytest.raises(InvalidRequestError) as e:
-        eng.add_request("bad-resume", ids, guided(SO(json=PERSON)), num_resumed_tokens=len(eng.tokenize("hello")))
+        eng.add_request(
+            GenerateRequest("bad-resume", ids, guided(SO(json=PERSON)), num_resumed_tokens=len(eng.tokenize("hello")))
+        )
     assert e.value.field == "structured_outputs" and "bad-resume" not in eng.requests
 
 
@@ -222,11 +224,18 @@ def test_a_slow_compile_is_refused_and_holds_no_one_else(tiny_model):
         try:
 
             async def slow():
-                async for _ in aeng.generate("slow", SHORT_PROMPTS[0], guided(SO(regex="z+"))):
+                async for _ in aeng.generate(
+                    GenerateRequest("slow", aeng.engine.tokenize(SHORT_PROMPTS[0]), guided(SO(regex="z+")))
+                ):
                     pass
 
             async def other():
-                return [d async for d in aeng.generate("free", SHORT_PROMPTS[1], SamplingParams(max_tokens=4))]
+                return [
+                    d
+                    async for d in aeng.generate(
+                        GenerateRequest("free", aeng.engine.tokenize(SHORT_PROMPTS[1]), SamplingParams(max_tokens=4))
+                    )
+                ]
 
             slow_result, free = await asyncio.gather(slow(), other(), return_exceptions=True)
             release.set()
@@ -270,5 +279,5 @@ def test_the_engine_bounds_and_checks_a_spec_however_it_was_built(llm):
         params = SamplingParams(max_tokens=4)
         params.structured_outputs = so  # past SamplingParams' own check, as an unpickled one would be
         with pytest.raises(InvalidRequestError) as e:
-            eng.add_request(f"tampered-{bad[0]}", eng.tokenize(SHORT_PROMPTS[0]), params)
+            eng.add_request(GenerateRequest(f"tampered-{bad[0]}", eng.tokenize(eng.tokenize(SHORT_PROMPTS[0])), params))
         assert e.value.field == "response_format" and f"tampered-{bad[0]}" not in eng.requests

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from shoal.workers import LLMEngine, SamplingParams
-from shoal.workers.messages import RequestFinished
+from shoal.workers.messages import GenerateRequest, RequestFinished
 from shoal.workers.tracing import finish_worker_span
 
 
@@ -41,9 +41,11 @@ def test_preempted_and_resumed_times_become_the_worker_spans_events(tiny_model):
     rng.shuffle(lengths)
     for i, n in enumerate(lengths):
         eng.add_request(
-            f"r{i}",
-            [rng.randrange(eng.model_config.vocab_size) for _ in range(n)],
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            GenerateRequest(
+                f"r{i}",
+                [rng.randrange(eng.model_config.vocab_size) for _ in range(n)],
+                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            )
         )
     last = {}
     while eng.has_unfinished_requests():

@@ -4,21 +4,19 @@ each request's deltas to its asyncio consumer."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 
-from shoal.workers.core.block_hash import check_cache_salt
 from shoal.workers.core.outputs import RequestOutput
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
-from shoal.workers.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestMoved
+from shoal.workers.errors import EngineDeadError, RequestFailedError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine, PendingOutput
+from shoal.workers.messages import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +54,6 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ids = itertools.count()
         self._error: BaseException | None = None
         # When the loop last made progress (ran a step, or had nothing to
         # do); written by the engine-core thread, read by the watchdog.
@@ -160,64 +157,27 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str | None,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        num_resumed_tokens: int = 0,
-        num_resumed_chars: int = 0,
-        block_hashes: list[bytes] | None = None,
-        parent_request_id: str | None = None,
-        lora_request=None,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's deltas; the last has finish_reason set.
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream one request's deltas; the last has finish_reason set. The
+        request goes on whole (LLMEngine.add_request), its prompt tokenized.
         Bad input raises InvalidRequestError before anything is queued; a
-        dead engine raises EngineDeadError (before or amid the deltas).
-        num_resumed_*: a failover's reply so far; block_hashes: the router's
-        prefix-cache keys of the prompt; parent_request_id: its parallel-sampling
-        group; lora_request: its LoRA adapter; cache_salt: its prefix-cache
-        salt (LLMEngine.add_request)."""
+        dead engine raises EngineDeadError (before or amid the deltas). Its
+        adapter (lora_name) is registered already: add_lora, or the worker's."""
         if self._error is not None:
             raise EngineDeadError(f"the engine is dead: {self._error}") from self._error
-        request_id = request_id or f"req-{next(self._ids)}"
-        if not isinstance(request_id, str):
-            raise InvalidRequestError("request_id must be a string", field="request_id")
-        params = params or SamplingParams()
-        if request_id in self._queues or request_id in self.engine.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
-        prompt_ids = self.engine.tokenize(prompt)
-        self.engine.validate(prompt_ids, params, num_resumed_tokens)
-        check_cache_salt(cache_salt)
+        lora = self.engine.check_request(request, in_flight=self._queues)
+        request_id, params = request.request_id, request.params
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
         try:
             self._queues[request_id] = queue  # inside the try: every way out removes it
-            if lora_request is not None:  # in use from here: an unload is refused (remove_named_lora)
-                self._lora_of[request_id] = getattr(lora_request, "lora_int_id", None)
-                # its files read and checked before it is queued, off the event loop
-                await asyncio.to_thread(self.engine.register_lora, lora_request)
+            if lora is not None:  # in use from here: an unload is refused (remove_named_lora)
+                self._lora_of[request_id] = lora.lora_int_id
             grammar = None
             if params.structured_outputs is not None:  # compiled on the grammar threads, never in a step
                 grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
             self._ensure_loop()
-            self._submit(
-                AddRequest(
-                    request_id,
-                    prompt_ids,
-                    params,
-                    priority,
-                    num_resumed_tokens,
-                    num_resumed_chars,
-                    block_hashes,
-                    grammar,
-                    parent_request_id,
-                    lora_request,
-                    cache_salt,
-                )
-            )
+            self._submit(AddRequest(request, grammar))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -241,6 +201,10 @@ class AsyncEngine:
             self._lora_of.pop(request_id, None)
 
     # ---- LoRA adapters served by name (the worker's runtime loads) ---------------
+
+    async def add_lora(self, lora_request) -> None:
+        """LLMEngine.register_lora, its files read and checked off the event loop."""
+        await asyncio.to_thread(self.engine.register_lora, lora_request)
 
     async def add_named_lora(self, request, root: str | None = None) -> None:
         """LLMEngine.add_named_lora, its files read off the event loop."""
@@ -303,21 +267,9 @@ class AsyncEngine:
                 self._unstall.wait(cmd.seconds)
             elif isinstance(cmd, AddRequest):
                 try:
-                    self.engine.add_request(
-                        cmd.request_id,
-                        cmd.prompt_ids,
-                        cmd.params,
-                        cmd.priority,
-                        num_resumed_tokens=cmd.num_resumed_tokens,
-                        num_resumed_chars=cmd.num_resumed_chars,
-                        block_hashes=cmd.block_hashes,
-                        grammar=cmd.grammar,
-                        parent_request_id=cmd.parent_request_id,
-                        lora_request=cmd.lora_request,
-                        cache_salt=cmd.cache_salt,
-                    )
+                    self.engine.add_request(cmd.request, cmd.grammar)
                 except Exception as e:  # validated already; never let one request stop the loop
-                    delivered.append((cmd.request_id, e))
+                    delivered.append((cmd.request.request_id, e))
             else:
                 out = self.engine.abort_request(cmd.request_id)
                 if out is not None:

@@ -9,6 +9,7 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.llm_engine import LLMEngine
 from shoal.workers.lora.request import LoRARequest
+from shoal.workers.messages import GenerateRequest
 
 
 class LLM:
@@ -63,7 +64,8 @@ class LLM:
         outputs: dict[str, CompletionOutput] = {}
         for ids, sp, lora in zip(encoded, params, loras):
             rid = f"llm-{next(self._ids)}"
-            engine.add_request(rid, ids, sp, lora_request=lora)
+            lora_name = None if lora is None else lora.lora_name
+            engine.add_request(GenerateRequest(rid, ids, sp, lora_name=lora_name))
             outputs[rid] = CompletionOutput(rid, ids)
         while any(o.finish_reason is None for o in outputs.values()):
             for delta in engine.step():

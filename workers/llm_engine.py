@@ -12,24 +12,27 @@ import logging
 import os
 import random
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
 
+from shoal.proto.logprobs import TokenLogprob
 from shoal.workers.core.block_hash import adopt_chain, check_cache_salt, lora_extra
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.lora_slots import LoRASlotTable
-from shoal.workers.core.outputs import RequestOutput, TokenLogprob
-from shoal.workers.core.request_checks import RequestLimits, check_request
+from shoal.workers.core.outputs import RequestOutput
+from shoal.workers.core.request_checks import RequestLimits, check_request, check_request_id
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from shoal.workers.core.sequence import RequestTimings, Sequence, SequenceStatus
+from shoal.workers.core.sequence import Sequence, SequenceStatus
 from shoal.workers.core.stats import EngineStats
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.errors import EngineFaultError, InvalidRequestError, LoRAAdapterError
 from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
 from shoal.workers.lora.peft_adapter import read_lora_adapter
 from shoal.workers.lora.request import LoRARequest
+from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
@@ -208,23 +211,48 @@ class LLMEngine:
             field = params.structured_outputs.field
             raise InvalidRequestError("structured output needs a tokenizer; this model has none", field=field)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        num_resumed_tokens: int = 0,
-        num_resumed_chars: int = 0,
-        block_hashes: list[bytes] | None = None,
-        grammar=None,
-        parent_request_id: str | None = None,
-        lora_request: LoRARequest | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue a request; raises InvalidRequestError (a ValueError) at once
-        for bad input, leaving everything else untouched.
+    def check_request(self, request: GenerateRequest, in_flight: Container[str] = ()) -> LoRARequest | None:
+        """Every check of a new request, in one place; raises
+        InvalidRequestError naming the field, changing nothing. in_flight:
+        ids taken beyond this engine's own (AsyncEngine's queued ones).
+        Returns the adapter its lora_name names (registered already)."""
+        rid = request.request_id
+        check_request_id(rid, in_flight)
+        check_request_id(rid, self.requests)
+        priority = request.priority
+        if type(priority) is not int or not -(2**31) <= priority < 2**31:
+            raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
+        if not isinstance(request.prompt_token_ids, (list, tuple)):
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids", field="prompt")
+        self.validate(request.prompt_token_ids, request.params, request.num_resumed_tokens)
+        check_cache_salt(request.cache_salt)
+        parent = request.parent_request_id
+        if parent is not None:
+            if not isinstance(parent, str):
+                raise InvalidRequestError("parent_request_id must be a string", field="parent_request_id")
+            if len(self.scheduler.groups.get(parent, ())) >= self.limits.max_n:
+                raise InvalidRequestError(
+                    f"parallel-sampling group {parent[:64]!r} already has {self.limits.max_n} samples "
+                    "in flight (--max-n)",
+                    field="n",
+                )
+        return None if request.lora_name is None else self.lora_for(request.lora_name)
+
+    def lora_for(self, name: object) -> LoRARequest:
+        """The registered adapter called `name` (served by name, or registered by LLM.generate)."""
+        if not isinstance(name, str):
+            raise InvalidRequestError("lora_name must be a string", field="model")
+        found = self.lora_by_name.get(name) or next(
+            (r for r in self.lora_requests.values() if r.lora_name == name), None
+        )
+        if found is None:
+            raise InvalidRequestError(f"LoRA adapter {name[:64]!r} is not loaded", field="model")
+        return found
+
+    def add_request(self, request: GenerateRequest, grammar=None) -> None:
+        """Queue a request, whole (proto.messages.GenerateRequest, its prompt
+        tokenized); raises InvalidRequestError (a ValueError) at once for bad
+        input, leaving everything else untouched.
 
         A failover resumes a reply made elsewhere: the prompt's last
         num_resumed_tokens ids are that reply so far, of whose text
@@ -238,61 +266,33 @@ class LLMEngine:
         compiles off this thread); else it is compiled here (or found in
         the cache). parent_request_id: the request's parallel-sampling group
         (n > 1), whose members share one prefill of the prompt (Scheduler).
-        lora_request: the adapter it runs under (--enable-lora), checked
-        and registered the first time its id is seen. cache_salt: salts the
-        prompt's prefix-cache keys (block_hash.root_key): it shares blocks
-        only with requests of the same salt; the router's block_hashes must
-        be salted by it too (they are: the router hashes with it)."""
-        params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
-        if type(priority) is not int or not -(2**31) <= priority < 2**31:
-            raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}", field="priority")
-        prompt_ids = self.tokenize(prompt)
-        self.validate(prompt_ids, params, num_resumed_tokens)
-        check_cache_salt(cache_salt)
+        lora_name: the adapter it runs under, registered already
+        (register_lora, add_named_lora). cache_salt: salts the prompt's
+        prefix-cache keys (block_hash.root_key): it shares blocks only with
+        requests of the same salt; the router's block_hashes must be salted
+        by it too (they are: the router hashes with it)."""
+        lora_request = self.check_request(request)
         if lora_request is not None:
-            self.register_lora(lora_request)
-        num_prompt = len(prompt_ids) - num_resumed_tokens
+            self.register_lora(lora_request)  # read again (and checked) if evicted from host memory since
+        seq = Sequence.from_request(request, next(self._arrivals))
+        params, prompt_ids, num_prompt = seq.params, seq.token_ids, seq.num_prompt_tokens
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids[:num_prompt], params.stop, params.skip_special_tokens
             )
-            if num_resumed_tokens:
-                detok.resume(prompt_ids[num_prompt:], num_resumed_chars)
-        seq = Sequence(
-            request_id,
-            list(prompt_ids),
-            num_prompt,
-            params,
-            next(self._arrivals),
-            priority,
-            RequestTimings(arrival_time or time.time()),
-        )
-        seq.cache_salt = cache_salt
-        if parent_request_id is not None:
-            if not isinstance(parent_request_id, str):
-                raise InvalidRequestError("parent_request_id must be a string", field="parent_request_id")
-            if len(self.scheduler.groups.get(parent_request_id, ())) >= self.limits.max_n:
-                raise InvalidRequestError(
-                    f"parallel-sampling group {parent_request_id[:64]!r} already has {self.limits.max_n} samples "
-                    "in flight (--max-n)",
-                    field="n",
-                )
-            seq.parent_request_id = parent_request_id
+            if request.num_resumed_tokens:
+                detok.resume(prompt_ids[num_prompt:], request.num_resumed_chars)
         if lora_request is not None:
             seq.lora_request = lora_request
             # Its blocks hold the adapter's keys and values: a prefix cached under another never serves it.
             seq.block_hash_extra = lora_extra(lora_request.lora_int_id)
-        elif block_hashes:  # the router's keys carry no adapter: a LoRA request's prompt is hashed here
-            seq.block_hashes = adopt_chain(block_hashes, num_prompt, self.block_manager.block_size)
+        elif request.block_hashes:  # the router's keys carry no adapter: a LoRA request's prompt is hashed here
+            seq.block_hashes = adopt_chain(request.block_hashes, num_prompt, self.block_manager.block_size)
         if params.structured_outputs is not None:
             sor = self.structured_output.new_request(params.structured_outputs, grammar)
             # A failover's reply so far goes through a new matcher, which then stands where the lost one did.
-            if num_resumed_tokens and not sor.grammar.accept_tokens(prompt_ids[num_prompt:]):
+            if request.num_resumed_tokens and not sor.grammar.accept_tokens(prompt_ids[num_prompt:]):
                 raise InvalidRequestError(
                     "the resumed output does not match the structured output's grammar",
                     field=params.structured_outputs.field,
@@ -300,7 +300,7 @@ class LLMEngine:
             seq.structured_output_request = sor
         if not params.greedy:
             seq.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self.requests[request_id] = _Request(seq, detok)
+        self.requests[request.request_id] = _Request(seq, detok)
         self.scheduler.add(seq)
         self.num_prompt_tokens += num_prompt
 

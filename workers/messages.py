@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from shoal.workers.core.outputs import TokenLogprob
+from shoal.proto.logprobs import TokenLogprob
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.stats import EngineStats
 

@@ -156,18 +156,7 @@ class Worker:
         try:
             if box is not None:
                 yield Riding(self.name)
-            stream = self.engine.generate(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                request.priority,
-                request.num_resumed_tokens,
-                request.num_resumed_chars,
-                request.block_hashes,
-                request.parent_request_id,
-                lora,
-                cache_salt=request.cache_salt,
-            )
+            stream = self.engine.generate(request)  # on whole: the engine reads what it needs
             async with aclosing(stream):
                 async for out in stream:
                     delta = self._delta(out)

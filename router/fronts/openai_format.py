@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from shoal.proto.logprobs import TokenLogprob
 from shoal.router.fronts.frontend import Frontend
-from shoal.workers.core.outputs import TokenLogprob
 from shoal.workers.messages import GenerateDelta, RequestFinished
 
 

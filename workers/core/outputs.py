@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.proto.logprobs import TokenLogprob
 from shoal.workers.core.sequence import RequestTimings, Sequence
 
 
@@ -18,13 +19,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # per row: None, or (sampled token's logprob, {token_id: logprob} of the top n)
     logprobs: list[tuple[float, dict[int, float]] | None]
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float]
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ processes import it (numpy is fine there)."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,14 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.errors import InvalidRequestError
 
 MAX_STOP_STRING_CHARS = 1024
+
+
+def check_request_id(request_id: object, in_use: Container[str]) -> None:
+    """A request id is a non-empty string no request in flight has."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
+    if request_id in in_use:
+        raise InvalidRequestError(f"request_id {request_id[:64]!r} is already in use", field="request_id")
 
 
 @dataclass(slots=True, frozen=True)

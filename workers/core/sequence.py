@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shoal.workers.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.workers.messages import GenerateRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -71,6 +76,26 @@ class Sequence:
     # scheduler's table gave it while it holds one (from admission until it finishes or is preempted).
     lora_request: object | None = None
     lora_slot: int | None = None
+    # The request as it came, whole: a field the router adds reaches the scheduler here, unspelled.
+    request: GenerateRequest | None = None
+
+    @classmethod
+    def from_request(cls, request: GenerateRequest, arrival_order: int) -> Sequence:
+        """The sequence of a checked request (LLMEngine.add_request). A
+        failover's last num_resumed_tokens prompt ids are output already."""
+        ids = request.prompt_token_ids
+        return cls(
+            request.request_id,
+            list(ids),
+            len(ids) - request.num_resumed_tokens,
+            request.params,
+            arrival_order,
+            request.priority,
+            RequestTimings(time.time()),
+            cache_salt=request.cache_salt,
+            parent_request_id=request.parent_request_id,
+            request=request,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.svg_plot import cdf_plot
+from shoal.router.routing.policies import POLICY_NAMES as POLICIES
 from shoal.workers.engine_args import EngineArgs
 
-POLICIES = ("kv", "least-requests", "pow2", "round-robin")
 APP = "shoal-bench-routing"
 SIM_CPUS_PER_WORKER = 0.05  # Ray CPUs a simulated worker asks for: it sleeps through its steps
 KV_SAMPLE_S = 0.5

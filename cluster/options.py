@@ -12,11 +12,10 @@ from shoal.router.fronts.cache_isolation import CACHE_ISOLATION_MODES
 from shoal.router.fronts.tls import check_tls_options
 from shoal.router.fronts.tool_parsers import TOOL_PARSERS
 from shoal.router.options import RouterOptions
+from shoal.router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, get_policy, routing_help
 from shoal.workers.engine_args import EngineArgs, add_dataclass_args, cli_field, dataclass_from_cli_args
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
-# --routing: the Worker deployment's request router (router/routing/request_router.py).
-ROUTING_POLICIES = ("kv", "least-requests", "pow2", "round-robin")
 # The Helm chart sets it on every pod; read once here, the option is what the code reads.
 _ENV_KUBERAY = os.environ.get("SHOAL_KUBERAY") == "1"
 
@@ -139,12 +138,8 @@ class ServeOptions:
         "work fails its health check and its requests move on; 0 = never",
         aliases=("--stall-timeout",),
     )
-    routing: str = cli_field(
-        "kv",
-        "how the router picks a worker: kv = free KV blocks, prefix-cache affinity and "
-        "queue depth; least-requests; pow2 = Serve's power of two choices; round-robin",
-        choices=ROUTING_POLICIES,
-    )
+    # The Worker deployment's request router (router/routing/request_router.py); the policies: router/routing/policies/.
+    routing: str = cli_field(DEFAULT_POLICY, routing_help(), choices=POLICY_NAMES)
     # Autoscaling on queue depth (cluster/autoscaling.py): on with max_workers.
     min_workers: int | None = cli_field(None, "autoscaling: the fewest workers (default 1); needs --max-workers")
     max_workers: int | None = cli_field(
@@ -226,8 +221,7 @@ class ServeOptions:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a port number")
         self._validate_autoscaling()
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
+        get_policy(self.routing)  # an unknown name: a ValueError naming the known ones
         if self.allow_runtime_lora_updating and not self.engine.enable_lora:
             raise ValueError("allow_runtime_lora_updating needs enable_lora")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:

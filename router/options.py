@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from shoal.router.routing.policies.registry import DEFAULT_POLICY
+
 # Where a router replica finds the API key: its own environment (a Kubernetes
 # Secret, or what `shoal serve` hands the local Ray cluster it starts), never
 # its init args, which Serve pickles into the cluster's state.
@@ -23,7 +25,7 @@ class RouterOptions:
     max_request_bytes: int
     drain_timeout_s: float
     max_retries: int = 3  # re-sends of one request after its worker is lost (routing/failover.py)
-    routing: str = "kv"  # the workers' routing policy, shown on the status page
+    routing: str = DEFAULT_POLICY  # the workers' routing policy (routing/policies/), shown on the status page
     max_prompts: int = 64  # prompts in one completions request
     max_concurrent_requests: int = 1024  # sequences served at once (router/fronts/admission.py), and requests
     max_tokens_per_request: int | None = None  # prompt + max_tokens over a request's sequences; None: the context

@@ -119,7 +119,7 @@ def test_the_request_router_removes_the_series_of_replicas_that_left(monkeypatch
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
     from ray.serve.request_router import RequestRouter
 
-    from shoal.router.routing.request_router import ROUTERS
+    from shoal.router.routing.request_router import router_class
 
     for base in (RequestRouter, PowerOfTwoChoicesRequestRouter):  # Serve's own bookkeeping is not under test
         monkeypatch.setattr(base, "update_replicas", lambda self, replicas: None)
@@ -130,7 +130,7 @@ def test_the_request_router_removes_the_series_of_replicas_that_left(monkeypatch
     for w in ("w-a", "w-b", "w-c"):
         stats.observe_load(w, 10, 10, 0, 0)  # as the deltas' loads make them known
         m.finished(_finished(w), [0.01])
-    cls = ROUTERS[policy]
+    cls = router_class(policy)
     router = cls.__new__(cls)  # as Serve calls it, without its state
 
     def replica(name):

@@ -1,4 +1,4 @@
-"""Routing on LoRA residency (router/routing/policies.py): the kv policy
+"""Routing on LoRA residency (router/routing/policies/lora.py): the kv policy
 ranks a replica holding the request's adapter above one that must load it,
 by a cost like a prefix miss; a replica that does not serve the adapter
 comes last under every policy; the other policies are otherwise blind to
@@ -41,7 +41,7 @@ def request(lora: str | None, n: int = 64, seed: int = 0) -> GenerateRequest:
 
 
 def order(policy: str, req, figs) -> list[int]:
-    return policies.choose(policy, req, figs, BS)[0]
+    return policies.get_policy(policy).choose(req, figs, BS).order
 
 
 def test_kv_prefers_the_replica_holding_the_adapter_device_over_host_over_disk():
@@ -101,7 +101,7 @@ def test_least_requests_and_round_robin_are_otherwise_adapter_blind():
     req = request("a")
     figs = [fig({"a": LORA_ON_DEVICE}, running=3), fig({"a": LORA_ON_DISK})]
     assert order("least-requests", req, figs)[0] == 1
-    assert [policies.choose("round-robin", req, figs, BS, turn)[0][0] for turn in (0, 1)] == [0, 1]
+    assert [policies.get_policy("round-robin").choose(req, figs, BS, turn).order[0] for turn in (0, 1)] == [0, 1]
 
 
 def test_registry_takes_reported_loras_and_assumes_a_sent_adapter_until_a_later_report():
@@ -116,7 +116,7 @@ def test_registry_takes_reported_loras_and_assumes_a_sent_adapter_until_a_later_
     assert policies.lora_cost(f, "a") == policies.LORA_DISK_TOKENS + policies.LORA_HELD_TOKENS
     assert policies.lora_cost(f, "zzz") >= policies.DOES_NOT_FIT
     req = request("a")
-    policies.route(stats, "kv", req, ["w0"], [f])
+    policies.route(stats, policies.get_policy("kv"), req, ["w0"], [f])
     assert f.lora_sent.keys() == {"a"} and policies.lora_cost(f, "a") == 0.0
     sent_at = f.lora_sent["a"]
     # A report from before the send leaves the assumption; one taken GRACE_S after it ends it.

@@ -1,4 +1,4 @@
-"""The request router's scoring (router/routing/policies.py) over hand-made replica
+"""The request router's scoring (router/routing/policies/) over hand-made replica
 figures, its registry (router/routing/replica_stats.py), the worker's exports it
 feeds on, and (slow tier) prefix affinity in a served cluster."""
 
@@ -21,6 +21,7 @@ from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.messages import GenerateRequest, WorkerLoad
 
 BS = 16
+KV = routing.get_policy("kv")
 
 
 def fig(free=200, total=200, running=0, waiting=0, held=(), waiting_tokens=0) -> ReplicaFigures:
@@ -39,7 +40,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def first(figs, req) -> int:
-    return routing.choose("kv", req, figs, BS)[0][0]
+    return KV.choose(req, figs, BS).order[0]
 
 
 # ---- scoring -------------------------------------------------------------------
@@ -64,7 +65,7 @@ def test_a_prefix_holder_wins_when_blocks_allow_and_loses_when_it_cannot_fit():
     holder = chain_hashes(ids, BS)[:30]
     # The holder is busier and fuller, yet 30 blocks of prefill saved outweigh that.
     figs = [fig(free=150, running=2), fig(free=100, running=3, held=holder)]
-    order, blocks, tokens = routing.choose("kv", req, figs, BS)
+    order, blocks, tokens = KV.choose(req, figs, BS)
     assert order == [1, 0] and blocks == 56 - 30 and tokens == 640 - 30 * BS
     # With 20 free blocks it cannot take the 26 the request still needs: the other one wins.
     assert first([fig(free=150, running=2), fig(free=20, held=holder)], req) == 0
@@ -93,7 +94,7 @@ def test_a_deep_queue_outweighs_a_prefix_hit():
 def burst(stats: ReplicaStats, names: list[str], reqs: list[GenerateRequest], reserve: bool = True) -> list[str]:
     out = []
     for req in reqs:
-        order, blocks, tokens = routing.choose("kv", req, [stats.get(n) for n in names], BS)
+        order, blocks, tokens = KV.choose(req, [stats.get(n) for n in names], BS)
         out.append(names[order[0]])
         if reserve:
             stats.reserve(req.request_id, out[-1], blocks, req.block_hashes, tokens=tokens)
@@ -179,7 +180,8 @@ def test_a_poll_brings_hashes_and_assumed_ones_last_until_a_later_poll():
 def test_round_robin_and_least_requests():
     assert routing.round_robin_rank(3, 0) == [0, 1, 2]
     assert routing.round_robin_rank(3, 4) == [1, 2, 0]
-    assert [routing.choose("round-robin", None, [fig()] * 3, BS, t)[0][0] for t in range(4)] == [0, 1, 2, 0]
+    rr = routing.get_policy("round-robin")
+    assert [rr.choose(None, [fig()] * 3, BS, t).order[0] for t in range(4)] == [0, 1, 2, 0]
     stats = _stats_with({"a": fig(running=2), "b": fig(running=1, waiting=1), "c": fig(running=1)})
     figs = [stats.get(n) for n in "abc"]
     assert routing.least_requests_rank(figs) == [2, 0, 1]
@@ -228,28 +230,28 @@ def _pending(req):
 
 
 def test_choose_replicas_ranks_one_per_rank_sets_backoff_and_reserves(monkeypatch):
-    from shoal.router.routing.request_router import KVRequestRouter
+    from shoal.router.routing.request_router import PolicyRequestRouter
 
     stats = _stats_with({"a": fig(running=3), "b": fig()})
     monkeypatch.setattr(replica_stats, "REGISTRY", stats)
-    router = KVRequestRouter.__new__(KVRequestRouter)  # as Serve calls it, without its state
+    router = PolicyRequestRouter.__new__(PolicyRequestRouter)  # as Serve calls it, without its state
     reps = [_replica("a"), _replica("b")]
     pending = _pending(request(prompt(100), rid="x"))
-    ranks = asyncio.run(KVRequestRouter.choose_replicas(router, reps, pending))
+    ranks = asyncio.run(PolicyRequestRouter.choose_replicas(router, reps, pending))
     assert ranks == [[reps[1]], [reps[0]]] and pending.routing_context.should_backoff
     assert stats.where("x") == "b" and stats.get("b").in_flight == 1
     # Serve took "a" after all (b was full): the reservation follows.
-    KVRequestRouter.on_request_routed(router, pending, reps[0].replica_id, None)
+    PolicyRequestRouter.on_request_routed(router, pending, reps[0].replica_id, None)
     assert stats.where("x") == "a" and stats.get("b").in_flight == 0
-    assert asyncio.run(KVRequestRouter.choose_replicas(router, [], pending)) == []
+    assert asyncio.run(PolicyRequestRouter.choose_replicas(router, [], pending)) == []
     info_call = SimpleNamespace(args=[], kwargs={}, routing_context=SimpleNamespace(should_backoff=False))
-    assert len(asyncio.run(KVRequestRouter.choose_replicas(router, reps, info_call))) == 2
+    assert len(asyncio.run(PolicyRequestRouter.choose_replicas(router, reps, info_call))) == 2
 
 
 def test_choose_cost_at_32_replicas(monkeypatch):
     """The micro-benchmark: 32 replicas holding ~1000 hashes each, a
     2,000-token prompt; `pytest -s -k choose_cost` prints the figure."""
-    from shoal.router.routing.request_router import KVRequestRouter
+    from shoal.router.routing.request_router import PolicyRequestRouter
 
     rng = random.Random(3)
     ids = prompt(2000)
@@ -271,11 +273,11 @@ def test_choose_cost_at_32_replicas(monkeypatch):
             fn()
         return (time.thread_time() - t) / n * 1e6
 
-    pure = min(per_call_us(lambda: routing.choose("kv", req, figs, BS)) for _ in range(3))
+    pure = min(per_call_us(lambda: KV.choose(req, figs, BS)) for _ in range(3))
     # The whole choose_replicas as Serve awaits it, with the reservation (and its release).
     monkeypatch.setattr(replica_stats, "REGISTRY", stats)
     router, reps, pending = (
-        KVRequestRouter.__new__(KVRequestRouter),
+        PolicyRequestRouter.__new__(PolicyRequestRouter),
         [_replica(f"r{i}") for i in range(32)],
         _pending(req),
     )
@@ -396,17 +398,18 @@ def test_routing_option_in_cli_and_serve_config():
     import sys
 
     from shoal.cluster.app import worker_deployment_options
-    from shoal.cluster.options import ROUTING_POLICIES, ServeOptions
-    from shoal.router.routing.request_router import ROUTERS, KVRequestRouter, Pow2Router
+    from shoal.cluster.options import ServeOptions
+    from shoal.router.routing.request_router import PolicyRequestRouter, Pow2Router
 
-    assert set(ROUTERS) == set(ROUTING_POLICIES)
     opts = ServeOptions.from_dict({})
     assert opts.routing == "kv" and ServeOptions.from_dict(opts.to_dict()).routing == "kv"
     cfg = worker_deployment_options(opts, gpu=False)["request_router_config"]
-    assert cfg.request_router_class.endswith(KVRequestRouter.__name__) and cfg.request_routing_stats_period_s < 1
+    assert cfg.request_router_class.endswith(PolicyRequestRouter.__name__) and cfg.request_routing_stats_period_s < 1
     cfg = worker_deployment_options(ServeOptions.from_dict({"routing": "pow2"}), gpu=False)["request_router_config"]
     assert cfg.request_router_class.endswith(Pow2Router.__name__)
-    with pytest.raises(ValueError, match="routing must be one of"):
+    with pytest.raises(
+        ValueError, match="unknown routing policy 'random'; known: kv, least-requests, pow2, round-robin"
+    ):
         ServeOptions.from_dict({"routing": "random"})
     out = subprocess.run(
         [sys.executable, "-m", "shoal.cluster.cli", "serve", "--help"], capture_output=True, text=True, timeout=60

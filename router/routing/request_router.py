@@ -1,8 +1,10 @@
 """Ray Serve request routers for the Worker deployment (`--routing`), set
 through its RequestRouterConfig, so every handle to the workers routes the
-same way. Each ranks the replicas with policies.py over this process's
+same way. PolicyRequestRouter ranks the replicas with the policy named in
+its request_router_kwargs (policies/) over this process's
 replica_stats.REGISTRY and reserves the request at the first (optimistic
-accounting) before Serve sends it.
+accounting) before Serve sends it; a policy that is Serve's own (pow2) gets
+Serve's router.
 
 Serve pickles this module by value into every process that routes: shared
 state is reached through the `replica_stats` module, never imported by name.
@@ -50,10 +52,10 @@ def _target(candidates: list[RunningReplica], pending: PendingRequest | None) ->
     return [[r] for r in candidates if r.replica_id.unique_id == sub.replica]
 
 
-class KVRequestRouter(RequestRouter):
-    """`kv`: free KV blocks after the request, prefix affinity, queue depth."""
+class PolicyRequestRouter(RequestRouter):
+    """Every policy of ours (`kv` by default): the policy ranks, this reserves."""
 
-    policy = "kv"
+    policy: policies.RoutingPolicy = policies.get_policy(policies.DEFAULT_POLICY)
     _turn = 0
     _figs_of: tuple = (None, None, None, [], [])  # (candidates, registry, its version, their names, figures)
 
@@ -66,6 +68,11 @@ class KVRequestRouter(RequestRouter):
             figs = [stats.get(n) for n in names]
             self._figs_of = (candidates, stats, stats.version, names, figs)
         return names, figs
+
+    def initialize_state(self, policy: str = policies.DEFAULT_POLICY, **kwargs) -> None:
+        """Serve passes the RequestRouterConfig's request_router_kwargs here."""
+        super().initialize_state(**kwargs)
+        self.policy = policies.get_policy(policy)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -90,9 +97,7 @@ class KVRequestRouter(RequestRouter):
             return
         stats, replica = replica_stats.REGISTRY, replica_id.unique_id
         if stats.where(request.request_id) != replica:
-            blocks, tokens = 0, 0
-            if self.policy == "kv" and stats.block_size:
-                blocks, tokens = policies.blocks_at(request, stats.get(replica), stats.block_size)
+            blocks, tokens = policies.taken_at(self.policy, request, stats.get(replica), stats.block_size)
             hashes = request.block_hashes or ()
             stats.reserve(
                 request.request_id,
@@ -118,19 +123,6 @@ class KVRequestRouter(RequestRouter):
         replica_stats.REGISTRY.drop(replica_id.unique_id)
 
 
-class LeastRequestsRouter(KVRequestRouter):
-    """`least-requests`: the fewest requests in flight, counting what this
-    process sent since each replica's report."""
-
-    policy = "least-requests"
-
-
-class RoundRobinRouter(KVRequestRouter):
-    """`round-robin`: each replica in turn."""
-
-    policy = "round-robin"
-
-
 class Pow2Router(PowerOfTwoChoicesRequestRouter):
     """`pow2`: Serve's default (two replicas at random, the one with fewer
     requests queued), which also sends a `subscribe` call where it names."""
@@ -153,17 +145,18 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         replica_stats.REGISTRY.drop(replica_id.unique_id)
 
 
-ROUTERS = {
-    "kv": KVRequestRouter,
-    "least-requests": LeastRequestsRouter,
-    "pow2": Pow2Router,
-    "round-robin": RoundRobinRouter,
-}
+def router_class(policy: str) -> type[RequestRouter]:
+    """The Serve request router class behind `--routing policy`."""
+    return Pow2Router if policies.get_policy(policy).serve_builtin else PolicyRequestRouter
 
 
 def request_router_config(policy: str) -> RequestRouterConfig:
     """The Worker deployment's RequestRouterConfig for `--routing policy`."""
-    cls = ROUTERS[policy]
-    if cls is Pow2Router:  # Serve's own router takes no routing stats
-        return RequestRouterConfig(request_router_class=cls)
-    return RequestRouterConfig(request_router_class=cls, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    p = policies.get_policy(policy)
+    if p.serve_builtin:  # Serve's own router takes no routing stats
+        return RequestRouterConfig(request_router_class=Pow2Router)
+    # Serve polls the workers' routing stats every 0.2 s for a policy that reads them (else at its default).
+    polled = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S} if policies.reads_reports(p) else {}
+    return RequestRouterConfig(
+        request_router_class=PolicyRequestRouter, request_router_kwargs={"policy": p.name}, **polled
+    )

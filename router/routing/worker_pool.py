@@ -141,14 +141,16 @@ class ServeWorkerPool:
 
 class LocalWorkerPool:
     """Workers in this process, chosen as the cluster's request router would
-    (policies.py, `kv` by default) over figures of their own: the
-    loads on their deltas, and their routing stats read every POLL_S."""
+    (policies/, `kv` by default; `pow2`'s own rule over these figures) over
+    figures of their own: the loads on their deltas, and their routing stats
+    read every POLL_S where the policy reads any."""
 
     POLL_S = 0.2
 
-    def __init__(self, workers: list, policy: str = "kv"):
+    def __init__(self, workers: list, policy: str = policies.DEFAULT_POLICY):
+        """policy: a --routing name; any other raises ValueError."""
         self.workers = workers
-        self.policy = policy
+        self.policy = policies.get_policy(policy)
         self.replica_stats = ReplicaStats()  # this pool's own, not the process's
         self._polled = -self.POLL_S
         self._turn = 0
@@ -158,6 +160,8 @@ class LocalWorkerPool:
         return [getattr(w, "name", f"worker-{i}") for i, w in enumerate(self.workers)]
 
     def _poll(self, names: list[str]) -> None:
+        if not policies.reads_reports(self.policy):
+            return
         now = time.monotonic()
         if now - self._polled >= self.POLL_S:
             self._polled = now
@@ -168,7 +172,7 @@ class LocalWorkerPool:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
         stats, names = self.replica_stats, self._names()
         self._poll(names)
-        if not stats.block_size and hasattr(self.workers[0], "info"):
+        if self.policy.needs_prefix and not stats.block_size and hasattr(self.workers[0], "info"):
             stats.block_size = self.workers[0].info().block_size
         order = policies.route(stats, self.policy, request, names, [stats.get(n) for n in names], self._turn)
         self._turn += 1

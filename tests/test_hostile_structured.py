@@ -15,6 +15,7 @@ import grpc
 import pytest
 from serving import grpc_server, http_client, make_frontend
 
+from shoal.proto import grammar as guidance
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers.core import logit_bias as logit_bias_module
@@ -24,7 +25,6 @@ from shoal.workers.core.structured_outputs import MAX_SCHEMA_HEIGHT, MAX_SPEC_CH
 from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers.errors import InvalidRequestError
 from shoal.workers.messages import GenerateRequest
-from shoal.workers.structured_output import guidance
 
 UNICODE_ZEROS = "٠۰߀०০੦૦୦௦౦೦൦๐໐༠၀႐០᠐"
 LIST_DOC = {"L": [{"type": "string"}, {"type": "integer"}], "a/b": 1, "a~b": 2, "": 3, "a b": 4}

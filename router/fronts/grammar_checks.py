@@ -4,8 +4,8 @@ sees it: on a small pool of its own, never the event loop nor the
 tokenizer's threads; once per request (its prompts and samples share the
 spec object, which remembers it passed) and once per distinct spec in the
 process (the verdict caches: structured_outputs.SPEC_CHECKS,
-guidance.GRAMMAR_CHECKS). The work is bounded by the spec's size cap and
-the library's fuel (guidance.LIMITS); a check still queued at the timeout
+grammar.GRAMMAR_CHECKS). The work is bounded by the spec's size cap and
+the library's fuel (grammar.LIMITS); a check still queued at the timeout
 is cancelled, and past max_pending waiting checks a request is told to
 retry (429)."""
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from shoal.proto.grammar import validate as validate_grammar
 from shoal.router.fronts.serving_error import ServingError
 from shoal.workers.core.structured_outputs import StructuredOutputsParams
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.structured_output.guidance import validate as validate_grammar
 
 
 class GrammarChecks:

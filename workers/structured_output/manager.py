@@ -38,7 +38,7 @@ class GrammarBitmask:
 class StructuredOutputManager:
     """cache_size and cache_chars bound the compiled grammars kept (how many,
     and the length of their specs together, a proxy for their memory);
-    each compile runs under the backend's own limits (guidance.LIMITS), so
+    each compile runs under the backend's own limits (proto/grammar.py LIMITS), so
     varied specs cost at most that each and never grow the cache past its
     bounds. A spec the library refused is remembered too (its reason, by
     digest): asking again costs nothing."""

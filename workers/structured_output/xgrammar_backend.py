@@ -24,9 +24,9 @@ import re
 
 import numpy as np
 
+from shoal.proto.grammar import what
 from shoal.workers.core.structured_outputs import StructuredOutputsParams
 from shoal.workers.errors import InvalidRequestError
-from shoal.workers.structured_output.guidance import what
 
 SEPARATORS = (", ", ": ")
 # Fewer rows are filled on the caller's thread: waking the library's pool for

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.messages import GenerateRequest
-from shoal.workers.model_executor.simulated_runner import StepCostModel, StepShape, fit_cost_model
+from shoal.workers.model_executor.runner.simulated_runner import StepCostModel, StepShape, fit_cost_model
 
 
 def add_parser(sub) -> None:

@@ -104,7 +104,7 @@ class Table:
 
 def run_tokens(ns, table: Table) -> dict:
     from shoal.benchmarks.gpu_tokens import check_regimes
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     args = unquantized(EngineArgs.from_cli_args(ns))
     name = str(args.model or "default model")
@@ -169,7 +169,7 @@ def run_offline(args: EngineArgs, ns, folder: str, name: str, table: Table, base
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shoal.benchmarks.offline import cb_settings_to_fit, make_workload, run_hf_cb, run_shoal
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     vocab = load_model_files(folder).config.vocab_size
     work = make_workload(ns.num_prompts, args.seed, ns.input_len, ns.output_len, vocab)

@@ -42,7 +42,7 @@ def check_regimes(args: EngineArgs, n_prompts: int, tokens: int, tie_tol: float,
     from shoal.benchmarks.offline import hf_model
     from shoal.benchmarks.tp import first_difference, hf_greedy
     from shoal.workers import LLM, SamplingParams
-    from shoal.workers.model_executor.model_loader import resolve_model
+    from shoal.workers.model_executor.loader.model_loader import resolve_model
 
     device = args.resolved_device()
     hf = hf_model(resolve_model(args.model), torch.float32).to(device)

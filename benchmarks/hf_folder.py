@@ -72,7 +72,7 @@ def write_hf_folder(gguf_path: str, target: str) -> str:
 def hf_folder(model: str | None, root: str | None = None) -> str:
     """The model (a --model value: a folder, a .gguf file, a packaged name
     or None for the default) as an HF folder, written on first use."""
-    from shoal.workers.model_executor.model_loader import resolve_model
+    from shoal.workers.model_executor.loader.model_loader import resolve_model
 
     path = resolve_model(model)
     if os.path.isdir(path):

@@ -188,7 +188,7 @@ def run_llamacpp(model: str | None, prompts: list[list[int]], ns, threads: int) 
     """llama.cpp on the same prompts, output length and threads, one stream;
     prints its figures under shoal's (or why it did not run)."""
     from shoal.benchmarks import llamacpp_peer
-    from shoal.workers.model_executor.model_loader import resolve_model
+    from shoal.workers.model_executor.loader.model_loader import resolve_model
 
     r = llamacpp_peer.run_latency(resolve_model(model), prompts, ns.output_len, threads, ns.num_iters_warmup)
     if r is None:

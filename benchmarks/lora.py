@@ -94,7 +94,7 @@ def _run(args: EngineArgs, work, loras) -> dict:
 def run(ns) -> int:
     from shoal.benchmarks.offline_workloads import PRESETS, make_workload
     from shoal.workers.lora import LoRARequest
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     args = EngineArgs.from_cli_args(ns)
     preset = PRESETS[ns.workload]

@@ -351,7 +351,7 @@ class Bench:
     def peer_model(self):
         """transformers' model, loaded once, after shoal's first run, for every workload's peers. The peers
         compute in the dtype shoal resolved, so the comparison stays like for like."""
-        from shoal.workers.model_executor.model_loader import resolve_model
+        from shoal.workers.model_executor.loader.model_loader import resolve_model
 
         args = self.args
         return hf_model(
@@ -361,7 +361,7 @@ class Bench:
     @functools.cached_property
     def vllm_peer(self):
         """vLLM's CPU build (installed on first use) on the model written as an HF folder."""
-        from shoal.workers.model_executor.model_loader import load_model_files
+        from shoal.workers.model_executor.loader.model_loader import load_model_files
 
         cfg = load_model_files(self.args.model).config
         return vllm_peer.OfflinePeer.prepare(self.args.model, cfg, self.vllm_dtypes, self.args.seed, self.log_dir)
@@ -499,7 +499,7 @@ def print_summary(reports: dict[str, dict]) -> None:
 def run(ns) -> int:
     import torch
 
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     workloads = chosen_workloads(ns)
     peers = chosen_peers(ns, len(workloads))

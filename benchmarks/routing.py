@@ -379,7 +379,7 @@ def _names(text: str, allowed, what: str) -> list[str]:
 def _engine_args(ns, cost_path: str) -> EngineArgs:
     """The workers' engine; simulated ones step by the cost model sped up
     --sim-speedup times, written to cost_path."""
-    from shoal.workers.model_executor.simulated_runner import load_cost_model
+    from shoal.workers.model_executor.runner.simulated_runner import load_cost_model
 
     args = EngineArgs.from_cli_args(ns)
     if ns.workers_kind != "simulated":
@@ -464,7 +464,7 @@ class Runs:
 
     def __init__(self, ns, engine: EngineArgs, policies: list[str], workloads: list[str]):
         from shoal.benchmarks import routing_workloads as wl
-        from shoal.workers.model_executor.model_loader import load_model_files
+        from shoal.workers.model_executor.loader.model_loader import load_model_files
 
         self.ns, self.wl, self.policies, self.workloads = ns, wl, policies, workloads
         cfg = load_model_files(engine.model).config

@@ -37,7 +37,7 @@ from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings
 from shoal.workers.core.sequence import Sequence as EngineSequence
-from shoal.workers.model_executor.simulated_runner import stand_in_token
+from shoal.workers.model_executor.runner.simulated_runner import stand_in_token
 from shoal.workers.utils import cdiv
 
 WORKLOADS = ("shared", "unique", "hot")

@@ -57,7 +57,7 @@ def check_against_transformers(ns, prompts: list[list[int]]) -> dict:
 
     from shoal.benchmarks.offline import hf_model
     from shoal.workers import LLM, SamplingParams
-    from shoal.workers.model_executor.model_loader import resolve_model
+    from shoal.workers.model_executor.loader.model_loader import resolve_model
 
     device = "cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     with LLM(ns.model, dtype="float32", device=device, num_kv_blocks=1024) as llm:
@@ -147,7 +147,7 @@ def decode_step_ms(eng, batch: int, prompt_len: int, steps: int, vocab: int, see
 def run(ns) -> int:
     import torch
 
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     t0 = time.perf_counter()
     cfg = load_model_files(ns.model).config

@@ -75,7 +75,7 @@ def variants(w: Workload, vary: list[str]) -> list[CBSettings]:
 
 
 def run(ns) -> int:
-    from shoal.workers.model_executor.model_loader import load_model_files, resolve_model
+    from shoal.workers.model_executor.loader.model_loader import load_model_files, resolve_model
 
     if ns.workload not in PRESETS:
         raise ValueError(f"--workload takes one of {', '.join(PRESETS)}; got {ns.workload!r}")

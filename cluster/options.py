@@ -282,7 +282,7 @@ class ServeOptions:
     def check_cluster(self) -> None:
         """Refuse, before anything deploys, a tensor-parallel size the model
         cannot split or the cluster cannot place (Serve would wait forever)."""
-        from shoal.workers.model_executor.model_loader import load_model_files
+        from shoal.workers.model_executor.loader.model_loader import load_model_files
 
         load_model_files(self.engine.model).config.check_tp_size(self.tp_size, self.engine.enable_expert_parallel)
         import ray

@@ -65,7 +65,7 @@ def machine() -> str:
 
 def main() -> int:
     from shoal.benchmarks import llamacpp_peer as peer
-    from shoal.workers.model_executor.model_loader import default_model_path, load_model_files
+    from shoal.workers.model_executor.loader.model_loader import default_model_path, load_model_files
 
     if peer.import_llama_cpp() is None:
         print(peer.NOT_INSTALLED)

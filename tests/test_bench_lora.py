@@ -9,7 +9,7 @@ import json
 from shoal.benchmarks.lora import write_adapter
 from shoal.workers.lora import LoRARequest
 from shoal.workers.lora.peft_adapter import load_peft_adapter
-from shoal.workers.model_executor.model_loader import load_model_files
+from shoal.workers.model_executor.loader.model_loader import load_model_files
 
 
 def test_bench_lora_runs_and_reports(tiny_model, tmp_path, capsys):

@@ -66,7 +66,7 @@ def test_a_chat_turn_extends_the_previous_turn_and_its_reply():
 
 
 def test_the_reply_is_what_a_simulated_worker_generates():
-    from shoal.workers.model_executor.simulated_runner import stand_in_token
+    from shoal.workers.model_executor.runner.simulated_runner import stand_in_token
 
     r = wl.Request(0.0, [5, 6, 7], 6, seed=12345)
     assert wl.reply_tokens(r, VOCAB) == [stand_in_token(12345, i, VOCAB.size, (2,)) for i in range(6)]

@@ -182,7 +182,7 @@ def test_a_steps_vocabulary_wide_buffers_go_back_to_the_kernel_when_freed():
 
     import torch
 
-    from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped, release_free_heap
+    from shoal.workers.model_executor.memory.cpu_memory import keep_freed_memory_mapped, release_free_heap
 
     assert keep_freed_memory_mapped()
     proc, got = psutil.Process(), {}

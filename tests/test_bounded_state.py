@@ -32,7 +32,7 @@ from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import EngineArgs, SamplingParams, delta_outbox
 from shoal.workers.messages import RequestFinished, Riding
-from shoal.workers.model_executor.simulated_runner import StepCostModel
+from shoal.workers.model_executor.runner.simulated_runner import StepCostModel
 from shoal.workers.worker import Worker
 
 FAST = StepCostModel(overhead_s=1e-4, prefill_s_per_token=1e-7, decode_s_per_seq=1e-6, decode_s_per_context_token=0.0)

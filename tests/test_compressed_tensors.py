@@ -131,7 +131,7 @@ def test_a_checkpoint_computes_what_its_expanded_weights_do(checkpoints, scheme,
 
 
 def test_weights_are_counted_at_their_stored_size(checkpoints):
-    from shoal.workers.model_executor.model_loader import weight_bytes
+    from shoal.workers.model_executor.loader.model_loader import weight_bytes
 
     sizes = {}
     for scheme in ("w4a16", "int8_channel"):
@@ -230,8 +230,8 @@ def test_the_weight_estimate_counts_stored_weights_at_their_size(checkpoints, sc
     config's linear_weight_bytes) is what the built model holds, less the few bytes past the
     weights it leaves out; and an fp8 weight is one byte from the start of loading, not widened
     to the model's dtype while the checkpoint is read."""
-    from shoal.workers.model_executor import memory_profiler as mp
-    from shoal.workers.model_executor.model_loader import build_model, load_model_files
+    from shoal.workers.model_executor.loader.model_loader import build_model, load_model_files
+    from shoal.workers.model_executor.memory import memory_profiler as mp
     from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 
     loaded = load_model_files(checkpoints(scheme)[0])

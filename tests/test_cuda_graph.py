@@ -24,8 +24,8 @@ import torch
 pytest.importorskip("triton", reason="the padded decode path runs the Triton kernel")
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.cuda_graph import capture_sizes, padded_batch_size
-from shoal.workers.model_executor.staging_buffer import StagingBuffer
+from shoal.workers.model_executor.runner.cuda_graph import capture_sizes, padded_batch_size
+from shoal.workers.model_executor.runner.staging_buffer import StagingBuffer
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_a_replayed_lora_graph_equals_the_eager_step(tiny_model, tmp_path):
     replayed while adapters swap through the slots, equal the eager steps, which
     the adapters do change. The adapters are written without peft (the GPU machine has none)."""
     from shoal.benchmarks.lora import write_adapter
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     config = load_model_files(tiny_model).config
     adapters = [write_adapter(str(tmp_path / f"a{r}"), config, r, seed=r, b_std=0.5) for r in (4, 8, 16)]

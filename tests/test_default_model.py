@@ -13,7 +13,7 @@ import torch
 from reference import check_setting, check_tokens, hf_greedy
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.model_loader import default_model_path
+from shoal.workers.model_executor.loader.model_loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_smollm2_greedy_matches_transformers(gguf_path, hf_model, references, se
 def test_gguf_tokenizer_matches_transformers(gguf_path):
     from transformers import AutoTokenizer
 
-    from shoal.workers.model_executor.gguf_file import GGUFFile
+    from shoal.workers.model_executor.loader.gguf_file import GGUFFile
     from shoal.workers.model_executor.tokenizer import Tokenizer
 
     ours = Tokenizer.from_gguf_metadata(GGUFFile(gguf_path).metadata)

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
+from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.tokenizer import Tokenizer
 
 SPACE = "\u2581"

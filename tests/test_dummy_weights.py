@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.dummy_weights import HIGH, LOW, dummy_weight_shapes, dummy_weights
-from shoal.workers.model_executor.gguf_file import GGUFFile
-from shoal.workers.model_executor.model_loader import build_model, load_model_files, model_weights
+from shoal.workers.model_executor.loader.dummy_weights import HIGH, LOW, dummy_weight_shapes, dummy_weights
+from shoal.workers.model_executor.loader.gguf_file import GGUFFile
+from shoal.workers.model_executor.loader.model_loader import build_model, load_model_files, model_weights
 from shoal.workers.model_executor.models.config import ModelConfig
 
 CPU = torch.device("cpu")

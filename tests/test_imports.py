@@ -39,6 +39,29 @@ ROOMS = {
         "shoal.workers.model_executor.layers",
         "shoal.workers.utils",
     ),
+    # loader/ and memory/ stand below runner/ (which may use every room) and know nothing of the engine;
+    # in sampling/ only builder.py reads a step's sequences, staged in the runner's buffer.
+    "shoal.workers.model_executor.loader": (
+        "shoal.workers.model_executor.loader",
+        "shoal.workers.model_executor.models",
+        "shoal.workers.model_executor.layers",
+        "shoal.workers.model_executor.tokenizer",
+        "shoal.workers.errors",
+        "shoal.workers.utils",
+        "shoal.proto",
+    ),
+    "shoal.workers.model_executor.memory": (
+        "shoal.workers.model_executor.memory",
+        "shoal.workers.model_executor.models",
+        "shoal.workers.model_executor.layers",
+        "shoal.workers.utils",
+    ),
+    "shoal.workers.model_executor.sampling": (
+        "shoal.workers.model_executor.sampling",
+        "shoal.workers.model_executor.runner.staging_buffer",
+        "shoal.workers.core",
+        "shoal.workers.utils",
+    ),
     "shoal.workers.core": (
         "shoal.workers.core",
         "shoal.workers.errors",
@@ -173,6 +196,14 @@ def test_attention_backends_know_nothing_above_layers():
     assert _imports_outside(backends, allowed) == []
 
 
+def test_the_sampler_knows_nothing_of_the_engine():
+    """The sampler, its metadata and its noise take tensors, as layers do; only sampling/builder.py reads a
+    step's sequences into them."""
+    sampling = "shoal.workers.model_executor.sampling"
+    tensors = tuple(f"{sampling}.{m}" for m in ("sampler", "metadata", "noise"))
+    assert [edge for m in tensors for edge in _imports_outside(m, tensors + ("shoal.workers.utils",))] == []
+
+
 def test_models_import_only_layers():
     """Models are architecture: layers (and their own config), nothing of the engine or its kernels' plumbing."""
     models = "shoal.workers.model_executor.models"
@@ -194,7 +225,7 @@ def test_the_cycle_finder_finds_cycles(graph, cycle):
 def test_the_layering_check_flags_upward_imports():
     graph = {
         "shoal.workers.worker": {"shoal.router.fronts.frontend"},
-        "shoal.workers.model_executor.layers.sampler": {"shoal.workers.core.sequence"},
+        "shoal.workers.model_executor.layers.linear": {"shoal.workers.core.sequence"},
         "shoal.cluster.cli": {"shoal.benchmarks.offline"},
         "shoal.cluster.app": {"shoal.benchmarks.serve"},
         "shoal.router.routing.failover": {"shoal.router.fronts.frontend", "shoal.router.observability.tracing"},
@@ -202,7 +233,7 @@ def test_the_layering_check_flags_upward_imports():
     assert layering_violations(graph) == [
         "shoal.cluster.app -> shoal.benchmarks.serve (upwards)",
         "shoal.router.routing.failover -> shoal.router.fronts.frontend (out of routing/)",
-        "shoal.workers.model_executor.layers.sampler -> shoal.workers.core.sequence (out of layers/)",
+        "shoal.workers.model_executor.layers.linear -> shoal.workers.core.sequence (out of layers/)",
         "shoal.workers.worker -> shoal.router.fronts.frontend (upwards)",
     ]
 

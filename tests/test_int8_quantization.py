@@ -24,7 +24,7 @@ import torch
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.layers.linear import LinearBase
 from shoal.workers.model_executor.layers.quantization.int8 import Int8Config, Int8LinearMethod
-from shoal.workers.model_executor.model_loader import weight_bytes
+from shoal.workers.model_executor.loader.model_loader import weight_bytes
 
 ENGINE = dict(num_threads=1, num_kv_blocks=64)
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land", "1 2 3 4 5"]

@@ -33,9 +33,9 @@ from shoal.workers.model_executor.layers.attention.backends.triton_attn import T
 from shoal.workers.model_executor.layers.attention.selector import BACKENDS
 from shoal.workers.model_executor.layers.quantization.base_config import LinearMethodBase
 from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
-from shoal.workers.model_executor.model_runner import ModelRunner
-from shoal.workers.model_executor.runner import DeviceRunner, Runner
-from shoal.workers.model_executor.simulated_runner import SimulatedRunner
+from shoal.workers.model_executor.runner.interface import DeviceRunner, Runner
+from shoal.workers.model_executor.runner.model_runner import ModelRunner
+from shoal.workers.model_executor.runner.simulated_runner import SimulatedRunner
 from shoal.workers.worker import Worker
 
 

@@ -31,8 +31,7 @@ from test_triton_attention import BLOCK_SIZE, NUM_BLOCKS, SHORT_DECODES, STEP, r
 
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.model_executor.layers import triton_attention
-from shoal.workers.model_executor.layers.attention import PagedAttention, write_to_paged_cache
+from shoal.workers.model_executor.layers.attention import PagedAttention, triton_kernels, write_to_paged_cache
 from shoal.workers.model_executor.layers.attention.kv_cache import (
     FP8_DTYPE,
     FP8_MAX,
@@ -42,8 +41,8 @@ from shoal.workers.model_executor.layers.attention.kv_cache import (
     quantize_fp8,
 )
 from shoal.workers.model_executor.layers.attention.selector import get_attn_backend
-from shoal.workers.model_executor.layers.triton_attention import paged_attention
-from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.layers.attention.triton_kernels import paged_attention
+from shoal.workers.model_executor.runner.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 # e4m3 keeps 3 mantissa bits: round to nearest is within half a step, 2 ** -4 of
@@ -148,7 +147,7 @@ def test_triton_fp8_cache_equals_reference_on_stored_values(heads, kv_heads, dim
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(2, 2, 16), (8, 1, 32)])
 def test_triton_split_kv_fp8_cache_equals_reference_on_stored_values(heads, kv_heads, dim, monkeypatch):
-    monkeypatch.setattr(triton_attention, "NUM_SEGMENTS", 4)
+    monkeypatch.setattr(triton_kernels, "NUM_SEGMENTS", 4)
     inputs, q_lens, given, stored = make_fp8_step(SHORT_DECODES, heads, kv_heads, dim, torch.float32)
     err = _check_kernel(inputs, q_lens, given, stored, torch.float32, 1e-5, split_kv=True)
     assert err <= UNQUANTIZED_BOUND

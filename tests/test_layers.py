@@ -8,8 +8,8 @@ import torch
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.model_executor.layers.rotary import rope_inv_freq
-from shoal.workers.model_executor.layers.sampler import Sampler
-from shoal.workers.model_executor.sampling_metadata_builder import build_sampling_metadata
+from shoal.workers.model_executor.sampling.builder import build_sampling_metadata
+from shoal.workers.model_executor.sampling.sampler import Sampler
 
 
 @pytest.mark.parametrize(

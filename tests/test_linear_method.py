@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
-from shoal.workers.model_executor.dummy_weights import dummy_weights
 from shoal.workers.model_executor.layers import parallel_state
 from shoal.workers.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -24,7 +23,8 @@ from shoal.workers.model_executor.layers.quantization.unquantized import (
     UnquantizedEmbeddingMethod,
     UnquantizedLinearMethod,
 )
-from shoal.workers.model_executor.model_loader import build_model
+from shoal.workers.model_executor.loader.dummy_weights import dummy_weights
+from shoal.workers.model_executor.loader.model_loader import build_model
 from shoal.workers.model_executor.models.config import ModelConfig
 
 CPU = torch.device("cpu")

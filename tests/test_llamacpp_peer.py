@@ -64,7 +64,7 @@ def test_bench_latency_rejects_an_unknown_peer(tiny_model, tmp_path, capsys):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_peer_greedy_tokens_match_the_pinned_reference(threads):
     pytest.importorskip("llama_cpp")
-    from shoal.workers.model_executor.model_loader import default_model_path
+    from shoal.workers.model_executor.loader.model_loader import default_model_path
 
     pinned = json.load(open(PINNED))
     prompt = pinned["prompts"][0]

@@ -16,7 +16,7 @@ from tiny_models import make_tiny_model
 
 from shoal.workers.lora import LoRARequest
 from shoal.workers.lora.peft_adapter import LINEAR_MODULES, load_peft_adapter, module_shapes, peft_scaling
-from shoal.workers.model_executor.model_loader import load_model_files
+from shoal.workers.model_executor.loader.model_loader import load_model_files
 
 peft = pytest.importorskip("peft")
 

@@ -175,7 +175,7 @@ def test_other_architectures_give_transformers_peft_tokens(kind, tmp_path):
     from tiny_models import make_tiny_model
 
     from shoal.benchmarks.lora import write_adapter
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     base = make_tiny_model(str(tmp_path / kind), kind)
     modules = ["q_proj", "k_proj", "v_proj", "o_proj"] if kind == "qwen3_moe" else None

@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
-from shoal.workers.model_executor import memory_profiler as mp
-from shoal.workers.model_executor.dummy_weights import dummy_weights
 from shoal.workers.model_executor.layers import parallel_state
-from shoal.workers.model_executor.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.loader.dummy_weights import dummy_weights
+from shoal.workers.model_executor.loader.model_loader import build_model, load_model_files
+from shoal.workers.model_executor.memory import memory_profiler as mp
 from shoal.workers.model_executor.models.config import ModelConfig
 
 GiB = 1 << 30

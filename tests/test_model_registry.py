@@ -13,7 +13,7 @@ from reference import hf_greedy
 from tiny_models import KINDS, make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.model_loader import load_model_files
+from shoal.workers.model_executor.loader.model_loader import load_model_files
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 

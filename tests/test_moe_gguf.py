@@ -17,7 +17,7 @@ from tiny_gguf import ATTENTION_NAMES, add_shape, add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.model_loader import load_model_files
+from shoal.workers.model_executor.loader.model_loader import load_model_files
 
 PROMPTS = [[5, 17, 99, 200, 3, 44, 87], [300, 12, 9], list(range(3, 70))]
 MAX_NEW = 12

@@ -19,7 +19,7 @@ from tiny_gguf import add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.gguf_file import GGUFFile
+from shoal.workers.model_executor.loader.gguf_file import GGUFFile
 from shoal.workers.model_executor.models.config import ModelConfig
 
 gguf = pytest.importorskip("gguf")
@@ -151,8 +151,8 @@ def test_longrope_gguf_beyond_the_original_context(phi3_models, tmp_path):
 def test_dummy_weight_shapes_are_the_checkpoints(phi3_models):
     from safetensors import safe_open
 
-    from shoal.workers.model_executor.dummy_weights import dummy_weight_shapes
-    from shoal.workers.model_executor.model_loader import load_model_files
+    from shoal.workers.model_executor.loader.dummy_weights import dummy_weight_shapes
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
 
     for path in phi3_models.values():
         with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:

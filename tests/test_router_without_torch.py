@@ -55,7 +55,7 @@ import asyncio, sys
 from shoal.router.fronts.frontend import Frontend, ModelInfo
 from shoal.router.fronts.openai_app import OpenAIApp
 from shoal.router.fronts.prompt import Prompt
-from shoal.workers.model_executor.model_loader import load_model_files
+from shoal.workers.model_executor.loader.model_loader import load_model_files
 
 tok = load_model_files({tiny_model!r}).tokenizer
 fe = Frontend(None, tok, ModelInfo("tiny", 256, 512, 16, 1, 1))

@@ -14,9 +14,9 @@ from reference_sampler import ReferenceSampler
 
 from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings, Sequence
-from shoal.workers.model_executor.layers.sampler import Sampler
-from shoal.workers.model_executor.sampling_metadata_builder import build_sampling_metadata, stage_sampling_metadata
-from shoal.workers.model_executor.staging_buffer import StagingBuffer
+from shoal.workers.model_executor.runner.staging_buffer import StagingBuffer
+from shoal.workers.model_executor.sampling.builder import build_sampling_metadata, stage_sampling_metadata
+from shoal.workers.model_executor.sampling.sampler import Sampler
 
 VOCAB = 48
 EOS = [2, 7]

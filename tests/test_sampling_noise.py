@@ -10,8 +10,8 @@ import pytest
 import torch
 from reference_sampler import inverse_cdf_token, reference_hash, reference_uniform
 
-from shoal.workers.model_executor.layers.sampler import sample_inverse_cdf
-from shoal.workers.model_executor.layers.sampling_noise import as_int64_seed, hash32, uniforms
+from shoal.workers.model_executor.sampling.noise import as_int64_seed, hash32, uniforms
+from shoal.workers.model_executor.sampling.sampler import sample_inverse_cdf
 
 EDGE_SEEDS = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63), 2**70 + 3]
 EDGE_INDICES = [0, 1, 2, 255, 2**31, 2**32 - 1]

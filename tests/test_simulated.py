@@ -17,8 +17,8 @@ from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.messages import GenerateRequest
-from shoal.workers.model_executor.model_runner import ModelRunner
-from shoal.workers.model_executor.simulated_runner import (
+from shoal.workers.model_executor.runner.model_runner import ModelRunner
+from shoal.workers.model_executor.runner.simulated_runner import (
     DEFAULT_COST_MODEL,
     SimulatedRunner,
     StepCostModel,
@@ -82,7 +82,7 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def test_reads_no_weights_keeps_the_tokenizer_and_sizes_the_cache_as_asked(sim_model, fast_cost, monkeypatch):
-    import shoal.workers.model_executor.rank_worker as rank_worker
+    import shoal.workers.model_executor.runner.rank_worker as rank_worker
 
     def no_weights(*a, **k):
         raise AssertionError("a simulated engine read weights")

@@ -198,7 +198,7 @@ def test_cpu_kernel_without_a_window_reads_everything():
 @pytest.mark.parametrize("window", WINDOWS)
 def test_triton_kernels_equal_the_dense_reference(window, monkeypatch):
     pytest.importorskip("triton", reason="the Triton kernel tests need the triton package")
-    from shoal.workers.model_executor.layers import triton_attention
+    from shoal.workers.model_executor.layers.attention import triton_kernels
     from shoal.workers.model_executor.layers.attention.backends.triton_attn import TritonAttentionBackend
 
     # GQA 3 (a group padded to 4 rows); the mixed step through the backend's impl.
@@ -208,11 +208,11 @@ def test_triton_kernels_equal_the_dense_reference(window, monkeypatch):
     assert not out.isnan().any()
     torch.testing.assert_close(out, s.reference(), rtol=1e-5, atol=1e-5)
     # Decodes alone, in both launches; the split one cut into 4 segments.
-    monkeypatch.setattr(triton_attention, "NUM_SEGMENTS", 4)
+    monkeypatch.setattr(triton_kernels, "NUM_SEGMENTS", 4)
     s = make_step(decodes(window), window, 4, 1, 16)
     m = s.varlen()
     for split in (True, False):
-        out = triton_attention.paged_attention(
+        out = triton_kernels.paged_attention(
             s.q, s.k_cache, s.v_cache, m.block_tables, m.seq_lens, m.query_start_loc, 1, 16**-0.5,
             sliding_window=window, split_kv=split,
         )  # fmt: skip

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from serving import local_cluster_app
 
 from shoal.router.fronts.tools import parse_messages
-from shoal.workers.model_executor.model_loader import load_model_files
+from shoal.workers.model_executor.loader.model_loader import load_model_files
 
 pytestmark = pytest.mark.slow
 GREEDY = dict(temperature=0, max_tokens=80)

@@ -20,9 +20,8 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernel tests need the triton package")
 
-from shoal.workers.model_executor.layers import triton_attention
-from shoal.workers.model_executor.layers.attention import write_to_paged_cache
-from shoal.workers.model_executor.layers.triton_attention import (
+from shoal.workers.model_executor.layers.attention import triton_kernels, write_to_paged_cache
+from shoal.workers.model_executor.layers.attention.triton_kernels import (
     SPLIT_KV_MAX_PROGRAMS,
     paged_attention,
     use_split_kv,
@@ -144,7 +143,7 @@ def test_kernel_equals_reference(heads, kv_heads, dim, dtype, tol):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(2, 2, 16), (4, 1, 64), (8, 1, 32)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_split_kv_equals_reference(heads, kv_heads, dim, dtype, tol, monkeypatch):
-    monkeypatch.setattr(triton_attention, "NUM_SEGMENTS", 4)  # the kernels take any count; see SHORT_DECODES
+    monkeypatch.setattr(triton_kernels, "NUM_SEGMENTS", 4)  # the kernels take any count; see SHORT_DECODES
     step = make_step(SHORT_DECODES, heads, kv_heads, dim, dtype)
 
     out = step.attend(split_kv=True)
@@ -167,14 +166,14 @@ def test_split_kv_only_for_decode_steps_too_small_to_fill_the_gpu(monkeypatch):
     assert not use_split_kv(fit, kv_heads, 1)
     assert not use_split_kv(1, kv_heads, 2)  # a prefill chunk or two tokens in the step
     # paged_attention follows it: the merge kernel runs for a small decode step only.
-    merges, merge = [], triton_attention._merge_segments_kernel
+    merges, merge = [], triton_kernels._merge_segments_kernel
 
     class Spy:
         def __getitem__(self, grid):
             merges.append(grid)
             return merge[grid]
 
-    monkeypatch.setattr(triton_attention, "_merge_segments_kernel", Spy())
+    monkeypatch.setattr(triton_kernels, "_merge_segments_kernel", Spy())
     for step, launches in (([(3, 1), (20, 1)], [(2, 2)]), ([(3, 1), (0, 5)], [(2, 2)])):
         batch = make_step(step, 4, 2, 16, torch.float32)
         assert (batch.attend() - batch.reference()).abs().max().item() <= 1e-5
@@ -198,11 +197,11 @@ def test_engine_matches_torch_backend(tiny_model):
 
 def test_load_refuses_what_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="block_size"):
-        triton_attention.load(torch.device("cpu"), 8)
+        triton_kernels.load(torch.device("cpu"), 8)
     # Compiled (not interpreted), the kernel needs CUDA tensors.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "import torch; from shoal.workers.model_executor.layers import triton_attention as t; "
+        "import torch; from shoal.workers.model_executor.layers.attention import triton_kernels as t; "
         "t.load(torch.device('cpu'), 16)"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -22,12 +22,12 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import shoal.workers.lora.triton_ops as lora_ops  # noqa: E402
-import shoal.workers.model_executor.layers.fused_moe.fused_moe_triton as fused_moe  # noqa: E402
+import shoal.workers.model_executor.layers.attention.triton_kernels as attention_kernels  # noqa: E402
+import shoal.workers.model_executor.layers.fused_moe.triton_kernels as fused_moe  # noqa: E402
 import shoal.workers.model_executor.layers.fused_ops as fused_ops  # noqa: E402
 import shoal.workers.model_executor.layers.quantization.triton_quant as triton_quant  # noqa: E402
-import shoal.workers.model_executor.layers.triton_attention as triton_attention  # noqa: E402
 
-MODULES = (lora_ops, fused_moe, fused_ops, triton_quant, triton_attention)
+MODULES = (lora_ops, fused_moe, fused_ops, triton_quant, attention_kernels)
 H200 = {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
 MAX_THREADS = 1024
 launched: set[str] = set()
@@ -81,7 +81,7 @@ lora_ops.interpreted = lambda: True  # the LoRA tests' skipif reads it while the
 lora_ops.available_for = lambda x: True
 triton_quant.interpreted = lambda: True
 triton_quant._on_triton = lambda x: True
-triton_attention._check_runs_on = lambda device: None
+attention_kernels._check_runs_on = lambda device: None
 fused_ops._check_runs_on = lambda x: None
 
 

@@ -33,11 +33,11 @@ from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DIS
 from shoal.workers.lora.peft_adapter import read_lora_adapter
 from shoal.workers.lora.request import LoRARequest
 from shoal.workers.messages import GenerateRequest
-from shoal.workers.model_executor.cuda_graph import CaptureStats
-from shoal.workers.model_executor.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
-from shoal.workers.model_executor.model_loader import load_model_files
-from shoal.workers.model_executor.runner import Runner
+from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
+from shoal.workers.model_executor.loader.model_loader import load_model_files
+from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
+from shoal.workers.model_executor.runner.interface import Runner
 from shoal.workers.profiling import step_range
 from shoal.workers.structured_output.manager import StructuredOutputManager
 

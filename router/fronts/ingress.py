@@ -103,7 +103,7 @@ class Router:
     run (--routers), one per node; each routes on its own."""
 
     async def __init__(self, workers, options: RouterOptions):
-        from shoal.workers.model_executor.model_loader import load_model_files
+        from shoal.workers.model_executor.loader.model_loader import load_model_files
 
         self.options = options
         replica_logs.use_serve_handlers()  # failovers, rebalancing, delta streams

@@ -1,2 +1,4 @@
-"""Running the model: loading weights and tokenizers, the model runner that
-turns a scheduled batch into one forward pass, models/ and layers/."""
+"""Running the model: the executor (executor/), loading a model and its
+tokenizer (loader/), running a rank (runner/: the rank worker and the model
+runner that turns a scheduled batch into one forward pass), sizing memory
+(memory/), sampling (sampling/), models/ and layers/."""

@@ -110,7 +110,7 @@ class Tokenizer:
         kind = md.get("tokenizer.ggml.model")
         tokens = md["tokenizer.ggml.tokens"]
         if kind == "llama":
-            from shoal.workers.model_executor.gguf_sentencepiece import sentencepiece_backend
+            from shoal.workers.model_executor.loader.gguf_sentencepiece import sentencepiece_backend
 
             backend = sentencepiece_backend(md)
         elif kind == "gpt2":

@@ -10,7 +10,7 @@ from shoal.workers.core.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from shoal.workers.engine_args import EngineArgs
-    from shoal.workers.model_executor.rank_worker import RankWorker
+    from shoal.workers.model_executor.runner.rank_worker import RankWorker
 
 
 @runtime_checkable

@@ -20,8 +20,8 @@ from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.distributed.placement import tp_bundles
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.parallel_state import destroy_tp_group
-from shoal.workers.model_executor.model_loader import LoadedModel
-from shoal.workers.model_executor.rank_worker import RENDEZVOUS_TIMEOUT, DistributedInit, RankWorker
+from shoal.workers.model_executor.loader.model_loader import LoadedModel
+from shoal.workers.model_executor.runner.rank_worker import RENDEZVOUS_TIMEOUT, DistributedInit, RankWorker
 
 PLACEMENT_TIMEOUT_S = 120.0
 

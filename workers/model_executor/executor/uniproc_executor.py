@@ -5,8 +5,8 @@ from __future__ import annotations
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.model_executor.model_loader import LoadedModel
-from shoal.workers.model_executor.rank_worker import RankWorker
+from shoal.workers.model_executor.loader.model_loader import LoadedModel
+from shoal.workers.model_executor.runner.rank_worker import RankWorker
 
 
 class UniProcExecutor:

@@ -1,2 +1,2 @@
 """Building blocks of the models: norms, rotary embeddings, attention over
-the paged KV cache, linear layers and the sampler."""
+the paged KV cache, linear layers, fused MoE and quantization."""

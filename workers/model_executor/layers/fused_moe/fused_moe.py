@@ -7,7 +7,7 @@ once and their rows gathered once; each expert that received rows then
 multiplies its slice of them, every expert in one call of the compiled
 few-row kernel per projection (csrc/cpu_gemm.cpp), or expert by expert
 through cpu_linear (the BLAS for long prompt chunks, or without the
-kernels). On CUDA a Triton grouped GEMM (fused_moe_triton) does every
+kernels). On CUDA a Triton grouped GEMM (triton_kernels.py) does every
 expert in one launch per projection.
 
 Numerics are those of transformers' default experts implementation
@@ -57,7 +57,7 @@ def fused_experts(
     if use_triton is None:
         use_triton = hidden.is_cuda
     if use_triton:
-        from shoal.workers.model_executor.layers.fused_moe.fused_moe_triton import triton_fused_experts
+        from shoal.workers.model_executor.layers.fused_moe.triton_kernels import triton_fused_experts
 
         return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map)
     return _cpu_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, cpu_kernels)

@@ -1,5 +1,5 @@
 """The Triton backend: paged attention for the whole step in one launch per
-layer (the kernels: layers/triton_attention.py). `auto` picks it on CUDA;
+layer (the kernels: layers/attention/triton_kernels.py). `auto` picks it on CUDA;
 off CUDA it runs only under Triton's interpreter (the tests).
 
 Triton is imported when the backend is validated or its impl built, not
@@ -18,9 +18,9 @@ from shoal.workers.model_executor.layers.attention.kv_cache import layer_scales
 
 class TritonAttentionImpl:
     def __init__(self):
-        from shoal.workers.model_executor.layers import triton_attention
+        from shoal.workers.model_executor.layers.attention import triton_kernels
 
-        self.paged_attention = triton_attention.paged_attention
+        self.paged_attention = triton_kernels.paged_attention
 
     def forward(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: VarlenMetadata
@@ -48,6 +48,6 @@ class TritonAttentionBackend(VarlenBackend):
     impl_cls = TritonAttentionImpl
 
     def validate(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
-        from shoal.workers.model_executor.layers import triton_attention
+        from shoal.workers.model_executor.layers.attention import triton_kernels
 
-        triton_attention.load(device, block_size)  # raises where the kernel cannot run
+        triton_kernels.load(device, block_size)  # raises where the kernel cannot run

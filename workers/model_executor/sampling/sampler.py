@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
-from shoal.workers.model_executor.layers.sampling_noise import uniforms
+from shoal.workers.model_executor.sampling.metadata import SamplingMetadata
+from shoal.workers.model_executor.sampling.noise import uniforms
 
 
 @dataclass(slots=True)

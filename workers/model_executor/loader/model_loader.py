@@ -194,7 +194,7 @@ def model_weights(
     if load_format == "auto":
         return loaded.weights
     if load_format == "dummy":
-        from shoal.workers.model_executor.dummy_weights import dummy_weights
+        from shoal.workers.model_executor.loader.dummy_weights import dummy_weights
 
         return dummy_weights(loaded.config, device)
     raise ValueError(f"load_format must be auto or dummy; got {load_format!r}")
@@ -231,7 +231,7 @@ def _load_hf_folder(path: str) -> LoadedModel:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    from shoal.workers.model_executor.gguf_file import GGUFFile
+    from shoal.workers.model_executor.loader.gguf_file import GGUFFile
 
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf_metadata(g.metadata, set(g.tensors))
@@ -248,7 +248,7 @@ def _gguf_tensors(g, cfg: ModelConfig, keep_blocks: bool = False):
     --quantization gguf multiplies on their blocks come as GGUFBlocks."""
     import torch
 
-    from shoal.workers.model_executor.gguf_weights import RawBlocks, gguf_weights
+    from shoal.workers.model_executor.loader.gguf_weights import RawBlocks, gguf_weights
 
     keeps = None
     if keep_blocks:

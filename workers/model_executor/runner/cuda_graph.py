@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.workers.model_executor.staging_buffer import StagedBatch
+from shoal.workers.model_executor.runner.staging_buffer import StagedBatch
 
 logger = logging.getLogger(__name__)
 

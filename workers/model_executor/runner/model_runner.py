@@ -29,18 +29,18 @@ from shoal.workers.lora.layers import lora_context
 from shoal.workers.lora.manager import LoRAModelManager
 from shoal.workers.lora.ops import NO_LORA
 from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
-from shoal.workers.model_executor.cpu_memory import release_free_heap
-from shoal.workers.model_executor.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.layers.attention import set_forward_context
 from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.attention.selector import get_attn_backend
 from shoal.workers.model_executor.layers.cpu_kernels import bind as bind_cpu_kernels
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
-from shoal.workers.model_executor.layers.sampler import Sampler
+from shoal.workers.model_executor.memory.cpu_memory import release_free_heap
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
-from shoal.workers.model_executor.sampling_metadata_builder import stage_sampling_metadata
-from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
+from shoal.workers.model_executor.runner.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
+from shoal.workers.model_executor.runner.staging_buffer import StagedBatch, StagingBuffer
+from shoal.workers.model_executor.sampling.builder import stage_sampling_metadata
+from shoal.workers.model_executor.sampling.sampler import Sampler
 from shoal.workers.profiling import step_range
 from shoal.workers.utils import cdiv
 
@@ -147,7 +147,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.impl = impl
         if self.device.type == "cpu":
-            # The heap now holds weights and cache; what loading left free goes back (cpu_memory.py).
+            # The heap now holds weights and cache; what loading left free goes back (memory/cpu_memory.py).
             release_free_heap()
 
     def release_kv_cache(self) -> None:

@@ -24,19 +24,11 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEncoder
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.model_executor.cpu_memory import keep_freed_memory_mapped
-from shoal.workers.model_executor.cuda_graph import CaptureStats
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.cpu_precision import compute_dtype, cpu_bf16_compute
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
-from shoal.workers.model_executor.memory_profiler import (
-    check_weights_fit,
-    estimate_weight_bytes,
-    plan_kv_cache_blocks,
-    profile_memory,
-)
-from shoal.workers.model_executor.model_loader import (
+from shoal.workers.model_executor.loader.model_loader import (
     LoadedModel,
     build_model,
     load_model_files,
@@ -44,10 +36,18 @@ from shoal.workers.model_executor.model_loader import (
     resolve_quantization,
     weight_bytes,
 )
-from shoal.workers.model_executor.model_runner import ModelRunner
+from shoal.workers.model_executor.memory.cpu_memory import keep_freed_memory_mapped
+from shoal.workers.model_executor.memory.memory_profiler import (
+    check_weights_fit,
+    estimate_weight_bytes,
+    plan_kv_cache_blocks,
+    profile_memory,
+)
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.model_executor.runner import Runner
-from shoal.workers.model_executor.simulated_runner import SimulatedRunner, load_cost_model
+from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
+from shoal.workers.model_executor.runner.interface import Runner
+from shoal.workers.model_executor.runner.model_runner import ModelRunner
+from shoal.workers.model_executor.runner.simulated_runner import SimulatedRunner, load_cost_model
 from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import torch
 
 from shoal.workers.core.logit_bias import LogitBias
 from shoal.workers.core.sequence import Sequence
-from shoal.workers.model_executor.layers.sampling_metadata import SamplingMetadata
-from shoal.workers.model_executor.layers.sampling_noise import as_int64_seed
-from shoal.workers.model_executor.staging_buffer import StagedBatch, StagingBuffer
+from shoal.workers.model_executor.runner.staging_buffer import StagedBatch, StagingBuffer
+from shoal.workers.model_executor.sampling.metadata import SamplingMetadata
+from shoal.workers.model_executor.sampling.noise import as_int64_seed
 
 _PREFIX = "sampling."
 

@@ -9,7 +9,7 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from shoal.workers.model_executor.cuda_graph import CaptureStats
+    from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
 
 
 @runtime_checkable

@@ -264,7 +264,7 @@ def _check_runs_on(device: torch.device) -> None:
     if device.type != "cuda" and not isinstance(_paged_attention_kernel, InterpretedFunction):
         raise RuntimeError(
             "the Triton attention kernel needs CUDA (on the CPU, only under TRITON_INTERPRET=1 "
-            "set before triton_attention is first imported, as the tests do)"
+            "set before attention/triton_kernels.py is first imported, as the tests do)"
         )
 
 

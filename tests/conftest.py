@@ -35,3 +35,14 @@ def tiny_models(tmp_path_factory, tiny_model) -> dict[str, str]:
             },
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The compiled CPU kernels, for the tests of the one-call decode step (which needs AVX2)."""
+    from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
+
+    k = cpu_kernels.load()
+    if k is None or not k.has_avx2:
+        pytest.skip("the one-call decode step needs the compiled kernels with AVX2")
+    return k

@@ -1,4 +1,4 @@
-"""The one-call CPU decode step (cpu_decode_step.py, csrc/cpu_decode_layers.cpp)
+"""The one-call CPU decode step (platforms/cpu/decode_step.py, csrc/cpu_decode_layers.cpp)
 on GGUF blocks under --quantization gguf.
 
 The C++ layers multiply GGUF blocks with gguf_linear's and gguf_linear_k's
@@ -24,7 +24,6 @@ from tiny_gguf import write_llama_gguf
 from tiny_models import make_tiny_model
 
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.attention import set_forward_context
 
 gguf = pytest.importorskip("gguf")
@@ -76,14 +75,6 @@ def _types(u: dict[str, int]) -> dict[str, int]:
         "ffn_up": u["ffn"],
         "ffn_down": u["ffn_down"],
     }
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    if k is None or not k.has_avx2:
-        pytest.skip("the one-call decode step needs the compiled kernels with AVX2")
-    return k
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +230,7 @@ def test_argmax_rows_is_torch_argmax(kernels):
 @pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_0])
 def test_gguf_embedding_is_dequantize(kernels, ggml_type):
     """The step's lookup against gguf.py's dequantize of the same rows."""
-    from shoal.workers.model_executor.layers.quantization.gguf import dequantize
+    from shoal.workers.model_executor.platforms.cpu.gguf_blocks import dequantize
 
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)).numpy()
     blocks = torch.from_numpy(gguf.quants.quantize(w, ggml_type))

@@ -7,7 +7,7 @@ a row layer (q/k/v -> o, gate/up -> down) costs one all-reduce.
 
 Each layer owns a method object (quantization/): the method registers the
 weight and computes x W^T; the layer keeps the split. Unquantized (the
-default, no config) is today's weight and cpu_linear.linear's matmul. Each
+default, no config) is today's weight and platforms/cpu/matmul.py's matmul. Each
 parameter carries a `weight_loader(param, tensor, shard_id)` that cuts this
 rank's part out of a full checkpoint tensor.
 """
@@ -25,8 +25,8 @@ from shoal.workers.model_executor.layers.weight_utils import check_shape, defaul
 
 class LinearBase(nn.Module):
     """What every linear layer shares: its method, asked of the config once
-    (None: unquantized), and the compiled CPU kernels the method reads (set by
-    the model runner, None until then)."""
+    (None: unquantized), and the compiled CPU kernels the method reads (bound
+    by platforms/cpu/bind.py, None until then)."""
 
     def __init__(self, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()

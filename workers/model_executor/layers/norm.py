@@ -1,8 +1,8 @@
 """RMSNorm, computed in float32 as transformers does, so float32 runs match
 it bit for bit and half-precision runs match its rounding. On CUDA (or
 with EngineArgs.fused_ops, see fused_ops) one Triton kernel does the residual
-add and the norm; on the CPU, where the model runner gives the layer the
-compiled kernels, one C++ call (csrc/cpu_ops.cpp)."""
+add and the norm; on the CPU, where platforms/cpu/bind.py gives the layer the
+compiled kernels, one C++ call (platforms/cpu/csrc/cpu_ops.cpp)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group
 from shoal.workers.model_executor.layers.quantization.base_config import QuantizationConfig
 from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedEmbeddingMethod
 from shoal.workers.model_executor.layers.weight_utils import check_shape
-from shoal.workers.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -26,6 +26,7 @@ from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
 from shoal.workers.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.workers.model_executor.layers.weight_utils import default_weight_loader
 from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.model_executor.models.decode_plan import LLAMA, DecodePlan, DecoderLayerPlan
 
 
 class LlamaAttention(nn.Module):
@@ -118,6 +119,21 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def decode_plan(self) -> DecoderLayerPlan:
+        """This layer's parts, as a one-call decode step reads them (models/decode_plan.py)."""
+        a, m = self.self_attn, self.mlp
+        return DecoderLayerPlan(
+            LLAMA,
+            self.input_layernorm,
+            a.qkv_proj,
+            a.o_proj,
+            self.post_attention_layernorm,
+            m.gate_up_proj,
+            m.down_proj,
+            a.attn,
+            a.rotary,
+        )
+
 
 def llama_weight_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """The Llama family's checkpoint: tensor names and full shapes."""
@@ -200,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
     def store_matrices_in(self, dtype: torch.dtype) -> None:
         """Stores the weight matrices (linear layers, embedding, LM head) in
         `dtype`; norms, activations and the KV cache keep the model's dtype.
-        Each matmul widens the weights it reads (layers/cpu_linear.py)."""
+        Each matmul widens the weights it reads (platforms/cpu/matmul.py)."""
         for m in self.modules():
             # A quantized method's weights are its own (GGUF blocks): only unquantized ones narrow.
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and isinstance(
@@ -210,6 +226,17 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The model as a platform's one-call decode step reads it
+        (models/decode_plan.py). Llama's own only: a family built on this
+        class changes what its layers compute (Qwen3's QK-norm, a mixture's
+        experts, Phi-3's partial and LongRoPE rotary) and offers none until
+        it plans its own."""
+        if type(self) is not LlamaForCausalLM:
+            return None
+        layers = tuple(layer.decode_plan() for layer in self.layers)
+        return DecodePlan(layers, self.embed_tokens, self.norm, self.lm_head, self.config.rms_norm_eps)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids).to(self.dtype)

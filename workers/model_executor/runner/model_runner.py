@@ -9,7 +9,7 @@ The attention backend is picked once, at construction (layers/attention/
 selector.py); each step the runner stages the batch, asks the backend's
 builder for the step's metadata and runs the model, or for a decode-only
 step replays a CUDA graph (cuda_graph.py) or takes the one-call CPU decode
-step (cpu_decode_step.py).
+step (platforms/cpu/decode_step.py).
 """
 
 from __future__ import annotations
@@ -20,29 +20,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shoal.proto.sampling_params import SamplingParams
+from shoal.proto.utils import cdiv
 from shoal.workers.core.outputs import ModelRunnerOutput
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.lora.layers import lora_context
 from shoal.workers.lora.manager import LoRAModelManager
 from shoal.workers.lora.ops import NO_LORA
-from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
 from shoal.workers.model_executor.layers.attention import set_forward_context
 from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.attention.selector import get_attn_backend
-from shoal.workers.model_executor.layers.cpu_kernels import bind as bind_cpu_kernels
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
 from shoal.workers.model_executor.memory.cpu_memory import release_free_heap
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
+from shoal.workers.model_executor.platforms.interface import DecodeStep
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.runner.staging_buffer import StagedBatch, StagingBuffer
 from shoal.workers.model_executor.sampling.builder import stage_sampling_metadata
 from shoal.workers.model_executor.sampling.sampler import Sampler
 from shoal.workers.profiling import step_range
-from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +101,18 @@ class ModelRunner:
             attention_backend, self.device, self.dtype, block_size, cpu_kernels, self.kv_cache_dtype
         )
         self.attn_metadata_builder = self.attn_backend.builder_cls(block_size, self.device)
-        # The compiled kernels reach the other layers here, once (layers/cpu_kernels.py), and with
-        # them the one-call decode step where it applies.
-        bound = bind_cpu_kernels(model, self.attn_backend.cpu_kernels)
-        self.sampler.cpu_kernels = bound
-        self.cpu_decode_step = CPUDecodeStep.create(model, bound)
+        # The compiled kernels reach the other layers here, once (platforms/cpu/bind.py), and with
+        # them the one-call decode step where it applies. The CPU platform is imported only where
+        # its kernels run: it needs the gguf package, which a GPU machine may lack.
+        self.cpu_decode_step: DecodeStep | None = None
+        if self.attn_backend.uses_cpu_kernels:
+            from shoal.workers.model_executor.platforms.cpu.bind import bind as bind_cpu_kernels
+            from shoal.workers.model_executor.platforms.cpu.decode_step import CPUDecodeStep
+            from shoal.workers.model_executor.platforms.cpu.kernels import load as load_cpu_kernels
+
+            bound = bind_cpu_kernels(model, load_cpu_kernels())
+            self.sampler.cpu_kernels = bound
+            self.cpu_decode_step = CPUDecodeStep.create(model, bound)
         self.lora_manager: LoRAModelManager | None = None
 
     def enable_lora(

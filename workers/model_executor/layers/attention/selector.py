@@ -11,7 +11,7 @@ from shoal.workers.model_executor.layers.attention.backends.flash_attn import Fl
 from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPABackend
 from shoal.workers.model_executor.layers.attention.backends.triton_attn import TritonAttentionBackend
 from shoal.workers.model_executor.layers.attention.kv_cache import FP8_DTYPE
-from shoal.workers.model_executor.layers.cpu_kernels import load as load_cpu_kernels
+from shoal.workers.model_executor.platforms.cpu.kernels import load as load_cpu_kernels
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     b.name: b for b in (TorchSDPABackend, CPUKernelBackend, TritonAttentionBackend, FlashAttentionBackend)

@@ -6,7 +6,7 @@ its down projection. On the CPU the (token, k) pairs are sorted by expert
 once and their rows gathered once; each expert that received rows then
 multiplies its slice of them, every expert in one call of the compiled
 few-row kernel per projection (csrc/cpu_gemm.cpp), or expert by expert
-through cpu_linear (the BLAS for long prompt chunks, or without the
+through platforms/cpu/matmul.py (the BLAS for long prompt chunks, or without the
 kernels). On CUDA a Triton grouped GEMM (triton_kernels.py) does every
 expert in one launch per projection.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shoal.workers.model_executor.layers.cpu_linear import MAX_KERNEL_ROWS, linear
+from shoal.workers.model_executor.platforms.cpu.matmul import MAX_KERNEL_ROWS, linear
 
 
 def _act_and_mul(x: torch.Tensor, activation: str, cpu_kernels) -> torch.Tensor:

@@ -25,7 +25,9 @@ Tensor parallelism cuts packed words and scale groups whole or refuses.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -151,14 +153,14 @@ class CompressedTensorsConfig(QuantizationConfig):
         """The widest of the groups' stored weights: one byte (W8A8: a scale
         per row besides, not counted), or half a byte and a scale (in the
         model's dtype while loading) per group."""
-        return max(1.0 if s.kind != "w4a16" else 0.5 + dtype.itemsize / s.group_size for _, s in self.groups)
+        return max(1.0 if s.kind != "w4a16" else 0.5 + dtype.itemsize / cast(int, s.group_size) for _, s in self.groups)
 
     def scheme_for(self, layer: nn.Module, prefix: str) -> Scheme | None:
         """The scheme of the layer the checkpoint calls `prefix` (every part of a
         fused layer must agree), None where it is ignored or no group targets it."""
         head, _, last = prefix.rpartition(".")
         names = [f"{head}.{p}" for p in _FUSED[last]] if last in _FUSED else [prefix]
-        found = set()
+        found: set[Scheme | None] = set()
         for name in names:
             if any(_matches(t, name, layer) and t != "Linear" for t in self.ignore):
                 found.add(None)
@@ -178,13 +180,18 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme is None:
             return None
         # (a FusedMoE refuses any method, naming itself: quantized experts are not served yet)
-        return {"w8a8_int8": CTInt8Method, "w8a8_fp8": CTFp8Method, "w4a16": CTW4A16Method}[scheme.kind](scheme)
+        methods: dict[str, Callable[[Scheme], QuantizeMethodBase]] = {
+            "w8a8_int8": CTInt8Method,
+            "w8a8_fp8": CTFp8Method,
+            "w4a16": CTW4A16Method,
+        }
+        return methods[scheme.kind](scheme)
 
 
 # --- loading: each stored tensor into this rank's part of its parameter ---
 
 
-def _rows_of(layer: nn.Module, shard_id: int | None) -> tuple[int, int, int, int]:
+def _rows_of(layer: Any, shard_id: int | None) -> tuple[int, int, int, int]:
     """(full rows of this part, rows here, first row taken, offset in the parameter)."""
     shards = getattr(layer, "shards", None)
     if shards is None:  # a row-parallel layer: every output row, one part
@@ -194,7 +201,7 @@ def _rows_of(layer: nn.Module, shard_id: int | None) -> tuple[int, int, int, int
     return full, local, start, sum(n for _, n, _ in shards[:shard_id])
 
 
-def _cols_of(layer: nn.Module, per: int, what: str) -> tuple[int, int]:
+def _cols_of(layer: Any, per: int, what: str) -> tuple[int, int]:
     """(first, count) of this rank's stored columns, `per` input features to
     a column (8 to a packed word, group_size to a scale)."""
     tp = getattr(layer, "tp", None)
@@ -240,7 +247,7 @@ def make_loader(layer: nn.Module, by_rows: bool, per_col: int | None, what: str)
 
 
 def _param(layer: nn.Module, name: str, shape: tuple, dtype: torch.dtype, loader) -> None:
-    p = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    p: Any = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)  # with a weight_loader
     p.weight_loader = loader
     layer.register_parameter(name, p)
 
@@ -277,7 +284,8 @@ class _W8A8Stored(_CTMethod):
         self._scales_and_extras(layer, rows)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.weight_scale = nn.Parameter(layer.weight_scale.data.float().reshape(-1), requires_grad=False)
+        scale = cast(torch.Tensor, layer.weight_scale)
+        layer.weight_scale = nn.Parameter(scale.data.float().reshape(-1), requires_grad=False)
 
 
 class CTInt8Method(_W8A8Stored, Int8LinearMethod):
@@ -310,10 +318,11 @@ class CTW4A16Method(_CTMethod, LinearMethodBase):
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        g = self.scheme.group_size
+        g = cast(int, self.scheme.group_size)  # set for W4A16 (parse_scheme)
+        packed, scale = cast(torch.Tensor, layer.weight_packed), cast(torch.Tensor, layer.weight_scale)
         if x.is_cuda:
-            y = w4a16_mm(x2, layer.weight_packed, layer.weight_scale, g, bias)
+            y = w4a16_mm(x2, packed, scale, g, bias)
         else:  # the reference: the weights expanded per call (Triton's path is the GPU's)
-            w = dequantize_int4(layer.weight_packed, layer.weight_scale, shape[-1], g)
+            w = dequantize_int4(packed, scale, shape[-1], g)
             y = F.linear(x2.float(), w, None if bias is None else bias.float()).to(x.dtype)
         return y.reshape(*shape[:-1], y.shape[-1])

@@ -13,6 +13,8 @@ LM head stay in the model's dtype, as vLLM keeps them.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -27,7 +29,7 @@ class Fp8LinearMethod(FloatWeightMethod):
         from shoal.workers.model_executor.layers.quantization.triton_quant import quantize_weight_fp8
 
         # One scale for the whole tensor (the fused q, k, v share it), broadcast to a row each.
-        q, s = quantize_weight_fp8(layer.weight.data, per_channel=False)
+        q, s = quantize_weight_fp8(cast(torch.Tensor, layer.weight).data, per_channel=False)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(s.expand(q.shape[0]).contiguous(), requires_grad=False)
 
@@ -36,7 +38,8 @@ class Fp8LinearMethod(FloatWeightMethod):
         # TRITON_INTERPRET before the first import)
         from shoal.workers.model_executor.layers.quantization.triton_quant import fp8_w8a8_mm
 
-        return fp8_w8a8_mm(x, layer.weight, layer.weight_scale, bias, out_dtype=x.dtype)
+        weight, scale = cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.weight_scale)
+        return fp8_w8a8_mm(x, weight, scale, bias, out_dtype=x.dtype)
 
 
 class Fp8Config(LinearLayersConfig):

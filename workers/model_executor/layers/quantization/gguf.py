@@ -12,51 +12,49 @@ embedding) whose data is the blocks as uint8 [rows, row bytes] and whose
 gate, up) may come in different types (a Q4_K_M file keeps some in Q6_K):
 those are kept as groups and multiplied one after the other. Matrices the
 file holds in a float type are kept in float and take the unquantized
-matmul. On the CPU the compiled kernels (csrc/gguf_gemv.cpp for the
-32-weight types, csrc/gguf_kquants.cpp for the K-quants) quantize each
-activation row per block to 8 bits and take integer dot products, as
-llama.cpp does; while they are bound, the 32-weight types are kept packed
-in groups of 16 rows (set_packed; llama.cpp repacks its Q4_0 the same way
-on AVX-512). Elsewhere the blocks are expanded per call (a reference, not
-a fast path).
+matmul. The blocks are multiplied by the CPU platform's GGUF block
+kernels (platforms/cpu/gguf_blocks.py: integer dot products on the blocks
+as llama.cpp takes them, while the compiled kernels are bound), elsewhere
+expanded per call (a reference, not a fast path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.quantization.base_config import (
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
     set_weight_attrs,
 )
+from shoal.workers.model_executor.platforms.cpu.matmul import linear
 
-# ggml type -> (name, weights a block, bytes a block) of the types computed on their blocks
-BLOCK_TYPES = {
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-}
-FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
-_KQUANTS = (12, 13, 14)
-F32 = 0  # the type of a matrix kept in float
+
+def _blocks() -> Any:
+    """platforms/cpu/gguf_blocks.py, imported on first use: it needs the gguf
+    package, which only a GGUF model does (a GPU machine may lack it)."""
+    from shoal.workers.model_executor.platforms.cpu import gguf_blocks
+
+    return gguf_blocks
+
+
+def block_types() -> dict[int, tuple[str, int, int]]:
+    """The GGUF types computed on their blocks: type -> (name, weights a block, bytes a block)."""
+    return _blocks().BLOCK_TYPES
 
 
 def type_name(ggml_type: int) -> str:
-    try:
-        from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
+    try:
         return GGMLQuantizationType(ggml_type).name
-    except (ImportError, ValueError):
+    except ValueError:
         return f"type {ggml_type}"
 
 
@@ -71,12 +69,13 @@ class GGUFBlocks:
     cols: int
 
     def __post_init__(self):
-        if self.ggml_type not in BLOCK_TYPES:
+        block_types = _blocks().BLOCK_TYPES
+        if self.ggml_type not in block_types:
             raise ValueError(
                 f"GGUF type {type_name(self.ggml_type)} is not computed on its blocks; shoal computes "
-                f"{', '.join(n for n, _, _ in BLOCK_TYPES.values())} (or --quantization none expands it)"
+                f"{', '.join(n for n, _, _ in block_types.values())} (or --quantization none expands it)"
             )
-        _, per, size = BLOCK_TYPES[self.ggml_type]
+        _, per, size = block_types[self.ggml_type]
         if self.cols % per or self.data.shape[-1] != self.cols // per * size:
             raise ValueError(f"{type_name(self.ggml_type)} rows of {self.cols} columns are not whole blocks")
 
@@ -86,7 +85,7 @@ class GGUFBlocks:
 
     @property
     def block(self) -> tuple[int, int]:
-        return BLOCK_TYPES[self.ggml_type][1:]
+        return _blocks().BLOCK_TYPES[self.ggml_type][1:]
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks:
         if dim == 0:
@@ -107,68 +106,6 @@ class GGUFBlocks:
         if dim != 0:
             raise ValueError("GGUF blocks split by rows only")
         return [GGUFBlocks(d, self.ggml_type, self.cols) for d in self.data.split(sizes, 0)]
-
-
-def dequantize(data: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
-    """float32 [rows, cols] of uint8 block rows: in torch for the 32-weight
-    types (an embedding lookup expands only its rows this way), through
-    gguf's numpy code for the K-quants."""
-    rows = data.shape[0]
-    if ggml_type in (2, 3, 8):
-        _, per, size = BLOCK_TYPES[ggml_type]
-        b = data.reshape(rows, cols // per, size)
-        d = b[..., 0:2].contiguous().view(torch.float16).float()
-        if ggml_type == 8:
-            return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, cols)
-        qs = b[..., 4:] if ggml_type == 3 else b[..., 2:]
-        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()  # byte i: value i low, value 16 + i high
-        if ggml_type == 2:
-            return (d * (q - 8)).reshape(rows, cols)
-        m = b[..., 2:4].contiguous().view(torch.float16).float()
-        return (d * q + m).reshape(rows, cols)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
-    out = gguf_dequantize(data.cpu().numpy(), GGMLQuantizationType(ggml_type))
-    return torch.from_numpy(out.reshape(rows, cols)).to(data.device)
-
-
-PACKED_TYPES = (2, 3, 8)  # kept packed for gguf_linear while the CPU kernels are bound
-
-
-def set_packed(param: nn.Parameter, kernels) -> None:
-    """Puts a GGUF weight's Q4_0 / Q4_1 / Q8_0 groups in the layout the
-    bound CPU kernels multiply (kernels.gguf_pack: each 16 rows interleaved
-    for vpdpbusd, the same bytes moved), or back as the file stores them
-    when the kernels are unbound (None). A tied head's weight is the
-    embedding's parameter: packed once."""
-    groups = getattr(param, "gguf_groups", None)
-    packed_by = getattr(param, "gguf_packed_by", None)
-    if groups is None or packed_by is kernels:
-        return
-    new = []
-    for t, data, cols in groups:
-        if t in PACKED_TYPES and data.device.type == "cpu":
-            if packed_by is not None:
-                data = packed_by.gguf_pack(data, t, True)
-            if kernels is not None:
-                data = kernels.gguf_pack(data, t, False)
-        new.append((t, data, cols))
-    param.gguf_groups = new
-    param.gguf_packed_by = kernels
-    if len(new) == 1:
-        param.data = new[0][1]
-
-
-def block_matmul(x: torch.Tensor, data: torch.Tensor, ggml_type: int, cols: int, kernels) -> torch.Tensor:
-    """x [M, cols] @ W^T for W's blocks, float32 out (the 32-weight types
-    packed by set_packed when kernels is not None)."""
-    if kernels is not None and x.device.type == "cpu":
-        xf = x.float().contiguous()
-        if ggml_type in _KQUANTS:
-            return kernels.gguf_linear_k(xf, data, ggml_type, False)
-        return kernels.gguf_linear(xf, data, ggml_type, False)
-    return F.linear(x.float(), dequantize(data, ggml_type, cols))
 
 
 class _Parts:
@@ -193,7 +130,7 @@ def _own(b: GGUFBlocks) -> GGUFBlocks:
     return GGUFBlocks(b.data.contiguous().clone(), b.ggml_type, b.cols)
 
 
-def _finish(param: nn.Parameter, name: str) -> None:
+def _finish(param: Any, name: str) -> None:
     """Joins the stored parts into the parameter: one run of blocks when
     every part has the same type, groups of (type, rows) when not. Float
     parts stay float32 (GGUF is served on the CPU, in float32)."""
@@ -203,8 +140,9 @@ def _finish(param: nn.Parameter, name: str) -> None:
     if any(p is None for p in parts.shards):
         raise ValueError(f"{name}: the checkpoint lacks a part of this weight")
     groups: list[tuple[int, torch.Tensor, int]] = []  # (ggml type, rows, columns), float as F32
-    for p in parts.shards:
-        t, data, cols = (p.ggml_type, p.data, p.cols) if isinstance(p, GGUFBlocks) else (F32, p, p.shape[1])
+    f32 = _blocks().F32
+    for p in cast("list[GGUFBlocks | torch.Tensor]", parts.shards):  # none missing: checked above
+        t, data, cols = (p.ggml_type, p.data, p.cols) if isinstance(p, GGUFBlocks) else (f32, p, p.shape[1])
         if groups and groups[-1][0] == t:
             groups[-1] = (t, torch.cat([groups[-1][1], data]), cols)
         else:
@@ -228,7 +166,7 @@ class GGUFLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        weight: Any = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # with attributes of its own
         set_weight_attrs(weight, extra_weight_attrs)
         weight.gguf_parts = _Parts(len(output_partition_sizes))
         weight.store_part = weight.gguf_parts.store
@@ -241,11 +179,13 @@ class GGUFLinearMethod(LinearMethodBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         outs = []
-        for t, data, cols in layer.weight.gguf_groups:
-            if t == F32:
+        weight: Any = layer.weight  # a Parameter with gguf_groups (_finish)
+        blocks = _blocks()
+        for t, data, cols in weight.gguf_groups:
+            if t == blocks.F32:
                 outs.append(linear(x2, data, None, layer.cpu_kernels))
             else:
-                outs.append(block_matmul(x2, data, t, cols, layer.cpu_kernels).to(x.dtype))
+                outs.append(blocks.block_matmul(x2, data, t, cols, layer.cpu_kernels).to(x.dtype))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if bias is not None:
             y = y + bias
@@ -257,15 +197,17 @@ class GGUFEmbeddingMethod(GGUFLinearMethod):
     embedding in Q8_0 stays Q8_0); the LM head multiplies on the blocks."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        ((t, data, cols),) = layer.weight.gguf_groups
+        weight: Any = layer.weight  # a Parameter with gguf_groups (_finish)
+        ((t, data, cols),) = weight.gguf_groups
         ids = input_ids.reshape(-1)
         packed_by = getattr(layer.weight, "gguf_packed_by", None)
-        if t == F32:
+        blocks = _blocks()
+        if t == blocks.F32:
             rows = F.embedding(ids, data)
-        elif packed_by is not None and t in PACKED_TYPES:
-            rows = dequantize(packed_by.gguf_packed_rows(data, ids, t), t, cols)
+        elif packed_by is not None and t in blocks.PACKED_TYPES:
+            rows = blocks.dequantize(packed_by.gguf_packed_rows(data, ids, t), t, cols)
         else:
-            rows = dequantize(data.index_select(0, ids), t, cols)
+            rows = blocks.dequantize(data.index_select(0, ids), t, cols)
         return rows.reshape(*input_ids.shape, cols)
 
 

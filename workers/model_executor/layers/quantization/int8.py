@@ -17,6 +17,8 @@ with its own create_weights. Where it runs:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -63,12 +65,12 @@ class Int8LinearMethod(FloatWeightMethod):
     per-channel symmetric all the same (the partial sums are reduced in float)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_per_channel(layer.weight.data)
+        q, scale = quantize_per_channel(cast(torch.Tensor, layer.weight).data)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight, scale = layer.weight, layer.weight_scale
+        weight, scale = cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.weight_scale)
         if weight.dtype != torch.int8:
             raise ValueError(f"int8 linear layer: weight is {weight.dtype}, not int8 (weights not processed?)")
         x2d = x.reshape(-1, x.shape[-1])

@@ -3,12 +3,14 @@ quantization config asks for another."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.quantization.base_config import LinearMethodBase, set_weight_attrs
+from shoal.workers.model_executor.platforms.cpu.matmul import linear
 
 
 class FloatWeightMethod(LinearMethodBase):
@@ -35,11 +37,11 @@ class FloatWeightMethod(LinearMethodBase):
 class UnquantizedLinearMethod(FloatWeightMethod):
     """One weight [local rows, local inputs] in the model's dtype (or the
     narrower one store_matrices_in casts it to), multiplied by
-    cpu_linear.linear: the compiled few-row kernel where the model runner has
-    bound the layer's `cpu_kernels`, torch's F.linear otherwise."""
+    platforms/cpu/matmul.py's linear: the compiled few-row kernel where
+    platforms/cpu/bind.py has bound the layer's `cpu_kernels`, torch's F.linear otherwise."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, layer.weight, bias, layer.cpu_kernels)
+        return linear(x, cast(torch.Tensor, layer.weight), bias, layer.cpu_kernels)
 
 
 class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
@@ -48,4 +50,4 @@ class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
     multiplied by `apply` (the LM head)."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, layer.weight)
+        return F.embedding(input_ids, cast(torch.Tensor, layer.weight))

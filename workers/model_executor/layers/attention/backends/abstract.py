@@ -83,10 +83,10 @@ class AttentionBackend(Protocol):
     # query offsets) that one kernel call per layer reads: a layout CUDA
     # graphs can replay, with a spare KV block for the padding rows.
     varlen: bool
-    # The compiled CPU kernels (layers/cpu_kernels.py) this backend runs on,
-    # which the linear layers, small ops and the one-call decode step then
-    # share; None for every backend but cpu_kernel.
-    cpu_kernels: Any
+    # Runs on the compiled CPU kernels (platforms/cpu/), which the model
+    # runner then binds to the other layers too (platforms/cpu/bind.py);
+    # only cpu_kernel does.
+    uses_cpu_kernels: bool
     # Reads and writes a float8_e4m3fn cache with per-tensor scales
     # (--kv-cache-dtype fp8, attention/kv_cache.py).
     supports_fp8_kv_cache: bool

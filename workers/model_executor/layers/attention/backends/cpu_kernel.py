@@ -1,4 +1,4 @@
-"""The compiled CPU backend (layers/csrc/paged_decode_cpu.cpp), for float32
+"""The compiled CPU backend (platforms/cpu/csrc/paged_decode_cpu.cpp), for float32
 engines on the CPU: decodes read the paged cache directly, each key and
 value once for all the query heads that share it, each context at its own
 length (no padding, so one group and no mask), from the block of its
@@ -9,8 +9,8 @@ included, except a fresh prompt longer than PAGED_PREFILL_MAX_FRESH, where
 torch's own flash attention over its contiguous keys measured faster.
 
 Choosing it also brings the compiled matmul and small ops to the other
-layers and the one-call decode step (model_executor/cpu_decode_step.py),
-through `cpu_kernels`.
+layers and the one-call decode step (platforms/cpu/: the model runner binds
+them where a backend declares uses_cpu_kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionLayer, CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import (
     DecodeGroup,
@@ -28,9 +29,8 @@ from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import (
     prefill_attention,
     prefill_chunks,
 )
-from shoal.workers.model_executor.layers.cpu_kernels import load as load_cpu_kernels
+from shoal.workers.model_executor.platforms.cpu.kernels import load as load_cpu_kernels
 from shoal.workers.profiling import step_range
-from shoal.workers.utils import cdiv
 
 REQUIREMENTS = "attention_backend='cpu_kernel' needs a CPU, float32, a C++ compiler and cpu_kernels on"
 # A fresh prompt (no context before it) of more tokens than this takes torch's
@@ -151,15 +151,12 @@ class CPUKernelImpl:
 class CPUKernelBackend:
     name = "cpu_kernel"
     varlen = False
+    uses_cpu_kernels = True
     supports_fp8_kv_cache = False  # the compiled decode kernel reads float32 caches
     metadata_cls = CPUKernelMetadata
     builder_cls = CPUKernelMetadataBuilder
     impl_cls = CPUKernelImpl
 
-    @property
-    def cpu_kernels(self):
-        return load_cpu_kernels()  # built once per process
-
     def validate(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
-        if device.type != "cpu" or dtype != torch.float32 or self.cpu_kernels is None:
+        if device.type != "cpu" or dtype != torch.float32 or load_cpu_kernels() is None:  # built once per process
             raise RuntimeError(REQUIREMENTS)

@@ -18,15 +18,16 @@ are built by the first layer that has it and kept for the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionLayer, CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.kv_cache import dequantize_fp8, fp8_round_trip, is_fp8, layer_scales
 from shoal.workers.profiling import step_range
-from shoal.workers.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -70,12 +71,13 @@ class TorchSDPAMetadata:
         """The decode groups as a layer with this sliding window reads them."""
         if not window or not self.decodes:
             return self.decodes
-        lens = self.common.seq_lens_cpu
+        common = cast(CommonAttentionMetadata, self.common)  # the builder sets it beside the decodes
+        lens = common.seq_lens_cpu
         if all(max(lens[g.start : g.end]) <= window for g in self.decodes):
             return self.decodes  # every key is in the window
         groups = self.windowed_decodes.get(window)
         if groups is None:
-            tables, device = self.common.block_tables_cpu, self.slot_mapping.device
+            tables, device = common.block_tables_cpu, self.slot_mapping.device
             groups = [
                 decode_group(lens, tables, g.start, g.end, self.block_size, device, True, window) for g in self.decodes
             ]
@@ -274,7 +276,7 @@ class TorchSDPAImpl:
 class TorchSDPABackend:
     name = "torch"
     varlen = False
-    cpu_kernels = None
+    uses_cpu_kernels = False
     supports_fp8_kv_cache = True
     metadata_cls = TorchSDPAMetadata
     builder_cls = TorchSDPAMetadataBuilder

@@ -7,6 +7,7 @@ building the metadata copies nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -30,11 +31,12 @@ class VarlenMetadataBuilder:
         pass  # the staged tensors say it all
 
     def build(self, common: CommonAttentionMetadata) -> VarlenMetadata:
+        # the model runner stages the varlen tensors for a varlen backend
         return VarlenMetadata(
             slot_mapping=common.slot_mapping,
-            block_tables=common.block_table_tensor,
-            seq_lens=common.seq_lens,
-            query_start_loc=common.query_start_loc,
+            block_tables=cast(torch.Tensor, common.block_table_tensor),
+            seq_lens=cast(torch.Tensor, common.seq_lens),
+            query_start_loc=cast(torch.Tensor, common.query_start_loc),
             max_query_len=common.max_query_len,
         )
 
@@ -43,7 +45,7 @@ class VarlenBackend:
     """Declares what a varlen backend has in common; each adds its name, impl and validate."""
 
     varlen = True
-    cpu_kernels = None
+    uses_cpu_kernels = False
     supports_fp8_kv_cache = False  # flash-attn 2 reads 16-bit caches only
     metadata_cls = VarlenMetadata
     builder_cls = VarlenMetadataBuilder

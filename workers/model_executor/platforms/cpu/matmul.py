@@ -8,7 +8,7 @@ those steps on the CPU in float32; long prompt chunks stay with the BLAS,
 whose cache tiling is built for them. A layer whose weights are stored in
 bfloat16 under a float32 model (--weight-dtype bfloat16) computes in
 float32 either way. A bfloat16 model (where the CPU has bfloat16 dot
-products: cpu_precision.py) takes F.linear in bfloat16, which torch runs
+products: precision.py) takes F.linear in bfloat16, which torch runs
 through oneDNN with float32 sums.
 """
 

@@ -11,7 +11,7 @@ transformers and vLLM run bfloat16).
 Elsewhere torch emulates bfloat16 and runs 7-9x slower than float32 at
 64-256 rows (a 2-core AVX2 Zen 3, single-threaded): there the engine
 computes in float32, and bfloat16 weights stay stored in bfloat16,
-widened as they are read (cpu_linear.py).
+widened as they are read (matmul.py).
 
 SHOAL_CPU_BF16 overrides the detection: 1 computes in bfloat16 on any CPU
 (correct but slow without the instructions: for tests), 0 never does.

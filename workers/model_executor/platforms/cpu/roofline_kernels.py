@@ -21,7 +21,7 @@ def load():
     global _kernel, _tried
     if _tried:
         return _kernel
-    from shoal.workers.model_executor.layers.kernel_build import KernelBuildTimeout, load_extension
+    from shoal.workers.model_executor.platforms.cpu.kernel_build import KernelBuildTimeout, load_extension
 
     try:
         csrc = os.path.join(os.path.dirname(__file__), "csrc")

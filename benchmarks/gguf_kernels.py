@@ -38,7 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from shoal.benchmarks.moe_kernel import time_alternating
-from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 _ROTATE_BYTES = 256 << 20
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536)}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.utils import cdiv
 
 
 def kv_bytes_per_sequence(

@@ -18,8 +18,8 @@ import random
 import statistics
 import time
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.messages import GenerateRequest
 
 PEERS = ("llamacpp",)
 

@@ -1,6 +1,6 @@
 """How fast the CPU fused-MoE path reads expert weights at decode, next to a
 dense SwiGLU MLP of the same bytes through the same compiled matmul
-(layers/cpu_linear.py).
+(platforms/cpu/matmul.py).
 
 A decode step's MoE layer multiplies a few rows by the weights of each
 expert its tokens picked: a read of those experts' weights, split into one
@@ -28,9 +28,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from shoal.workers.model_executor.layers import cpu_kernels
-from shoal.workers.model_executor.layers.cpu_linear import linear
 from shoal.workers.model_executor.layers.fused_moe import fused_experts, select_experts
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
+from shoal.workers.model_executor.platforms.cpu.matmul import linear
 
 # At least this many weight bytes are cycled through, several times any L3 cache.
 _ROTATE_BYTES = 400 << 20

@@ -190,7 +190,7 @@ def model_params(model) -> int:
 
 def run_shoal(args: EngineArgs, work) -> dict:
     from shoal.workers import LLM, SamplingParams
-    from shoal.workers.model_executor.layers.cpu_precision import compute_dtype
+    from shoal.workers.model_executor.platforms.cpu.precision import compute_dtype
 
     llm = LLM(**dataclasses.asdict(args))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]

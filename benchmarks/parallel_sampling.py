@@ -19,8 +19,8 @@ import random
 import statistics
 import time
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.messages import GenerateRequest
 
 
 def measure(engine, prompt: list[int], n: int, output_len: int, grouped: bool) -> tuple[float, float, int]:

@@ -11,7 +11,7 @@ import argparse
 import random
 import timeit
 
-from shoal.workers.core.block_hash import adopt_chain, chain_hashes
+from shoal.proto.block_hash import adopt_chain, chain_hashes
 
 
 def python_hash_chain(token_ids: list[int], block_size: int) -> list[int]:

@@ -26,7 +26,7 @@ try:
 except ImportError:
     from shoal.router.frontend import Frontend, ModelInfo
     from shoal.router.prompt import Prompt, tokenize
-from shoal.workers.core.block_hash import chain_hashes
+from shoal.proto.block_hash import chain_hashes
 num_tokens, block_size, calls = map(int, sys.argv[1:4])
 fe = Frontend(None, None, ModelInfo("m", 8192, 49152, block_size, 1, 1))
 ids = [(i * 7919) % 49152 for i in range(num_tokens)]

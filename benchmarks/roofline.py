@@ -98,7 +98,7 @@ def measure_rooflines(
     GEMMs reached (measure_gemms), kept beside the peaks."""
     import torch
 
-    from shoal.workers.model_executor.layers import roofline_kernels
+    from shoal.workers.model_executor.platforms.cpu import roofline_kernels
 
     threads = threads or torch.get_num_threads()
     kernel = roofline_kernels.load()
@@ -225,7 +225,7 @@ def measure_gemms(threads: int, int8: bool = True, seconds: float = 2.0) -> dict
             from gguf import GGMLQuantizationType
             from gguf.quants import quantize
 
-            from shoal.workers.model_executor.layers import cpu_kernels
+            from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
             kernels = cpu_kernels.load()
             if kernels is not None:

@@ -32,13 +32,13 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shoal.workers.core.block_hash import chain_hashes
+from shoal.proto.block_hash import chain_hashes
+from shoal.proto.sampling_params import SamplingParams
+from shoal.proto.utils import cdiv
 from shoal.workers.core.block_manager import BlockManager
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings
 from shoal.workers.core.sequence import Sequence as EngineSequence
 from shoal.workers.model_executor.runner.simulated_runner import stand_in_token
-from shoal.workers.utils import cdiv
 
 WORKLOADS = ("shared", "unique", "hot")
 

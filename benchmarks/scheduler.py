@@ -34,9 +34,9 @@ def add_parser(sub) -> None:
 def measure(num_running: int, steps: int, block_size: int, num_blocks: int, seed: int = 0) -> float:
     """Mean ms per step with `num_running` sequences decoding, each
     replaced by a fresh one (prompt 32..512) when it ends (output 32..256)."""
+    from shoal.proto.sampling_params import SamplingParams
     from shoal.workers.core.block_manager import BlockManager
     from shoal.workers.core.outputs import ModelRunnerOutput
-    from shoal.workers.core.sampling_params import SamplingParams
     from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
     from shoal.workers.core.sequence import RequestTimings, Sequence
 

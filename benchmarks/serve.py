@@ -145,8 +145,8 @@ def make_workload(n: int, input_len: int, output_len: int, rate: float, seed: in
 def in_process_sender(engine):
     import itertools
 
+    from shoal.proto.messages import GenerateRequest
     from shoal.workers import SamplingParams
-    from shoal.workers.messages import GenerateRequest
 
     ids = itertools.count()
 

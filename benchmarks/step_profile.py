@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shoal.workers.messages import GenerateRequest
+from shoal.proto.messages import GenerateRequest
 
 # The one-call decode step's ops that are matrices (the rest: norms, rotary, activation).
 FUSED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal.benchmarks.structured_workloads import WORKLOADS, Workload
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.messages import GenerateRequest
 
 GOALS = {1: 1.05}  # batch -> the most a guided step may cost over an unconstrained one
 DEFAULT_GOAL = 1.10
@@ -255,8 +255,8 @@ class _Acc:
 def measure_steps(free_engine, engines: dict, speeds: dict, work: Workload, batch: int, ns) -> list[dict]:
     """One row per library: matched decode steps, unconstrained against guided
     (the ratio divided by the guided engine's own speed, engine_speeds)."""
+    from shoal.proto.structured_outputs import StructuredOutputsParams
     from shoal.workers import SamplingParams
-    from shoal.workers.core.structured_outputs import StructuredOutputsParams
 
     max_tokens = ns.max_tokens or work.max_tokens
     schema = work.schema()
@@ -296,7 +296,7 @@ def _pct(xs: list[float], q: float) -> float:
 def measure_compile(manager, work: Workload, n: int) -> dict:
     """Compile n schemas that differ in one property's name (each a miss),
     then ask for each again (each a hit), and start a matcher from one."""
-    from shoal.workers.core.structured_outputs import StructuredOutputsParams
+    from shoal.proto.structured_outputs import StructuredOutputsParams
 
     manager.compiled(StructuredOutputsParams(json=work.schema("_warmup")))  # the backend's own start, not counted
     specs = [StructuredOutputsParams(json=work.schema(f"_{i}")) for i in range(n)]

@@ -15,8 +15,8 @@ import os
 import random
 import time
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.messages import GenerateRequest
 
 
 def add_parser(sub) -> None:

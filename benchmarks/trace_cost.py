@@ -17,13 +17,13 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def cpu_us_per_request(n: int = 1000) -> float:
+    from shoal.proto import tracing as wt
+    from shoal.proto.messages import RequestFinished
+    from shoal.proto.tracing import finish_worker_span
     from shoal.router.observability import tracing as rt
     from shoal.router.routing.replica_stats import ReplicaFigures
     from shoal.workers import SamplingParams
-    from shoal.workers import tracing as wt
     from shoal.workers.core.sequence import RequestTimings
-    from shoal.workers.messages import RequestFinished
-    from shoal.workers.tracing import finish_worker_span
 
     with OtlpSink() as sink:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint

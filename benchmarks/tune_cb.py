@@ -18,8 +18,8 @@ import os
 
 from shoal.benchmarks.offline import CB_SETTINGS, CBSettings, describe_cb, hf_model, run_hf_cb
 from shoal.benchmarks.offline_workloads import PRESETS, Workload, make_workload
+from shoal.proto.utils import cdiv
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.utils import cdiv
 
 INT_FIELDS = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch")
 SCHEDULERS = ("fifo", "prefill_first")

@@ -15,11 +15,11 @@ from ray.serve import Application
 
 from shoal.cluster.autoscaling import replica_options
 from shoal.cluster.options import ServeOptions
+from shoal.proto.tracing import otel_env
 from shoal.router.fronts.ingress import Router
 from shoal.router.options import API_KEY_ENV
 from shoal.router.routing.request_router import request_router_config
 from shoal.workers.distributed.placement import tp_bundles
-from shoal.workers.tracing import otel_env
 
 # Nodes for routers carry this custom Ray resource (e.g. `ray start --resources
 # '{"shoal_router": 1}'`); each router asks for a sliver of it, so any amount marks a node.

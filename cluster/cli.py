@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.messages import GenerateRequest
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ def serve_config(opts: ServeOptions, otel_env: dict[str, str] | None = None) -> 
     variables of this process, as `shoal serve` forwards them) becomes the
     application's runtime_env, which Serve merges into every replica's."""
     if otel_env is None:
-        from shoal.workers.tracing import otel_env as current
+        from shoal.proto.tracing import otel_env as current
 
         otel_env = current()
     app: dict = {"name": APP_NAME, "route_prefix": None, "import_path": IMPORT_PATH}

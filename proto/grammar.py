@@ -4,11 +4,16 @@ without a tokenizer, and the budget it and a worker's compile run under
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import llguidance
 
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.core.verdict_cache import VerdictCache
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.verdict_cache import VerdictCache
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 # The library's own budget for one grammar: the size of its productions, the
 # fuel of building its lexer and of each mask step, its lexer states (memory).
@@ -27,7 +32,7 @@ GRAMMAR_CHECKS = VerdictCache()
 
 # Compact JSON with the separators people write: a flexible-whitespace grammar
 # lets a weak model emit newlines for ever (vLLM's long-standing whitespace loops).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -43,10 +48,10 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     if kind in ("json", "json_object"):
         return llguidance.LLMatcher.grammar_from_json_schema(params.spec, defaults=JSON_OPTIONS)
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        return llguidance.LLMatcher.grammar_from_regex(cast(str, params.regex))
     if kind == "choice":
         return llguidance.grammar_from("choice", params.spec)
-    return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
+    return llguidance.grammar_from("grammar", cast(str, params.grammar))  # Lark, or GBNF converted to Lark
 
 
 def validate(params: StructuredOutputsParams) -> None:
@@ -83,6 +88,6 @@ def what(params: StructuredOutputsParams) -> str:
     }[params.kind]
 
 
-def _short(error) -> str:
+def _short(error: object) -> str:
     text = str(error).strip()
     return text if len(text) <= 300 else text[:297] + "..."

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLM, AsyncEngine, SamplingParams
-from shoal.workers.messages import GenerateRequest
 
 
 def test_stream_equals_offline_and_carries_timings(tiny_model):
@@ -78,7 +78,7 @@ def test_a_process_that_never_shuts_the_engine_down_still_exits(tiny_model):
     script = f"""
 import asyncio
 from shoal.workers import AsyncEngine, SamplingParams
-from shoal.workers.messages import GenerateRequest
+from shoal.proto.messages import GenerateRequest
 
 async def start(engine):
     stream = engine.generate(

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from engine_hold import EngineHold, until
 from step_gate import StepGate
 
+from shoal.proto.messages import GenerateRequest
+from shoal.proto.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers import AsyncEngine, SamplingParams
-from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers.llm_engine import PendingOutput
-from shoal.workers.messages import GenerateRequest
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -151,7 +151,7 @@ def test_a_detokenizer_that_fails_ends_its_request_alone(tiny_model):
     """Under async scheduling the text is made on the output thread: a
     request whose detokenizer raises there ends with an error, and its blocks
     are freed; the others go on."""
-    from shoal.workers.errors import RequestFailedError
+    from shoal.proto.errors import RequestFailedError
 
     async def main():
         aeng = _engine(tiny_model, True)

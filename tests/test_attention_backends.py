@@ -10,14 +10,14 @@ import pytest
 import torch
 from reference import check_tokens, hf_greedy
 
+from shoal.proto.utils import cdiv
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.attention import PagedAttention, set_forward_context
 from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelBackend
 from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPABackend
 from shoal.workers.model_executor.layers.attention.selector import get_attn_backend
-from shoal.workers.utils import cdiv
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 CPU = torch.device("cpu")
 

@@ -16,11 +16,11 @@ from prompts import SHORT_PROMPTS
 
 from shoal.cluster.autoscaling import KV_HIGH, WorkerFigures, desired_workers, worker_policy
 from shoal.cluster.options import ServeOptions
+from shoal.proto.messages import GenerateRequest, WorkerError
 from shoal.router.routing import rebalance
 from shoal.router.routing.failover import FailoverPool
 from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.workers import EngineArgs, SamplingParams
-from shoal.workers.messages import GenerateRequest, WorkerError
 from shoal.workers.worker import Worker
 
 

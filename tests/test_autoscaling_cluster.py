@@ -20,10 +20,10 @@ import pytest
 from serving import local_cluster_app
 from tiny_models import make_tiny_model
 
+from shoal.proto.utils import cdiv
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.utils import cdiv
 
 pytestmark = pytest.mark.slow
 APP = "shoal-autoscaling"

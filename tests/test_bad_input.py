@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from engine_hold import EngineHold, until
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import AsyncEngine, InvalidRequestError, LLMEngine, SamplingParams
-from shoal.workers.messages import GenerateRequest
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from shoal.benchmarks import offline, roofline, tune_cb
 from shoal.benchmarks.offline_workloads import PRESETS, make_workload
 from shoal.cluster.cli import main
-from shoal.workers.utils import cdiv
+from shoal.proto.utils import cdiv
 
 # name: requests, prompt lengths (after the shared prefix), output lengths, shared prefix: the brief's numbers
 STATED = {

@@ -12,8 +12,8 @@ import pytest
 
 from shoal.benchmarks import routing
 from shoal.benchmarks import routing_workloads as wl
-from shoal.workers.core.block_hash import chain_hashes
-from shoal.workers.utils import cdiv
+from shoal.proto.block_hash import chain_hashes
+from shoal.proto.utils import cdiv
 
 VOCAB = wl.Vocab(49152, (2,))  # the default model's
 BS = 16

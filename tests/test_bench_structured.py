@@ -10,8 +10,8 @@ import json
 from shoal.benchmarks.structured import lockstep, palindrome, validate
 from shoal.benchmarks.structured_workloads import WORKLOADS, record_schema, tool_call_schema
 from shoal.cluster.cli import main
+from shoal.proto.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers import LLMEngine, SamplingParams
-from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
 
 
 def test_bench_structured_quick_reports_every_row(tiny_model, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""bfloat16 computed as bfloat16 on the CPU (layers/cpu_precision.py).
+"""bfloat16 computed as bfloat16 on the CPU (platforms/cpu/precision.py).
 
 Which path a CPU gets is tested by faking torch's capability report: with
 AVX512-BF16 or AMX, --dtype bfloat16 (and bfloat16 weights under --dtype
@@ -27,9 +27,9 @@ from regimes import MAX_NEW, SETTINGS, prompts_for
 from shoal.benchmarks.tp import first_difference
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.model_executor.layers import cpu_precision
-from shoal.workers.model_executor.layers.cpu_precision import compute_dtype, cpu_bf16_compute, native_bf16
 from shoal.workers.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shoal.workers.model_executor.platforms.cpu import precision as cpu_precision
+from shoal.workers.model_executor.platforms.cpu.precision import compute_dtype, cpu_bf16_compute, native_bf16
 
 CPU = torch.device("cpu")
 TIE_ULPS = 4

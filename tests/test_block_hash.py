@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stand_in import stand_in_step
 
-from shoal.workers.core.block_hash import KEY_BYTES, adopt_chain, chain_hashes, hash_block, root_key
+from shoal.proto.block_hash import KEY_BYTES, adopt_chain, chain_hashes, hash_block, root_key
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.sampling_params import SamplingParams
 from shoal.workers.core.block_manager import BlockManager
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
 from shoal.workers.core.sequence import RequestTimings, Sequence
-from shoal.workers.errors import InvalidRequestError
 
 BS = 4
 _arrivals = itertools.count()
@@ -185,9 +185,9 @@ def test_a_workers_engine_takes_the_keys_its_router_sent(tiny_model, monkeypatch
     to its engine, whose sequence starts from those very key objects."""
     import asyncio
 
+    from shoal.proto import block_hash
+    from shoal.proto.messages import GenerateRequest
     from shoal.workers import EngineArgs
-    from shoal.workers.core import block_hash
-    from shoal.workers.messages import GenerateRequest
     from shoal.workers.worker import Worker
 
     async def main():

@@ -22,6 +22,7 @@ from contextlib import aclosing
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shoal.proto.messages import RequestFinished, Riding
 from shoal.router.fronts.frontend import Frontend, ModelInfo, ServingError
 from shoal.router.fronts.prompt import Prompt
 from shoal.router.observability import metrics as metrics_mod
@@ -31,7 +32,6 @@ from shoal.router.routing.failover import FailoverPool, WorkerLost
 from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import EngineArgs, SamplingParams, delta_outbox
-from shoal.workers.messages import RequestFinished, Riding
 from shoal.workers.model_executor.runner.simulated_runner import StepCostModel
 from shoal.workers.worker import Worker
 

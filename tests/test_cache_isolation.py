@@ -16,23 +16,23 @@ from serving import grpc_server, http_client
 from test_block_hash import BS, run_to_end, seq_of
 
 from shoal.cluster.options import ServeOptions
-from shoal.proto.v1 import shoal_pb2 as pb
-from shoal.proto.v1 import shoal_pb2_grpc
-from shoal.router.fronts.cache_isolation import CacheIsolation, resolve_mode
-from shoal.router.fronts.frontend import Frontend, ModelInfo
-from shoal.router.routing.worker_pool import LocalWorkerPool
-from shoal.workers import EngineArgs
-from shoal.workers.core.block_hash import (
+from shoal.proto.block_hash import (
     MAX_CACHE_SALT_CHARS,
     chain_hashes,
     check_cache_salt,
     hash_block,
     root_key,
 )
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.messages import GenerateRequest, WorkerError
+from shoal.proto.sampling_params import SamplingParams
+from shoal.proto.v1 import shoal_pb2 as pb
+from shoal.proto.v1 import shoal_pb2_grpc
+from shoal.router.fronts.cache_isolation import CacheIsolation, resolve_mode
+from shoal.router.fronts.frontend import Frontend, ModelInfo
+from shoal.router.routing.worker_pool import LocalWorkerPool
+from shoal.workers import EngineArgs
 from shoal.workers.core.block_manager import BlockManager
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.errors import InvalidRequestError
-from shoal.workers.messages import GenerateRequest, WorkerError
 from shoal.workers.worker import Worker
 
 PROMPT = list(range(10, 74))  # 64 token ids: 4 blocks of 16, of which a repeat may reuse 3 (the last token is computed)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_set_isa(kernel):
 @pytest.mark.parametrize("value", ["avx2", "auto"])
 def test_env_var_chooses_at_load(kernel, value):
     # A fresh process: the module reads SHOAL_CPU_ISA once, when it loads.
-    code = "from shoal.workers.model_executor.layers import cpu_kernels; print(cpu_kernels.load().get_isa())"
+    code = "from shoal.workers.model_executor.platforms.cpu import kernels; print(kernels.load().get_isa())"
     env = {**os.environ, "SHOAL_CPU_ISA": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=True)
     expected = "avx2" if value == "avx2" or not kernel.has_avx512 else "avx512"

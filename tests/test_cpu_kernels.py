@@ -1,4 +1,4 @@
-"""The compiled CPU kernels of a decode step (layers/csrc/: the few-row
+"""The compiled CPU kernels of a decode step (platforms/cpu/csrc/: the few-row
 GEMM, RMSNorm, SiLU-and-multiply, rotary embedding, and every decoder layer
 in one call) against the pure-torch path, which stays the reference."""
 
@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.messages import GenerateRequest
-from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.attention import set_forward_context
 from shoal.workers.model_executor.layers.norm import RMSNorm
 from shoal.workers.model_executor.layers.rotary import RotaryEmbedding
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
+from shoal.workers.model_executor.platforms.cpu.bind import bind as bind_cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,7 @@ def _llm(tiny_model, backend: str, weight_dtype: str = "auto") -> LLM:
         num_kv_blocks=256,
         attention_backend=backend,
         enable_prefix_caching=False,
-        dtype="float32",  # bfloat16 weights widened, on every CPU (cpu_precision.py)
+        dtype="float32",  # bfloat16 weights widened, on every CPU (platforms/cpu/precision.py)
         weight_dtype=weight_dtype,
     )
     runner = llm.engine.runner
@@ -392,11 +393,11 @@ class _BothPaths:
         forward, step_forward = model.forward, step.forward
 
         def torch_path(input_ids, positions, logits_indices):
-            cpu_kernels.bind(model, None)
+            bind_cpu_kernels(model, None)
             try:
                 return forward(input_ids, positions, logits_indices)
             finally:
-                assert cpu_kernels.bind(model, kernels) is kernels
+                assert bind_cpu_kernels(model, kernels) is kernels
 
         def both(input_ids, positions, logits_indices):
             ref = torch_path(input_ids, positions, logits_indices)

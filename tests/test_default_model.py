@@ -83,8 +83,8 @@ def test_smollm2_greedy_matches_transformers(gguf_path, hf_model, references, se
 def test_gguf_tokenizer_matches_transformers(gguf_path):
     from transformers import AutoTokenizer
 
-    from shoal.workers.model_executor.loader.gguf_file import GGUFFile
-    from shoal.workers.model_executor.tokenizer import Tokenizer
+    from shoal.proto.gguf_file import GGUFFile
+    from shoal.proto.tokenizer import Tokenizer
 
     ours = Tokenizer.from_gguf_metadata(GGUFFile(gguf_path).metadata)
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))

@@ -13,11 +13,11 @@ from contextlib import aclosing
 import pytest
 from engine_hold import EngineHold, until
 
+from shoal.proto.messages import Riding, Subscribe
 from shoal.router.routing import rebalance, replica_stats
 from shoal.router.routing.failover import FailoverPool, WorkerLost
 from shoal.router.routing.worker_pool import ServeWorkerPool
 from shoal.workers import delta_outbox
-from shoal.workers.messages import Riding, Subscribe
 from tests.test_failover import PROMPTS, Result, all_free, request, run, same, workers
 
 

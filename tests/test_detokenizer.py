@@ -10,8 +10,8 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from shoal.proto.tokenizer import Tokenizer
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
-from shoal.workers.model_executor.tokenizer import Tokenizer
 
 SPACE = "\u2581"
 

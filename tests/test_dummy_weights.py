@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
+from shoal.proto.gguf_file import GGUFFile
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.model_executor.loader.dummy_weights import HIGH, LOW, dummy_weight_shapes, dummy_weights
-from shoal.workers.model_executor.loader.gguf_file import GGUFFile
 from shoal.workers.model_executor.loader.model_loader import build_model, load_model_files, model_weights
 from shoal.workers.model_executor.models.config import ModelConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLM, LLMEngine, SamplingParams
-from shoal.workers.messages import GenerateRequest
 
 
 def test_priority_goes_first(tiny_model):

@@ -15,11 +15,11 @@ from engine_hold import EngineHold, until
 from prompts import SHORT_PROMPTS
 from step_gate import StepGate
 
+from shoal.proto.errors import EngineDeadError
+from shoal.proto.messages import GenerateRequest, RequestFinished
 from shoal.router.fronts.frontend import Frontend, ModelInfo, ServingError
 from shoal.router.routing.failover import FailoverPool, WorkerLost
 from shoal.workers import EngineArgs, SamplingParams
-from shoal.workers.errors import EngineDeadError
-from shoal.workers.messages import GenerateRequest, RequestFinished
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 from shoal.workers.worker import Worker
 

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 from test_failover import DyingWorkers, request, run, workers
 
+from shoal.proto.errors import EngineFaultError
+from shoal.proto.messages import GenerateRequest
 from shoal.router.routing.failover import FailoverPool
 from shoal.workers import LLMEngine, SamplingParams
-from shoal.workers.errors import EngineFaultError
 from shoal.workers.fault_injection import ENV
-from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 
 POISON = 7  # a token id only the poisoned request's prompt holds

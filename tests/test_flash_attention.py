@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.layers.attention.backends.flash_attn import FlashAttentionBackend
 from shoal.workers.model_executor.layers.attention.backends.varlen import VarlenMetadata
-from shoal.workers.utils import cdiv
 
 
 def _flash_attn_runs() -> bool:

@@ -20,8 +20,8 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.fused_moe import fused_experts, select_experts
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 H, INTER, E = 64, 48, 8  # hidden, expert intermediate, experts
 

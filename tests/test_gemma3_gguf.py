@@ -32,12 +32,12 @@ from serving import http_client, make_frontend
 from tiny_gguf import ATTENTION_NAMES, add_shape, add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
+from shoal.proto.chat_templates import fallback_chat_template
+from shoal.proto.gguf_file import GGUFFile
+from shoal.proto.tokenizer import Tokenizer
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.chat_templates import fallback_chat_template
-from shoal.workers.model_executor.loader.gguf_file import GGUFFile
 from shoal.workers.model_executor.loader.model_loader import load_model_files, resolve_model
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.model_executor.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 

@@ -23,7 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 QK = 32

@@ -25,7 +25,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 TYPES = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
 QK = 256

@@ -30,7 +30,7 @@ from tiny_models import make_tiny_model
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
-from shoal.workers.model_executor.layers.quantization.gguf import GGUFBlocks, GGUFConfig, dequantize
+from shoal.workers.model_executor.layers.quantization.gguf import GGUFBlocks, GGUFConfig
 from shoal.workers.model_executor.loader.model_loader import (
     build_model,
     load_model_files,
@@ -38,6 +38,7 @@ from shoal.workers.model_executor.loader.model_loader import (
     resolve_quantization,
     weight_bytes,
 )
+from shoal.workers.model_executor.platforms.cpu.gguf_blocks import dequantize
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

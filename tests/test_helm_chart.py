@@ -26,8 +26,8 @@ import yaml
 from shoal.cluster.app import ROUTER_RESOURCE
 from shoal.cluster.options import ServeOptions
 from shoal.cluster.serve_config import serve_config
+from shoal.proto.lora.modules import parse_lora_modules
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.lora.modules import parse_lora_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(ROOT, "helm", "shoal")

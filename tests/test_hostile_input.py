@@ -11,9 +11,9 @@ import grpc
 import pytest
 from serving import grpc_server, http_client, make_frontend
 
+from shoal.proto.messages import GenerateRequest
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
-from shoal.workers.messages import GenerateRequest
 
 HEADERS = {"Content-Type": "application/json"}
 NORMAL = {"prompt": "hi", "max_tokens": 3, "temperature": 0}

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import http_client, make_frontend
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import InvalidRequestError, LLMEngine, SamplingParams
-from shoal.workers.messages import GenerateRequest
 
 MAX_MODEL_LEN = 32  # every request, however wild its max_tokens, stays short
 FIELDS = (

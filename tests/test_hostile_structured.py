@@ -16,15 +16,15 @@ import pytest
 from serving import grpc_server, http_client, make_frontend
 
 from shoal.proto import grammar as guidance
+from shoal.proto import logit_bias as logit_bias_module
+from shoal.proto import structured_outputs
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.json_pointer import PointerError, RefWalk, ref_cycle, resolve, schema_height
+from shoal.proto.messages import GenerateRequest
+from shoal.proto.structured_outputs import MAX_SCHEMA_HEIGHT, MAX_SPEC_CHARS
+from shoal.proto.structured_outputs import StructuredOutputsParams as SO
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
-from shoal.workers.core import logit_bias as logit_bias_module
-from shoal.workers.core import structured_outputs
-from shoal.workers.core.json_pointer import PointerError, RefWalk, ref_cycle, resolve, schema_height
-from shoal.workers.core.structured_outputs import MAX_SCHEMA_HEIGHT, MAX_SPEC_CHARS
-from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
-from shoal.workers.errors import InvalidRequestError
-from shoal.workers.messages import GenerateRequest
 
 UNICODE_ZEROS = "٠۰߀०০੦૦୦௦౦೦൦๐໐༠၀႐០᠐"
 LIST_DOC = {"L": [{"type": "string"}, {"type": "integer"}], "a/b": 1, "a~b": 2, "": 3, "a b": 4}

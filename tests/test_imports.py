@@ -25,19 +25,31 @@ PACKAGES = {
 }
 RANK = {"shoal.workers": 0, "shoal.proto": 0, "shoal.router": 1, "shoal.cluster": 2, "shoal.benchmarks": 3}
 ENTRY_POINT = "shoal.cluster.cli"
-# What each lower room may import from the package. Inside workers/ (workers/utils.py is a
+# The CPU platform's modules the layers call (platforms/cpu/): the compiled library (the cpu_kernel
+# backend's attention), the few-row matmul and the GGUF block kernels; leaves that know no layer.
+CPU_SEAMS = tuple(f"shoal.workers.model_executor.platforms.cpu.{m}" for m in ("kernels", "matmul", "gguf_blocks"))
+# What each lower room may import from the package. Inside workers/ (proto/utils.py is a
 # leaf of plain arithmetic that every room may use):
 ROOMS = {
     # profiling: the step's named ranges, a leaf module (torch and the stdlib only) that knows nothing of the engine
     "shoal.workers.model_executor.layers": (
         "shoal.workers.model_executor.layers",
-        "shoal.workers.utils",
+        "shoal.proto.utils",
+        "shoal.workers.profiling",
+        *CPU_SEAMS,
+    ),
+    # platforms/ reads the layers and a model's decode plan; the model runner binds it, never the reverse.
+    "shoal.workers.model_executor.platforms": (
+        "shoal.workers.model_executor.platforms",
+        "shoal.workers.model_executor.models",
+        "shoal.workers.model_executor.layers",
+        "shoal.proto.utils",
         "shoal.workers.profiling",
     ),
     "shoal.workers.model_executor.models": (
         "shoal.workers.model_executor.models",
         "shoal.workers.model_executor.layers",
-        "shoal.workers.utils",
+        "shoal.proto.utils",
     ),
     # loader/ and memory/ stand below runner/ (which may use every room) and know nothing of the engine;
     # in sampling/ only builder.py reads a step's sequences, staged in the runner's buffer.
@@ -45,37 +57,28 @@ ROOMS = {
         "shoal.workers.model_executor.loader",
         "shoal.workers.model_executor.models",
         "shoal.workers.model_executor.layers",
-        "shoal.workers.model_executor.tokenizer",
-        "shoal.workers.errors",
-        "shoal.workers.utils",
         "shoal.proto",
     ),
     "shoal.workers.model_executor.memory": (
         "shoal.workers.model_executor.memory",
         "shoal.workers.model_executor.models",
         "shoal.workers.model_executor.layers",
-        "shoal.workers.utils",
+        "shoal.proto.utils",
     ),
     "shoal.workers.model_executor.sampling": (
         "shoal.workers.model_executor.sampling",
         "shoal.workers.model_executor.runner.staging_buffer",
         "shoal.workers.core",
-        "shoal.workers.utils",
-    ),
-    "shoal.workers.core": (
-        "shoal.workers.core",
-        "shoal.workers.errors",
-        "shoal.workers.utils",
-        "shoal.workers.messages",
         "shoal.proto",
     ),
+    "shoal.workers.core": ("shoal.workers.core", "shoal.proto"),
     # Inside router/: the fronts use routing and observability; routing never the fronts; observability
     # reads only routing's replica registry (a departed worker's series go).
-    "shoal.router.routing": ("shoal.router.routing", "shoal.router.observability", "shoal.workers"),
+    "shoal.router.routing": ("shoal.router.routing", "shoal.router.observability", "shoal.proto"),
     "shoal.router.observability": (
         "shoal.router.observability",
         "shoal.router.routing.replica_stats",
-        "shoal.workers",
+        "shoal.proto",
     ),
 }
 
@@ -189,11 +192,24 @@ def _imports_outside(prefix: str, allowed: tuple[str, ...]) -> list[str]:
     return sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts if not dst.startswith(allowed))
 
 
+def test_router_and_workers_meet_only_in_proto():
+    """proto/ is the whole contract between the router's processes and a worker's: the router imports
+    nothing from workers/, and proto/ imports nothing of either side (nor cluster or benchmarks)."""
+    assert _imports_outside("shoal.router", ("shoal.router", "shoal.proto")) == []
+    assert _imports_outside("shoal.proto", ("shoal.proto",)) == []
+
+
 def test_attention_backends_know_nothing_above_layers():
     """A backend takes tensors and its layer; the model runner asks it for metadata, never the reverse."""
     backends = "shoal.workers.model_executor.layers.attention.backends"
-    allowed = ("shoal.workers.model_executor.layers", "shoal.workers.utils", "shoal.workers.profiling")
+    allowed = ("shoal.workers.model_executor.layers", "shoal.proto.utils", "shoal.workers.profiling", *CPU_SEAMS)
     assert _imports_outside(backends, allowed) == []
+
+
+def test_the_cpu_seams_know_no_layer():
+    """The layers may call into platforms/cpu/ only because what they call knows nothing of them."""
+    cpu = "shoal.workers.model_executor.platforms.cpu"
+    assert [edge for m in CPU_SEAMS for edge in _imports_outside(m, (cpu,))] == []
 
 
 def test_the_sampler_knows_nothing_of_the_engine():
@@ -201,7 +217,7 @@ def test_the_sampler_knows_nothing_of_the_engine():
     step's sequences into them."""
     sampling = "shoal.workers.model_executor.sampling"
     tensors = tuple(f"{sampling}.{m}" for m in ("sampler", "metadata", "noise"))
-    assert [edge for m in tensors for edge in _imports_outside(m, tensors + ("shoal.workers.utils",))] == []
+    assert [edge for m in tensors for edge in _imports_outside(m, tensors + ("shoal.proto.utils",))] == []
 
 
 def test_models_import_only_layers():

@@ -18,12 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.quantization.int8 import (
     int8_linear_reference,
     quantize_per_channel,
     quantize_per_token,
 )
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(

@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 
+from shoal.proto.messages import GenerateRequest
 from shoal.router.routing.failover import FailoverPool
 from shoal.router.routing.pool import WorkerPool
 from shoal.router.routing.worker_pool import LocalWorkerPool, ServeWorkerPool
@@ -17,7 +18,6 @@ from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.engine_commands import AbortRequest, AddRequest
 from shoal.workers.llm_engine import LLMEngine
-from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.executor.ray_executor import RayExecutor
 from shoal.workers.model_executor.executor.uniproc_executor import UniProcExecutor

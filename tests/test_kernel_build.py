@@ -24,8 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from shoal.workers.model_executor.layers import kernel_build
-from shoal.workers.model_executor.layers.kernel_build import BuildLock, KernelBuildTimeout, build_key, owner_record
+from shoal.workers.model_executor.platforms.cpu import kernel_build
+from shoal.workers.model_executor.platforms.cpu.kernel_build import (
+    BuildLock,
+    KernelBuildTimeout,
+    build_key,
+    owner_record,
+)
 
 TINY = textwrap.dedent(
     """
@@ -38,7 +43,7 @@ TINY = textwrap.dedent(
 )
 TINY_BUILD = (
     "import logging, sys; logging.basicConfig(level=logging.INFO)\n"
-    "from shoal.workers.model_executor.layers.kernel_build import load_extension\n"
+    "from shoal.workers.model_executor.platforms.cpu.kernel_build import load_extension\n"
     "print(load_extension('shoal_tiny_ext', [sys.argv[1]]).answer())\n"
 )
 # Prepended to the first run's code: stop where ninja would start, until killed.
@@ -195,7 +200,8 @@ def test_the_build_key_follows_sources_and_flags_not_the_interpreter_path(tmp_pa
 
 def test_a_build_lock_held_past_the_bound_fails_the_kernels_load_clearly(monkeypatch):
     """Not a quiet fall-back to the torch path: the start fails naming the lock."""
-    from shoal.workers.model_executor.layers import cpu_kernels, kernel_build
+    from shoal.workers.model_executor.platforms.cpu import kernel_build
+    from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
     def held(*a, **k):
         raise KernelBuildTimeout("waiting for the kernel build lock /x/build.lock, held by PID 1")

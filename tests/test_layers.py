@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.workers.core.sampling_params import SamplingParams
+from shoal.proto.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.model_executor.layers.rotary import rope_inv_freq
 from shoal.workers.model_executor.sampling.builder import build_sampling_metadata

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.workers.model_executor.cpu_decode_step import CPUDecodeStep
 from shoal.workers.model_executor.layers import parallel_state
 from shoal.workers.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -26,6 +25,7 @@ from shoal.workers.model_executor.layers.quantization.unquantized import (
 from shoal.workers.model_executor.loader.dummy_weights import dummy_weights
 from shoal.workers.model_executor.loader.model_loader import build_model
 from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.model_executor.platforms.cpu.decode_step import CPUDecodeStep
 
 CPU = torch.device("cpu")
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS = 32, 8, 4, 2

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stand_in import stand_in_step
 
+from shoal.proto.sampling_params import SamplingParams
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.outputs import ModelRunnerOutput
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
 from shoal.workers.core.sequence import RequestTimings, Sequence
 

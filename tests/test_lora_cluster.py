@@ -20,9 +20,9 @@ from serving import local_cluster_app
 from test_failover_cluster import kill_process
 from test_lora_adapter import make_adapter
 
+from shoal.proto.lora.registry import GcsLoRARegistry
 from shoal.workers import LLM, SamplingParams
 from shoal.workers.lora import LoRARequest
-from shoal.workers.lora.registry import GcsLoRARegistry
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")

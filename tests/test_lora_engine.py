@@ -16,10 +16,10 @@ from reference import check_setting, check_tokens, hf_greedy
 from regimes import MAX_NEW, SETTINGS, prompts_for
 from test_lora_adapter import make_adapter
 
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.errors import InvalidRequestError
 from shoal.workers.lora import LoRARequest
-from shoal.workers.messages import GenerateRequest
 
 peft = pytest.importorskip("peft")
 RANKS = {"alpha": 4, "beta": 8, "gamma": 16}

@@ -123,7 +123,7 @@ def test_shapes_that_disagree_are_refused():
 
 
 def _kernels():
-    from shoal.workers.model_executor.layers import cpu_kernels
+    from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
     k = cpu_kernels.load()
     if k is None or not getattr(k, "has_avx2", False):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 from dataclasses import asdict
 
+from shoal.proto.block_hash import chain_hashes, lora_extra
+from shoal.proto.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, LORA_UNAVAILABLE
+from shoal.proto.messages import GenerateRequest, WorkerLoad
+from shoal.proto.sampling_params import SamplingParams
 from shoal.router.routing import policies
 from shoal.router.routing.replica_stats import GRACE_S, ReplicaFigures, ReplicaStats
-from shoal.workers.core.block_hash import chain_hashes, lora_extra
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, LORA_UNAVAILABLE
-from shoal.workers.messages import GenerateRequest, WorkerLoad
 
 BS = 16
 

@@ -27,6 +27,9 @@ from test_lora_adapter import make_adapter
 
 from shoal.benchmarks.otlp_sink import OtlpCollector
 from shoal.cluster.options import ServeOptions
+from shoal.proto.lora.modules import LORA_UNAVAILABLE, parse_lora_modules, stable_lora_id
+from shoal.proto.lora.registry import LocalLoRARegistry, RuntimeLoRA
+from shoal.proto.messages import GenerateRequest, WorkerError
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.fronts.frontend import Frontend, ModelInfo
@@ -34,9 +37,6 @@ from shoal.router.fronts.openai_app import OpenAIApp
 from shoal.router.routing.worker_pool import LocalWorkerPool
 from shoal.workers import LLM, EngineArgs, SamplingParams
 from shoal.workers.lora import LoRARequest
-from shoal.workers.lora.modules import LORA_UNAVAILABLE, parse_lora_modules, stable_lora_id
-from shoal.workers.lora.registry import LocalLoRARegistry, RuntimeLoRA
-from shoal.workers.messages import GenerateRequest, WorkerError
 from shoal.workers.worker import Worker
 
 pytest.importorskip("peft")
@@ -334,7 +334,7 @@ def test_grpc_lora_and_model_info(tiny_model, adapters, offline):
 
 
 def test_metrics_status_and_worker_report(tiny_model, adapters, monkeypatch):
-    from shoal.workers import tracing as worker_tracing
+    from shoal.proto import tracing as worker_tracing
 
     seen = []
     real = worker_tracing.start_worker_span
@@ -504,8 +504,8 @@ def test_max_runtime_loras_caps_the_runtime_loads(tiny_model, adapters):
 
 
 def test_lora_requests_info_names_adapters_only_when_asked():
+    from shoal.proto.messages import WorkerLoad
     from shoal.router.observability.metrics import RouterMetrics
-    from shoal.workers.messages import WorkerLoad
 
     load = WorkerLoad(1, 1, 10, 10, 0.0, 0, 0, 0, 0, 0, 0, 0, worker="w0", time=1.0)
     load.running_lora_adapters, load.waiting_lora_adapters = ("alpha", "beta"), ("secret-tenant",)

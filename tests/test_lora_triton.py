@@ -293,7 +293,17 @@ def test_cuda_checks_compiled():
         pytest.skip("this process compiles: the test_cuda_ tests ran here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"SHOAL_TRITON_COMPILED": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_cuda_ and not checks_compiled", __file__],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "test_cuda_ and not checks_compiled",
+            __file__,
+        ],
         env=env,
         capture_output=True,
         text=True,

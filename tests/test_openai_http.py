@@ -11,8 +11,8 @@ import logging
 import pytest
 from serving import http_client, make_frontend
 
+from shoal.proto.messages import GenerateDelta
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.messages import GenerateDelta
 from shoal.workers.worker import logger as worker_logger
 
 PROMPT = "The quick brown fox"

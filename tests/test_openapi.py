@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 from serving import http_client, make_frontend
 
+from shoal.proto.errors import InvalidRequestError
 from shoal.router.fronts import openai_app, request_schema, strict_json
 from shoal.router.fronts.openai_protocol import parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from shoal.router.fronts.request_schema import BODIES
-from shoal.workers.errors import InvalidRequestError
 
 USER = [{"role": "user", "content": "hi"}]
 # Bodies that a parser reads to the end (valid, so no early refusal cuts the reading short).

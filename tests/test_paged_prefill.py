@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from shoal.workers.model_executor.layers import cpu_kernels
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.layers.attention import PagedAttention, set_forward_context
 from shoal.workers.model_executor.layers.attention.backends import cpu_kernel as cpu_kernel_backend
 from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelBackend
 from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPABackend
-from shoal.workers.utils import cdiv
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 CPU = torch.device("cpu")
 

@@ -15,14 +15,14 @@ from serving import http_client, make_frontend
 from stand_in import stand_in_step
 from test_block_invariants import BS, check
 
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.messages import GenerateRequest
 from shoal.router.routing import policies
 from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig
 from shoal.workers.core.sequence import RequestTimings, Sequence
-from shoal.workers.errors import InvalidRequestError
-from shoal.workers.messages import GenerateRequest
 
 PROMPT_IDS = [(7 * i + 3) % 500 for i in range(40)]  # two full 16-token blocks and 8 tokens more
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=1234)

@@ -18,8 +18,8 @@ from reference import check_tokens, hf_greedy
 from tiny_gguf import add_tiny_tokenizer
 from tiny_models import make_tiny_model
 
+from shoal.proto.gguf_file import GGUFFile
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.loader.gguf_file import GGUFFile
 from shoal.workers.model_executor.models.config import ModelConfig
 
 gguf = pytest.importorskip("gguf")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLMEngine, SamplingParams, profiling
-from shoal.workers.messages import GenerateRequest
 
 ENGINE_RANGES = {"schedule", "execute_model", "update_from_output", "detokenize", "prepare_inputs", "forward", "sample"}
 

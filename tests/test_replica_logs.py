@@ -1,4 +1,4 @@
-"""shoal's loggers inside and outside a Serve replica (workers/replica_logs.py).
+"""shoal's loggers inside and outside a Serve replica (proto/replica_logs.py).
 The real cluster's check is in test_serve_cluster.py (slow tier)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from shoal.workers import replica_logs
+from shoal.proto import replica_logs
 
 
 def _serve_module(in_replica: bool) -> types.ModuleType:

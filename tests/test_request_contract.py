@@ -9,9 +9,9 @@ import asyncio
 import dataclasses
 import inspect
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 from shoal.workers.engine_commands import AddRequest
-from shoal.workers.messages import GenerateRequest
 from shoal.workers.worker import Worker
 
 
@@ -54,7 +54,7 @@ def test_request_ids_are_checked_in_one_place(tiny_model):
     """The engine and the async engine refuse a bad or taken id with the same words."""
     import pytest
 
-    from shoal.workers.errors import InvalidRequestError
+    from shoal.proto.errors import InvalidRequestError
 
     engine = LLMEngine(EngineArgs(model=tiny_model, num_kv_blocks=16))
     engine.add_request(GenerateRequest("a", [5, 6], SamplingParams(max_tokens=2)))

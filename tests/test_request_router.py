@@ -12,13 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from shoal.proto.block_hash import chain_hashes
+from shoal.proto.messages import GenerateRequest, WorkerLoad
+from shoal.proto.sampling_params import SamplingParams
 from shoal.router.routing import policies as routing
 from shoal.router.routing import replica_stats
 from shoal.router.routing.replica_stats import GRACE_S, ReplicaFigures, ReplicaStats
-from shoal.workers.core.block_hash import chain_hashes
 from shoal.workers.core.block_pool import BlockPool
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.messages import GenerateRequest, WorkerLoad
 
 BS = 16
 KV = routing.get_policy("kv")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shoal.benchmarks import roofline
-from shoal.workers.model_executor.layers import roofline_kernels
+from shoal.workers.model_executor.platforms.cpu import roofline_kernels
 
 
 @pytest.fixture(scope="module")

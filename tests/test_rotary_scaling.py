@@ -165,7 +165,7 @@ def test_rotation_matches_transformers(name):
 
 @pytest.mark.parametrize("name", list(ROTATIONS))
 def test_compiled_cpu_rotation_in_place_on_the_rotated_dims(name):
-    from shoal.workers.model_executor.layers import cpu_kernels
+    from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
     kernels = cpu_kernels.load()
     if kernels is None or not getattr(kernels, "has_avx2", False):

@@ -11,14 +11,7 @@ import sys
 
 from test_imports import module_files
 
-LIGHT = (
-    "shoal.workers.messages",
-    "shoal.workers.errors",
-    "shoal.workers.engine_args",
-    "shoal.workers.core.request_checks",
-    "shoal.workers.core.block_hash",
-    "shoal.workers.core.stats",
-)
+LIGHT = ("shoal.workers.engine_args",)
 
 
 def _run(code: str) -> str:
@@ -34,7 +27,7 @@ def _run(code: str) -> str:
 
 
 def test_no_router_or_cluster_module_imports_torch():
-    names = sorted(n for n in module_files() if n.startswith(("shoal.router", "shoal.cluster")))
+    names = sorted(n for n in module_files() if n.startswith(("shoal.router", "shoal.cluster", "shoal.proto")))
     # every room of the router is walked (fronts, routing, observability)
     assert {"shoal.router.fronts.ingress", "shoal.router.routing.request_router"} <= set(names)
     assert "shoal.router.observability.status_page" in names
@@ -55,9 +48,9 @@ import asyncio, sys
 from shoal.router.fronts.frontend import Frontend, ModelInfo
 from shoal.router.fronts.openai_app import OpenAIApp
 from shoal.router.fronts.prompt import Prompt
-from shoal.workers.model_executor.loader.model_loader import load_model_files
+from shoal.proto.tokenizer import load_tokenizer
 
-tok = load_model_files({tiny_model!r}).tokenizer
+tok = load_tokenizer({tiny_model!r})
 fe = Frontend(None, tok, ModelInfo("tiny", 256, 512, 16, 1, 1))
 OpenAIApp(fe, 1 << 20)
 ids, params = asyncio.run(fe.prepare(Prompt(text="The quick brown fox"), {{"max_tokens": 4, "temperature": 0.5}}))

@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from shoal.proto.block_hash import chain_hashes
+from shoal.proto.lora.modules import LORA_ON_DEVICE
+from shoal.proto.messages import GenerateRequest
+from shoal.proto.sampling_params import SamplingParams
 from shoal.router.routing import policies
 from shoal.router.routing.policies import registry
 from shoal.router.routing.replica_stats import ReplicaFigures, ReplicaStats
-from shoal.workers.core.block_hash import chain_hashes
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.lora.modules import LORA_ON_DEVICE
-from shoal.workers.messages import GenerateRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16

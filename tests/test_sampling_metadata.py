@@ -12,7 +12,7 @@ import pytest
 import torch
 from reference_sampler import ReferenceSampler
 
-from shoal.workers.core.sampling_params import SamplingParams
+from shoal.proto.sampling_params import SamplingParams
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.model_executor.runner.staging_buffer import StagingBuffer
 from shoal.workers.model_executor.sampling.builder import build_sampling_metadata, stage_sampling_metadata

@@ -13,10 +13,10 @@ import pytest
 import torch
 from tiny_models import TINY_VOCAB, _train_tokenizer
 
+from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.sequence import RequestTimings, Sequence
-from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.runner.model_runner import ModelRunner
 from shoal.workers.model_executor.runner.simulated_runner import (
     DEFAULT_COST_MODEL,

@@ -27,8 +27,8 @@ from reference import check_tokens, hf_greedy
 from tiny_models import make_tiny_model
 
 from shoal.benchmarks.kv_window_memory import kv_bytes_per_sequence
+from shoal.proto.utils import cdiv
 from shoal.workers import LLM, SamplingParams
-from shoal.workers.model_executor.layers import cpu_kernels
 from shoal.workers.model_executor.layers.attention import PagedAttention, set_forward_context
 from shoal.workers.model_executor.layers.attention.backends.abstract import CommonAttentionMetadata
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelBackend
@@ -36,7 +36,7 @@ from shoal.workers.model_executor.layers.attention.backends.flash_attn import Fl
 from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPABackend
 from shoal.workers.model_executor.layers.attention.backends.varlen import VarlenMetadata
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.utils import cdiv
+from shoal.workers.model_executor.platforms.cpu import kernels as cpu_kernels
 
 CPU = torch.device("cpu")
 BLOCK = 16

@@ -16,11 +16,11 @@ from serving import http_client, make_frontend
 from step_gate import StepGate
 
 from shoal.proto.logprobs import TokenLogprob
+from shoal.proto.messages import GenerateDelta, RequestFinished, Riding
 from shoal.router.routing import rebalance, replica_stats
 from shoal.router.routing.failover import FailoverPool
 from shoal.router.routing.stream_buffer import StreamBuffer, StreamBufferFull
 from shoal.router.routing.worker_pool import ServeWorkerPool
-from shoal.workers.messages import GenerateDelta, RequestFinished, Riding
 from tests.test_delta_mux import StandInHandle
 from tests.test_failover import PROMPTS, request, workers
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from prompts import SHORT_PROMPTS
 
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams as SO
 from shoal.workers import EngineArgs, SamplingParams
-from shoal.workers.core.structured_outputs import StructuredOutputsParams as SO
-from shoal.workers.errors import InvalidRequestError
 from shoal.workers.llm import LLM
 from shoal.workers.model_executor.loader.model_loader import load_model_files
 from shoal.workers.structured_output.guidance import GuidanceBackend

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from serving import http_client, make_frontend
 
+from shoal.proto.structured_outputs import StructuredOutputsParams
 from shoal.router.fronts.frontend import ServingError
 from shoal.workers import SamplingParams
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
 
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
 # Bounded everywhere: a random model never closes an unbounded string.

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
+from shoal.proto.messages import GenerateRequest, RequestFinished
+from shoal.proto.tracing import finish_worker_span
 from shoal.workers import LLMEngine, SamplingParams
-from shoal.workers.messages import GenerateRequest, RequestFinished
-from shoal.workers.tracing import finish_worker_span
 
 
 class RecordingSpan:

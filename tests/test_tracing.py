@@ -1,4 +1,4 @@
-"""Tracing (workers/tracing.py, router/observability/tracing.py) against a real OTLP/gRPC
+"""Tracing (proto/tracing.py, router/observability/tracing.py) against a real OTLP/gRPC
 collector, no Ray. The SDK's global TracerProvider can be set once per
 process, so each side runs in its own subprocess: the router's span joins a
 client's traceparent, and a worker process's span, started from the carrier
@@ -18,15 +18,15 @@ import textwrap
 import pytest
 
 from shoal.benchmarks.otlp_sink import OtlpCollector
-from shoal.workers import tracing
+from shoal.proto import tracing
 
 ROUTER = textwrap.dedent("""
     import json, sys
     from starlette.datastructures import Headers
     from shoal.router.observability import tracing as rt
     from shoal.router.fronts.frontend import ServingError
-    from shoal.workers.core.sampling_params import SamplingParams
-    from shoal.workers.messages import RequestFinished
+    from shoal.proto.sampling_params import SamplingParams
+    from shoal.proto.messages import RequestFinished
 
     assert rt.configure("shoal-router") and rt.configure("other")  # the second call changes nothing
     traceparent = sys.argv[1]
@@ -59,8 +59,8 @@ ROUTER = textwrap.dedent("""
 
 WORKER = textwrap.dedent("""
     import json, sys, time
-    from shoal.workers import tracing
-    from shoal.workers.messages import RequestFinished
+    from shoal.proto import tracing
+    from shoal.proto.messages import RequestFinished
 
     assert tracing.configure("shoal-worker")
     t0 = time.time()
@@ -80,7 +80,7 @@ OFF = textwrap.dedent("""
     init = NonRecordingSpan.__init__
     NonRecordingSpan.__init__ = lambda self, *a, **k: (made.append(1), init(self, *a, **k))[1]
     from shoal.router.observability import tracing as rt
-    from shoal.workers import tracing
+    from shoal.proto import tracing
 
     tp = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
     for env in ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1], "OTEL_TRACES_EXPORTER": "none"},

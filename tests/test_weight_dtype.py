@@ -55,7 +55,7 @@ def test_tiny_model_stores_matrices_in_bfloat16_and_computes_in_float32(tiny_mod
     ref = LLM(tiny_model, num_kv_blocks=64)
     want = ref.generate(prompts, params)
     ref.shutdown()
-    # float32 named: under auto a CPU with bfloat16 arithmetic computes in it (cpu_precision.py)
+    # float32 named: under auto a CPU with bfloat16 arithmetic computes in it (platforms/cpu/precision.py)
     llm = LLM(tiny_model, num_kv_blocks=64, dtype="float32", weight_dtype="bfloat16")
     model = llm.engine.runner.model
     mats = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]

@@ -12,12 +12,12 @@ _EXPORTS = {
     "AsyncEngine": "shoal.workers.async_engine",
     "CompletionOutput": "shoal.workers.core.outputs",
     "EngineArgs": "shoal.workers.engine_args",
-    "EngineStats": "shoal.workers.core.stats",
-    "InvalidRequestError": "shoal.workers.errors",
+    "EngineStats": "shoal.proto.stats",
+    "InvalidRequestError": "shoal.proto.errors",
     "LLM": "shoal.workers.llm",
     "LLMEngine": "shoal.workers.llm_engine",
     "RequestOutput": "shoal.workers.core.outputs",
-    "SamplingParams": "shoal.workers.core.sampling_params",
+    "SamplingParams": "shoal.proto.sampling_params",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -10,13 +10,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from shoal.proto.errors import EngineDeadError, RequestFailedError, RequestMoved
+from shoal.proto.messages import GenerateRequest
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
-from shoal.workers.errors import EngineDeadError, RequestFailedError, RequestMoved
 from shoal.workers.llm_engine import EngineStats, LLMEngine, PendingOutput
-from shoal.workers.messages import GenerateRequest
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from shoal.workers.messages import GenerateDelta
+from shoal.proto.messages import GenerateDelta
 
 # A stream with no request of its router for this long ends.
 IDLE_S = 2.0

@@ -256,7 +256,7 @@ class EngineArgs:
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         """The model's compute dtype. On the CPU, bfloat16 where it is asked
         for (--dtype bfloat16, or bfloat16 weights under auto) and the CPU
-        multiplies in bfloat16 (layers/cpu_precision.py); else float32."""
+        multiplies in bfloat16 (platforms/cpu/precision.py); else float32."""
         import torch
 
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -264,7 +264,7 @@ class EngineArgs:
         if device.type != "cpu":
             return torch.bfloat16 if self.dtype == "auto" else getattr(torch, self.dtype)
         if self.dtype == "bfloat16" or (self.dtype == "auto" and self.weight_dtype == "bfloat16"):
-            from shoal.workers.model_executor.layers.cpu_precision import cpu_bf16_compute
+            from shoal.workers.model_executor.platforms.cpu.precision import cpu_bf16_compute
 
             return torch.bfloat16 if cpu_bf16_compute()[0] else torch.float32
         return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.workers.messages import GenerateRequest
+from shoal.proto.messages import GenerateRequest
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from shoal.workers.errors import EngineFaultError
+from shoal.proto.errors import EngineFaultError
 
 ENV = "SHOAL_FAULT_INJECTION"
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+from shoal.proto.lora.request import LoRARequest
+from shoal.proto.messages import GenerateRequest
+from shoal.proto.sampling_params import SamplingParams
 from shoal.workers.core.outputs import CompletionOutput
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.llm_engine import LLMEngine
-from shoal.workers.lora.request import LoRARequest
-from shoal.workers.messages import GenerateRequest
 
 
 class LLM:

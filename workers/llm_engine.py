@@ -17,22 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.proto.block_hash import adopt_chain, check_cache_salt, lora_extra
+from shoal.proto.errors import EngineFaultError, InvalidRequestError, LoRAAdapterError
 from shoal.proto.logprobs import TokenLogprob
-from shoal.workers.core.block_hash import adopt_chain, check_cache_salt, lora_extra
+from shoal.proto.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
+from shoal.proto.lora.request import LoRARequest
+from shoal.proto.messages import GenerateRequest
+from shoal.proto.request_checks import RequestLimits, check_request, check_request_id
+from shoal.proto.sampling_params import SamplingParams
+from shoal.proto.stats import EngineStats
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import RequestOutput
-from shoal.workers.core.request_checks import RequestLimits, check_request, check_request_id
-from shoal.workers.core.sampling_params import SamplingParams
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
-from shoal.workers.core.stats import EngineStats
 from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import EngineFaultError, InvalidRequestError, LoRAAdapterError
-from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
 from shoal.workers.lora.peft_adapter import read_lora_adapter
-from shoal.workers.lora.request import LoRARequest
-from shoal.workers.messages import GenerateRequest
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.loader.model_loader import load_model_files

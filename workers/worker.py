@@ -2,7 +2,7 @@
 
 The cluster deploys this class as a Ray Serve deployment, one replica per GPU
 (or per CPU worker here); tests also run it in-process. It speaks the
-dataclasses of workers/messages.py.
+dataclasses of proto/messages.py.
 """
 
 from __future__ import annotations
@@ -16,21 +16,16 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict
 
-from shoal.workers import replica_logs, tracing
-from shoal.workers.async_engine import AsyncEngine
-from shoal.workers.core.outputs import RequestOutput
-from shoal.workers.delta_outbox import DeltaOutbox
-from shoal.workers.engine_args import EngineArgs
-from shoal.workers.errors import (
+from shoal.proto import replica_logs, tracing
+from shoal.proto.errors import (
     EngineDeadError,
     InvalidRequestError,
     RequestFailedError,
     RequestMoved,
 )
-from shoal.workers.lora.modules import parse_lora_modules
-from shoal.workers.lora.registry import LoRARegistry, serve_app_registry
-from shoal.workers.lora.worker_adapters import WorkerAdapters
-from shoal.workers.messages import (
+from shoal.proto.lora.modules import parse_lora_modules
+from shoal.proto.lora.registry import LoRARegistry, serve_app_registry
+from shoal.proto.messages import (
     GenerateDelta,
     GenerateRequest,
     RequestFinished,
@@ -40,6 +35,11 @@ from shoal.workers.messages import (
     WorkerInfo,
     WorkerLoad,
 )
+from shoal.workers.async_engine import AsyncEngine
+from shoal.workers.core.outputs import RequestOutput
+from shoal.workers.delta_outbox import DeltaOutbox
+from shoal.workers.engine_args import EngineArgs
+from shoal.workers.lora.worker_adapters import WorkerAdapters
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shoal.proto.sampling_params import SamplingParams
 from shoal.router.fronts.serving_error import ServingError
-from shoal.workers.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -8,12 +8,19 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
+from shoal.proto.block_hash import chain_hashes
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.lora.registry import LoRARegistry
+from shoal.proto.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
+from shoal.proto.request_checks import RequestLimits, check_request
+from shoal.proto.sampling_params import SamplingParams
 from shoal.router.fronts.admission import Admission, Admitted
 from shoal.router.fronts.cache_isolation import CacheIsolation
 from shoal.router.fronts.grammar_checks import GrammarChecks
@@ -25,12 +32,6 @@ from shoal.router.observability import tracing
 from shoal.router.observability.metrics import RouterMetrics
 from shoal.router.routing.pool import WorkerPool
 from shoal.router.routing.stream_buffer import StreamBufferFull
-from shoal.workers.core.block_hash import chain_hashes
-from shoal.workers.core.request_checks import RequestLimits, check_request
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.errors import InvalidRequestError
-from shoal.workers.lora.registry import LoRARegistry
-from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
 # Bounded: a client's own request id goes into the log lines of its request.
@@ -276,7 +277,7 @@ class Frontend:
         cache_salt: str | None = None,
         caller: bytes | None = None,
         admitted: Admitted | None = None,
-    ) -> AsyncIterator[GenerateDelta]:
+    ) -> AsyncGenerator[GenerateDelta, None]:
         """Stream one request. Raises ServingError before the first delta when
         the request is refused (draining, full, invalid). `span` (start_span's)
         ends with the request. parent_request_id: its parallel-sampling group
@@ -325,7 +326,7 @@ class Frontend:
                             self.metrics.first_token(now - arrival)
                             n -= 1
                         if n:  # a merged delta's tokens share its gap
-                            gaps.extend([(now - last_token) / n] * n)
+                            gaps.extend([(now - cast(float, last_token)) / n] * n)
                         last_token = now
                     if (f := msg.finished) is not None:
                         now = time.time()
@@ -354,8 +355,8 @@ class Frontend:
             raise err from None
         finally:
             tracing.end_request_span(span, cancelled=True)  # the client went away (a no-op once ended)
-            if claimed:
-                admitted.release()
+            if claimed:  # admitted is set
+                cast(Admitted, admitted).release()
             self.num_in_flight -= 1
             if self.num_in_flight == 0:
                 self._idle.set()

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from shoal.proto.errors import InvalidRequestError
 from shoal.proto.grammar import validate as validate_grammar
+from shoal.proto.structured_outputs import StructuredOutputsParams
 from shoal.router.fronts.serving_error import ServingError
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
 
 
 class GrammarChecks:

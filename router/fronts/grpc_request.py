@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from shoal.proto.block_hash import check_cache_salt
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
+from shoal.proto.structured_outputs import StructuredOutputsParams
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.router.fronts.frontend import ServingError
 from shoal.router.fronts.prompt import Prompt
 from shoal.router.fronts.tools import ToolChoice, constrain_sampling, parse_messages, parse_tools
-from shoal.workers.core.block_hash import check_cache_salt
-from shoal.workers.core.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
 
 _SAMPLING_FIELDS = (
     "max_tokens",

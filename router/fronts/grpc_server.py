@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shoal.proto.messages import GenerateDelta
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.fronts import parallel_sampling
@@ -22,7 +23,6 @@ from shoal.router.fronts.tool_parsers import get_tool_parser
 from shoal.router.fronts.tool_replies import ToolReply
 from shoal.router.observability import tracing
 from shoal.router.observability.loop_monitor import name_task
-from shoal.workers.messages import GenerateDelta
 
 logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Shoal"].full_name

@@ -8,16 +8,25 @@ The request body has its own deadline in the app (OpenAIApp._read_json: 408)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # uvicorn's "auto" choice: httptools when it is installed
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Fastest
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    _Fastest: type = HttpToolsProtocol
 except ImportError:  # pragma: no cover
     _Fastest = H11Protocol
+
+if TYPE_CHECKING:  # what the mixin reads of the protocol it is mixed into
+    _Protocol = H11Protocol
+else:
+    _Protocol = object
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +87,13 @@ def connection_cap(requested: int | None, nofile: int | None = None) -> int:
     return requested
 
 
-class _Bounded:
+class _Bounded(_Protocol):
     """Mixed in before one of uvicorn's HTTP/1.1 protocols; protocol_class()
     sets the two class attributes."""
 
     header_timeout_s: float
     max_connections: int
-    _header_timer = None  # the pending close, while a request's headers are awaited
+    _header_timer: asyncio.TimerHandle | None = None  # the pending close, while a request's headers are awaited
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

@@ -14,6 +14,8 @@ import logging
 import os
 import socket
 
+from shoal.proto import replica_logs
+from shoal.proto.lora.registry import serve_app_registry
 from shoal.router.fronts.frontend import Frontend, ModelInfo
 from shoal.router.fronts.grpc_server import GrpcServer
 from shoal.router.fronts.http_connections import ConnectionLimits, connection_cap, protocol_class, raise_file_limit
@@ -26,8 +28,6 @@ from shoal.router.observability.status_page import StatusPage
 from shoal.router.options import RouterOptions
 from shoal.router.routing.failover import FailoverPool
 from shoal.router.routing.worker_pool import ServeWorkerPool
-from shoal.workers import replica_logs
-from shoal.workers.lora.registry import serve_app_registry
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ async def start_http(
         timeout_graceful_shutdown=2,
         headers=headers,
         http=protocol_class(limits.header_timeout_s, cap),
-        timeout_keep_alive=limits.keep_alive_timeout_s,
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # annotated int; a float works
         **(tls.uvicorn_settings() if tls else {}),
     )
     server = uvicorn.Server(config)
@@ -102,8 +102,8 @@ class Router:
     """One replica in front of the Worker deployment's handle. Several may
     run (--routers), one per node; each routes on its own."""
 
-    async def __init__(self, workers, options: RouterOptions):
-        from shoal.workers.model_executor.loader.model_loader import load_model_files
+    async def __init__(self, workers, options: RouterOptions):  # type: ignore[misc]  # Serve awaits it
+        from shoal.proto.tokenizer import load_tokenizer
 
         self.options = options
         replica_logs.use_serve_handlers()  # failovers, rebalancing, delta streams
@@ -113,7 +113,7 @@ class Router:
         pool = FailoverPool(ServeWorkerPool(workers, self.name, options.max_stream_buffer_tokens), options.max_retries)
         info = await pool.info()
         # The tokenizer comes from the model file; the weights stay unread here.
-        tokenizer = load_model_files(options.model).tokenizer
+        tokenizer = load_tokenizer(options.model)
         self.frontend = Frontend(
             pool,
             tokenizer,

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from shoal.workers.messages import WorkerLoad
+from shoal.proto.messages import WorkerLoad
 
 
 class LoadSnapshot:

@@ -16,13 +16,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from shoal.proto.block_hash import lora_extra
+from shoal.proto.lora.files import public_message, under_root, within_root
+from shoal.proto.lora.modules import fresh_lora_id
+from shoal.proto.lora.registry import LoRARegistry, RuntimeLoRA
+from shoal.proto.messages import WorkerError, WorkerLoad
 from shoal.router.fronts.serving_error import ServingError
 from shoal.router.routing.pool import WorkerPool
-from shoal.workers.core.block_hash import lora_extra
-from shoal.workers.lora.files import public_message, under_root, within_root
-from shoal.workers.lora.modules import fresh_lora_id
-from shoal.workers.lora.registry import LoRARegistry, RuntimeLoRA
-from shoal.workers.messages import WorkerError, WorkerLoad
 
 logger = logging.getLogger(__name__)
 # A model name the router does not know is looked up at the workers (an
@@ -54,7 +54,7 @@ class LoRAAdapters:
         self._loaded_here: set[str] = set()  # runtime loads through this router (no registry: the count)
         self._load = load
         self.allow_runtime_updating = allow_runtime_updating
-        # Runtime loads are kept there too, for the workers that start later (workers/lora/registry.py).
+        # Runtime loads are kept there too, for the workers that start later (proto/lora/registry.py).
         self.registry = registry
         self._read_at = float("-inf")
 

@@ -9,13 +9,17 @@ import functools
 import importlib.metadata
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.messages import GenerateDelta, RequestFinished
 from shoal.router.fronts import openapi, parallel_sampling, request_schema, strict_json
 from shoal.router.fronts.admission import sequences_field
 from shoal.router.fronts.frontend import Frontend, ServingError
@@ -34,8 +38,6 @@ from shoal.router.fronts.tool_replies import ToolReplies
 from shoal.router.observability import tracing
 from shoal.router.observability.loop_monitor import REQUEST_TASK_PREFIX, name_task
 from shoal.router.observability.status_page import StatusPage
-from shoal.workers.errors import InvalidRequestError
-from shoal.workers.messages import GenerateDelta
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class OpenAIApp:
         self.max_request_bytes = max_request_bytes
         self.body_timeout_s = body_timeout_s
         status = status or StatusPage(frontend)
+        self.app: ASGIApp
         self.app = self.starlette = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -167,9 +170,9 @@ class OpenAIApp:
         body,
         parse,
         rid: str,
-        client_id: str,
+        client_id: str | None,
         chat: bool,
-    ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:
+    ) -> tuple[ParsedRequest, list[AsyncGenerator[GenerateDelta, None]], list[GenerateDelta]]:
         """Check and dispatch; wait for each choice's first delta so that a
         refusal (full, invalid) still gets its own status code. One choice's
         engine id is `rid`; several choices' (several prompts, n, best_of:
@@ -193,8 +196,15 @@ class OpenAIApp:
             admitted.release_unclaimed()  # those of streams that never started (each started one gives its own back)
 
     async def _dispatch(
-        self, request: Request, parsed: ParsedRequest, rid: str, client_id: str, chat: bool, width: int, admitted
-    ) -> tuple[ParsedRequest, list[AsyncIterator[GenerateDelta]], list[GenerateDelta]]:
+        self,
+        request: Request,
+        parsed: ParsedRequest,
+        rid: str,
+        client_id: str | None,
+        chat: bool,
+        width: int,
+        admitted,
+    ) -> tuple[ParsedRequest, list[AsyncGenerator[GenerateDelta, None]], list[GenerateDelta]]:
         """_start's work once the request's sequences are admitted."""
         rids = parallel_sampling.request_ids(rid, len(parsed.prompts) * width)
         # One trace span per engine request, each a child of the client's context.
@@ -238,7 +248,7 @@ class OpenAIApp:
             if isinstance(f, BaseException):
                 await _close(streams)
                 raise f
-        return parsed, streams, firsts
+        return parsed, streams, cast("list[GenerateDelta]", firsts)  # no exception among them (above)
 
     def _check_tool_choice(self, parsed: ParsedRequest) -> None:
         choice = parsed.tool_choice
@@ -262,12 +272,12 @@ class OpenAIApp:
         return await self._serve(request, lambda body: parse_chat(body, self.fe.limits.max_logit_bias), chat=True)
 
     async def _serve(self, request: Request, parse, chat: bool) -> Response:
-        client_id = request.headers.get("x-request-id", "")
-        headers = {"X-Request-Id": client_id} if client_id else None  # the client's own id, echoed
+        sent_id = request.headers.get("x-request-id", "")
+        headers = {"X-Request-Id": sent_id} if sent_id else None  # the client's own id, echoed
         rid = self.fe.new_request_id("chatcmpl" if chat else "cmpl")
         try:
             self._authenticate(request)
-            client_id = self.fe.client_request_id(client_id, "X-Request-Id")
+            client_id = self.fe.client_request_id(sent_id, "X-Request-Id")
             body = await self._read_json(request)
         except ServingError as e:
             return error_response(e, headers)
@@ -280,7 +290,7 @@ class OpenAIApp:
         return answer if answer is not None else Response(status_code=499)  # nobody reads it
 
     async def _answer(
-        self, request: Request, body, parse, rid: str, client_id: str, chat: bool, headers: dict | None
+        self, request: Request, body, parse, rid: str, client_id: str | None, chat: bool, headers: dict | None
     ) -> Response:
         try:
             parsed, streams, firsts = await self._start(request, body, parse, rid, client_id, chat)
@@ -293,7 +303,9 @@ class OpenAIApp:
             return StreamingResponse(
                 self._events(fmt, parsed, streams, firsts, replies), media_type="text/event-stream", headers=headers
             )
-        choices = [{"index": i, "text": "", "lps": [], "final": None} for i in range(len(streams))]
+        choices: list[dict[str, Any]] = [
+            {"index": i, "text": "", "lps": [], "final": None} for i in range(len(streams))
+        ]
         texts: list[list[str]] = [[] for _ in choices]  # joined once: `+=` per delta copies the reply
         try:
             async for i, msg in merge_streams(streams, firsts):
@@ -320,16 +332,20 @@ class OpenAIApp:
     async def _events(
         self, fmt: ChunkFormat, parsed: ParsedRequest, streams, firsts, replies: ToolReplies | None = None
     ) -> AsyncIterator[str]:
-        finals = [None] * len(streams)  # in choice order, for the usage
+        finals: list[RequestFinished | None] = [None] * len(streams)  # in choice order, for the usage
+        num_prompt_tokens = cast("list[int]", parsed.num_prompt_tokens)  # counted by _dispatch
+        echo_texts = parsed.echo_texts
         prompt_of = [i // fmt.width for i in range(len(streams))]  # each choice's prompt
-        echo = [parsed.echo_texts[p] for p in prompt_of] if parsed.echo_texts is not None else None  # None once sent
+        echo: list[str | None] | None = (
+            [echo_texts[p] for p in prompt_of] if echo_texts is not None else None
+        )  # None once sent
         made = [0] * len(streams) if parsed.continuous_usage else None  # completion tokens so far, per choice
         name_task(fmt.rid)  # the response's task, as _serve's: for loop_monitor.py
         try:
             for i in range(len(streams) if fmt.chat else 0):  # the role goes out for every choice, as vLLM's
                 chunk = fmt.chunk(i, {"role": "assistant", "content": ""}, None, None)
                 if made is not None:
-                    chunk["usage"] = usage_so_far(parsed.num_prompt_tokens[prompt_of[i]], 0)
+                    chunk["usage"] = usage_so_far(num_prompt_tokens[prompt_of[i]], 0)
                 yield "data: " + _dumps(chunk) + "\n\n"
             async for i, msg in merge_streams(streams, firsts):
                 # read for tool calls, a delta makes no chunk (text held back) or several
@@ -341,7 +357,7 @@ class OpenAIApp:
                     made[i] += len(msg.token_ids)
                     f = msg.finished
                     usage = (
-                        usage_so_far(parsed.num_prompt_tokens[prompt_of[i]], made[i])
+                        usage_so_far(num_prompt_tokens[prompt_of[i]], made[i])
                         if f is None
                         else usage_so_far(f.num_prompt_tokens, f.num_output_tokens)
                     )
@@ -352,7 +368,7 @@ class OpenAIApp:
                 if msg.finished is not None:
                     finals[i] = msg.finished
             if parsed.include_usage:
-                yield "data: " + _dumps(fmt.usage_chunk(finals)) + "\n\n"
+                yield "data: " + _dumps(fmt.usage_chunk(cast("list[RequestFinished]", finals))) + "\n\n"  # all ended
         except ServingError as e:  # after the 200 went out: report in the stream, as vLLM does
             _, etype, code = _ERRORS.get(e.kind, _ERRORS["internal"])
             yield "data: " + _dumps({"error": {"message": e.message, "type": etype, "code": e.code or code}}) + "\n\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from shoal.proto.logprobs import TokenLogprob
+from shoal.proto.messages import GenerateDelta, RequestFinished
 from shoal.router.fronts.frontend import Frontend
-from shoal.workers.messages import GenerateDelta, RequestFinished
 
 
 class ChunkFormat:

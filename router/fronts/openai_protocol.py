@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.proto.block_hash import check_cache_salt
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
 from shoal.router.fronts import request_schema
 from shoal.router.fronts.prompt import Prompt
 from shoal.router.fronts.request_schema import MAX_USER_LEN
 from shoal.router.fronts.structured_fields import parse_structured
 from shoal.router.fronts.tools import ToolChoice, constrain_sampling, parse_messages, parse_tools
-from shoal.workers.core.block_hash import check_cache_salt
-from shoal.workers.core.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
-from shoal.workers.errors import InvalidRequestError
 
 _NUMBER = (int, float)
 

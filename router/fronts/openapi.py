@@ -123,7 +123,7 @@ def body_schema(endpoint: str) -> dict:
 
 def _operation(summary, endpoint, answer, secured: bool, error_statuses: dict[int, str]) -> dict:
     if answer == _TEXT:
-        ok = {_TEXT: {"schema": _STR}}
+        ok: dict[str, dict[str, object]] = {_TEXT: {"schema": _STR}}
     else:
         ok = {"application/json": {"schema": {"$ref": f"#/components/schemas/{answer}"}}}
         if endpoint in ("completions", "chat"):  # stream=true: the schema is each event's (OpenAPI 3.1)

@@ -23,10 +23,11 @@ the request cost, as OpenAI bills best_of (vLLM counts the returned ones).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from shoal.proto.sampling_params import SamplingParams
 from shoal.router.fronts.frontend import ServingError
 from shoal.router.fronts.openai_protocol import ParsedRequest
-from shoal.workers.core.sampling_params import SamplingParams
 
 _SEED_END = 2**64  # SamplingParams' seeds lie in [-2**63, 2**64)
 
@@ -55,7 +56,7 @@ def request_ids(rid: str, count: int) -> list[str]:
 def sample_params(params: SamplingParams, k: int, ranked: bool) -> SamplingParams:
     """Sample k's parameters: seed + k (wrapped into the seed range), and
     each token's logprob when the samples are to be ranked."""
-    changes = {}
+    changes: dict[str, Any] = {}
     if params.seed is not None and k:
         seed = params.seed + k
         changes["seed"] = seed - _SEED_END if seed >= _SEED_END else seed

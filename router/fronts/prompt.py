@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
 
 
 @dataclass(slots=True)

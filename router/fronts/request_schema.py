@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shoal.workers.core.block_hash import MAX_CACHE_SALT_CHARS
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.block_hash import MAX_CACHE_SALT_CHARS
+from shoal.proto.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 MAX_USER_LEN = 256  # `user` is logged, so it is bounded like a client's request id

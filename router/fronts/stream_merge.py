@@ -9,15 +9,15 @@ up to --max-stream-buffer-tokens) in its buffer at the router
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from shoal.workers.messages import GenerateDelta
+from shoal.proto.messages import GenerateDelta
 
 
 async def merge_streams(
-    streams: list[AsyncIterator[GenerateDelta]], firsts: list[GenerateDelta] | None = None
-) -> AsyncIterator[tuple[int, GenerateDelta]]:
+    streams: list[AsyncGenerator[GenerateDelta, None]], firsts: list[GenerateDelta] | None = None
+) -> AsyncGenerator[tuple[int, GenerateDelta], None]:
     """(index, delta) as they come. firsts: each stream's first delta, taken
     already (the HTTP front waits for them to answer a refusal with its own
     status). The first error ends them all; closing this closes every stream,

@@ -4,8 +4,10 @@ fields, each read into one StructuredOutputsParams that names its field."""
 
 from __future__ import annotations
 
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
+from typing import cast
+
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams
 
 GUIDED = (
     ("guided_json", "json"),
@@ -65,7 +67,7 @@ def response_format(fmt) -> StructuredOutputsParams | None:
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{f}.json_schema.schema must be a JSON schema (an object)", field=f)
     # strict or not, the schema is enforced (as vLLM does)
-    return StructuredOutputsParams(json=schema, field=f)
+    return StructuredOutputsParams(json=cast(str, schema), field=f)  # a dict: serialized as given
 
 
 def _structured_outputs(so) -> StructuredOutputsParams | None:

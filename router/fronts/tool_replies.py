@@ -9,10 +9,11 @@ concatenate to the whole reply's arguments: the model's own JSON text, sliced.""
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from shoal.router.fronts.tool_parsers import DeltaMessage, ToolParser, get_tool_parser
 from shoal.router.fronts.tool_parsers.abstract import Reader
-from shoal.router.fronts.tool_parsers.json_scan import Malformed, Out, skip_ws
+from shoal.router.fronts.tool_parsers.json_scan import CallScanner, Malformed, Out, skip_ws
 from shoal.router.fronts.tools import ToolChoice
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class RequiredReader(Reader):
         while i < n and self.state != _DONE:
             st = self.state
             if st == _OBJECT:
-                end = self._scanner.feed(s, i, n)
+                end = cast(CallScanner, self._scanner).feed(s, i, n)
                 if end is None:
                     return
                 self._retire_scanner()
@@ -118,11 +119,11 @@ class ToolReply:
     def __init__(self, choice: ToolChoice, auto_parser: str | None):
         self.choice = choice
         if choice.mode == "named":
-            self.parser: ToolParser = NamedToolParser(choice.name)
+            self.parser: ToolParser = NamedToolParser(cast(str, choice.name))
         elif choice.mode == "required":
             self.parser = RequiredToolParser()
         else:
-            self.parser = get_tool_parser(auto_parser)
+            self.parser = get_tool_parser(cast(str, auto_parser))  # auto needs --tool-call-parser (checked)
         self.stream = self.parser.stream()
         self._broken = False  # the stream failed even to give up: new text passes through as is
         # auto without parallel_tool_calls: the first call only (the grammar bounds the others)
@@ -190,7 +191,7 @@ class ToolReply:
 def _deltas(d: DeltaMessage | None, max_calls: int | None) -> list[dict]:
     if d is None:
         return []
-    out = [{"content": d.content}] if d.content else []
+    out: list[dict[str, object]] = [{"content": d.content}] if d.content else []
     for tc in d.tool_calls:
         if max_calls is not None and tc.index >= max_calls:
             continue

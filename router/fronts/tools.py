@@ -9,14 +9,15 @@ import copy
 import json
 import re
 from dataclasses import dataclass
+from typing import Any, cast
 
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
 # An empty parameters schema: the model writes `{}` and nothing more (vLLM's reply for a tool without parameters).
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(slots=True, frozen=True)
@@ -142,7 +143,7 @@ def choice_schema(tools: list[dict], choice: ToolChoice) -> dict | None:
 def constrain_sampling(sampling: dict, tools: list[dict] | None, choice: ToolChoice | None, field: str) -> None:
     """A required or named tool choice makes the reply's grammar (choice_schema):
     set it in the sampling fields, where no other structured output may be."""
-    schema = None if choice is None else choice_schema(tools, choice)
+    schema = None if choice is None else choice_schema(cast("list[dict]", tools), choice)  # a choice comes with tools
     if schema is None:
         return
     if "structured_outputs" in sampling:
@@ -151,7 +152,7 @@ def constrain_sampling(sampling: dict, tools: list[dict] | None, choice: ToolCho
             f"it cannot be combined with {sampling['structured_outputs'].field}",
             field=field,
         )
-    sampling["structured_outputs"] = StructuredOutputsParams(json=schema, field=field)
+    sampling["structured_outputs"] = StructuredOutputsParams(json=cast(str, schema), field=field)  # a dict: serialized
 
 
 def parse_messages(messages) -> list[dict]:

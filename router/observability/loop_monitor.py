@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import cast
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class LoopMonitor:
             # task first ran counts too.
             await asyncio.sleep(interval)
             now = time.monotonic()
-            lag = max(0.0, now - self._beat - interval)
+            lag = max(0.0, now - cast(float, self._beat) - interval)  # start() set it
             self.last_lag_s = lag
             peak, at = self._peak
             if lag >= peak or now - at > self.window_s:
@@ -114,14 +115,14 @@ class LoopMonitor:
     def _watch(self, stop: threading.Event) -> None:
         reported = None  # the beat whose stall was reported
         while not stop.wait(self.block_s / 2):
-            beat = self._beat
+            beat = cast(float, self._beat)  # start() set it
             held = time.monotonic() - beat - self.interval_s
             if held > self.block_s and beat != reported:
                 reported = beat
                 self._report(held)
 
     def _report(self, held: float) -> None:
-        frame = sys._current_frames().get(self._loop_thread)
+        frame = sys._current_frames().get(cast(int, self._loop_thread))
         task = asyncio.current_task(self._loop)  # the task running on the loop now (reading it is safe here)
         rid = request_of(task, frame)
         self._stall_request = rid

@@ -27,8 +27,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shoal.proto.messages import RequestFinished, WorkerLoad
 from shoal.router.routing import replica_stats
-from shoal.workers.messages import RequestFinished, WorkerLoad
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("model_name", "worker")
@@ -127,7 +127,8 @@ METRIC_NAMES = (
 
 def token_buckets(max_len: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
-    out, exp = [], 0
+    out: list[int] = []
+    exp = 0
     while True:
         for m in (1, 2, 5):
             v = m * 10**exp

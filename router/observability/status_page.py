@@ -14,8 +14,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from shoal.proto.lora.modules import LORA_ON_DEVICE
 from shoal.router.observability.metrics import CONTENT_TYPE
-from shoal.workers.lora.modules import LORA_ON_DEVICE
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The page loads only its own files and may not be framed (clickjacking); its favicon is an empty data: URL.

@@ -1,21 +1,22 @@
 """The router's spans: one SERVER span per request, named and attributed
 per the OpenTelemetry GenAI semantic conventions, with child spans for
 validate+tokenize and routing, and a 'failed_over' event. Built on
-shoal.workers.tracing (configure, inject, flush live there); every helper
+shoal.proto.tracing (configure, inject, flush live there); every helper
 takes None for a span and returns at once when tracing is off."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any, cast
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
-from shoal.workers import tracing as core
-from shoal.workers.tracing import ENV_VARS, configure, end_span, fail_span, flush, inject, otel_env
+from shoal.proto import tracing as core
+from shoal.proto.tracing import ENV_VARS, configure, end_span, fail_span, flush, inject, otel_env
 
 __all__ = [
     "ENV_VARS",
@@ -121,7 +122,7 @@ def start_request_span(
         return None
     if operation not in OPERATIONS:
         raise ValueError(f"operation must be one of {OPERATIONS}, not {operation!r}")
-    span = core.tracer.start_span(
+    span = cast(trace.Tracer, core.tracer).start_span(
         f"{operation} {model}", context=parent_ctx, kind=SpanKind.SERVER, start_time=core.ns(start_s)
     )
     core.set_attributes(
@@ -219,7 +220,7 @@ def stage_span(parent, name: str = "shoal.prepare", **attributes):
     if not core.enabled or parent is None:
         yield None
         return
-    span = core.tracer.start_span(name, context=_parent_context(parent))
+    span = cast(trace.Tracer, core.tracer).start_span(name, context=_parent_context(parent))
     core.set_attributes(span, attributes)
     try:
         yield span
@@ -246,7 +247,7 @@ def route_span(
     dict becomes an array attribute, in the candidates' order."""
     if not core.enabled or parent is None:
         return
-    attrs = {"shoal.route.chosen": chosen, "shoal.route.num_candidates": len(candidates)}
+    attrs: dict[str, Any] = {"shoal.route.chosen": chosen, "shoal.route.num_candidates": len(candidates)}
     for key, attr, kind in (
         ("worker", "workers", str),
         ("free_blocks", "free_blocks", int),
@@ -255,11 +256,13 @@ def route_span(
         ("cost", "costs", float),
         ("hit_blocks", "hit_blocks", int),
     ):
-        values = [c.get(key) for c in candidates]
+        values: list[Any] = [c.get(key) for c in candidates]
         if candidates and all(v is not None for v in values):  # an array must be whole and of one type
             attrs[f"shoal.route.{attr}"] = [kind(v) for v in values]
     attrs.update(attributes)
-    span = core.tracer.start_span("shoal.route", context=_parent_context(parent), start_time=core.ns(start_s))
+    span = cast(trace.Tracer, core.tracer).start_span(
+        "shoal.route", context=_parent_context(parent), start_time=core.ns(start_s)
+    )
     core.set_attributes(span, attrs)
     span.end(end_time=core.ns(end_s))
 
@@ -276,14 +279,16 @@ def failed_over(
     attrs = {"shoal.from_worker": from_worker, "shoal.streamed_tokens": num_streamed_tokens, "shoal.reason": reason}
     if isinstance(span, Mapping):
         t = core.ns(at_s) or time.time_ns()
-        child = core.tracer.start_span("shoal.failed_over", context=core.extract(span), start_time=t)
+        child = cast(trace.Tracer, core.tracer).start_span(
+            "shoal.failed_over", context=core.extract(span), start_time=t
+        )
         core.add_event(child, "failed_over", attrs, t / 1e9)
         child.end(end_time=t)
     else:
         core.add_event(span, "failed_over", attrs, at_s)
 
 
-def trace_route(carrier, names: list[str], figs: list, chosen: int, policy: str) -> None:
+def trace_route(carrier, names: list[str], figs: Sequence[Any], chosen: int, policy: str) -> None:
     """route_span from the request router's view: each replica's name and
     figures (replica_stats.ReplicaFigures, None before its first report)."""
     rows = [
@@ -295,4 +300,5 @@ def trace_route(carrier, names: list[str], figs: list, chosen: int, policy: str)
         }
         for n, f in zip(names, figs)
     ]
-    route_span(carrier, rows, names[chosen], **{"shoal.route.policy": policy})
+    policy_attr: dict[str, Any] = {"shoal.route.policy": policy}
+    route_span(carrier, rows, names[chosen], **policy_attr)

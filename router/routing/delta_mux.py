@@ -27,8 +27,8 @@ import logging
 import os
 import time
 
+from shoal.proto.messages import Subscribe
 from shoal.router.routing.stream_buffer import StreamBuffer
-from shoal.workers.messages import Subscribe
 
 logger = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ import logging
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from shoal.proto.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 from shoal.router.observability import tracing
 from shoal.router.routing.pool import WorkerPool
-from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class FailoverPool:
     async def broadcast(self, method: str, *args) -> list:
         return await self.pool.broadcast(method, *args)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta | WorkerError, None]:
         request = with_seed(request)
         lost = _lost_errors()
         streamed: list[int] = []  # output token ids the client has, across attempts
@@ -149,7 +149,7 @@ class FailoverPool:
                 if not finished:
                     raise WorkerLost("the worker's stream ended before the request finished")
                 return
-            except (_Refused, *lost) as e:
+            except (_Refused, *lost) as e:  # type: ignore[misc]  # mypy reads no starred tuple here
                 if finished:  # the stream broke after the last delta: nothing is missing
                     return
                 failures_in_row = 1 if got_delta else failures_in_row + 1

@@ -4,15 +4,15 @@ with streams that survive a lost worker) all meet it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol, runtime_checkable
 
-from shoal.workers.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
+from shoal.proto.messages import GenerateDelta, GenerateRequest, WorkerError, WorkerInfo, WorkerLoad
 
 
 @runtime_checkable
 class WorkerPool(Protocol):
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta | WorkerError, None]:
         """One request's deltas (an async generator); a refusal or failure
         comes as a WorkerError, a lost worker raises."""
         ...

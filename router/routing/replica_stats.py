@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from shoal.workers.messages import WorkerLoad
+from shoal.proto.messages import WorkerLoad
 
 # A send is reflected in a report taken this long after it: the hop to the
 # worker plus the engine step it waits for (steps are ~10-50 ms on a GPU).
@@ -71,7 +71,7 @@ class ReplicaFigures:
     sent_blocks: int = 0
     sent_tokens: int = 0
     in_flight: int = 0  # this process's streams to it, from send to end
-    # LoRA: each adapter it serves by name -> (lora_int_id, where: workers/lora/modules.py's
+    # LoRA: each adapter it serves by name -> (lora_int_id, where: proto/lora/modules.py's
     # LORA_ON_DEVICE / LORA_IN_HOST / LORA_ON_DISK), as reported; adapter name ->
     # when this process sent it a request under it (taken as on the device until
     # a report GRACE_S later says where it is).

@@ -17,12 +17,14 @@ the list past replicas at max_ongoing_requests.
 
 from __future__ import annotations
 
+from typing import cast
+
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from shoal.proto.messages import GenerateRequest, Subscribe
 from shoal.router.routing import policies, replica_stats
-from shoal.workers.messages import GenerateRequest, Subscribe
 
 # Serve's poll of Worker.record_routing_stats: the figures when deltas do
 # not flow (an idle worker), and the cached hashes. Serve's controller and
@@ -48,7 +50,7 @@ def _target(candidates: list[RunningReplica], pending: PendingRequest | None) ->
     sub = _arg(pending)
     if not isinstance(sub, Subscribe):
         return None
-    pending.routing_context.should_backoff = True
+    cast(PendingRequest, pending).routing_context.should_backoff = True  # a Subscribe came in it
     return [[r] for r in candidates if r.replica_id.unique_id == sub.replica]
 
 
@@ -154,9 +156,11 @@ def request_router_config(policy: str) -> RequestRouterConfig:
     """The Worker deployment's RequestRouterConfig for `--routing policy`."""
     p = policies.get_policy(policy)
     if p.serve_builtin:  # Serve's own router takes no routing stats
-        return RequestRouterConfig(request_router_class=Pow2Router)
+        return RequestRouterConfig(request_router_class=Pow2Router)  # type: ignore[arg-type]  # ray types **kwargs as dicts
     # Serve polls the workers' routing stats every 0.2 s for a policy that reads them (else at its default).
     polled = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S} if policies.reads_reports(p) else {}
     return RequestRouterConfig(
-        request_router_class=PolicyRequestRouter, request_router_kwargs={"policy": p.name}, **polled
+        request_router_class=PolicyRequestRouter,  # type: ignore[arg-type]  # (as above)
+        request_router_kwargs={"policy": p.name},
+        **polled,  # type: ignore[arg-type]
     )

@@ -20,7 +20,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from shoal.workers.messages import GenerateDelta
+from shoal.proto.messages import GenerateDelta
 
 
 class StreamBufferFull(Exception):

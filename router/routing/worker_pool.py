@@ -7,15 +7,15 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from shoal.proto.messages import GenerateDelta, GenerateRequest, Riding, WorkerError, WorkerInfo, WorkerLoad
 from shoal.router.routing import policies, rebalance, replica_stats
 from shoal.router.routing.delta_mux import DeltaMux, MuxEnded
 from shoal.router.routing.failover import WorkerLost
 from shoal.router.routing.replica_stats import ReplicaStats
 from shoal.router.routing.stream_buffer import StreamBuffer
-from shoal.workers.messages import GenerateDelta, GenerateRequest, Riding, WorkerError, WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ServeWorkerPool:
         # A new worker takes over requests still waiting on deeper queues.
         self._rebalancer = rebalance.start(handle)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta | WorkerError, None]:
         stats, mux, rid = replica_stats.REGISTRY, self.mux, request.request_id
         request.mux = mux.router_id
         done, first, worker, pump, gen = False, True, None, None, None
@@ -169,7 +169,7 @@ class LocalWorkerPool:
                 if hasattr(w, "record_routing_stats"):
                     self.replica_stats.observe_poll(name, w.record_routing_stats())
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta | WorkerError]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta | WorkerError, None]:
         stats, names = self.replica_stats, self._names()
         self._poll(names)
         if self.policy.needs_prefix and not stats.block_size and hasattr(self.workers[0], "info"):

@@ -4,10 +4,10 @@ blocks); its progress is the scheduler's."""
 
 from __future__ import annotations
 
-from shoal.workers.core.block_hash import chain_hashes
+from shoal.proto.block_hash import chain_hashes
+from shoal.proto.utils import cdiv
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sequence import Sequence
-from shoal.workers.utils import cdiv
 
 
 class BlockManager:

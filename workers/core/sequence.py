@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shoal.workers.core.sampling_params import SamplingParams
+from shoal.proto.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from shoal.workers.messages import GenerateRequest
+    from shoal.proto.messages import GenerateRequest
 
 
 class SequenceStatus(enum.Enum):

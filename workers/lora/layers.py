@@ -160,7 +160,7 @@ class LoRALinear(nn.Module):
                     triton_ops.add_lora_triton(y2, x2, p.lora_a, p.lora_b, self.scalings, step.row_slots, p.out_offset)
                 return
         segments = step.cpu_segments()
-        kernels = getattr(self.base, "cpu_kernels", None)  # bound when the CPU kernels are on (cpu_kernels.bind)
+        kernels = getattr(self.base, "cpu_kernels", None)  # bound when the CPU kernels are on (platforms/cpu/bind.py)
         if kernels is not None and x2.dtype == y2.dtype == torch.float32 and self.parts[0].lora_a.shape[2] <= 256:
             table = step.segment_table()
             x2 = x2.contiguous()

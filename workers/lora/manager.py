@@ -18,11 +18,11 @@ import time
 import torch
 from torch import nn
 
+from shoal.proto.lora.request import LoRARequest
 from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.lora.host_cache import LoRAHostCache
 from shoal.workers.lora.layers import LoRALinear
 from shoal.workers.lora.peft_adapter import LoRAAdapter
-from shoal.workers.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 

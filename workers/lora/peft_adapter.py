@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.workers.errors import InvalidRequestError, LoRAAdapterError
-from shoal.workers.lora.files import (
+from shoal.proto.errors import InvalidRequestError, LoRAAdapterError
+from shoal.proto.lora.files import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
     WEIGHTS_FILE,
@@ -38,7 +38,7 @@ from shoal.workers.lora.files import (
     read_file,
     under_root,
 )
-from shoal.workers.lora.request import LoRARequest
+from shoal.proto.lora.request import LoRARequest
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.models.moe import is_moe_layer
 

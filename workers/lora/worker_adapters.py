@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from shoal.workers.errors import InvalidRequestError, LoRAAdapterError
-from shoal.workers.lora.files import public_message, under_root, within_root
-from shoal.workers.lora.modules import LORA_UNAVAILABLE, LoRAModulePath
-from shoal.workers.lora.registry import LoRARegistry
-from shoal.workers.lora.request import LoRARequest
-from shoal.workers.messages import WorkerError
+from shoal.proto.errors import InvalidRequestError, LoRAAdapterError
+from shoal.proto.lora.files import public_message, under_root, within_root
+from shoal.proto.lora.modules import LORA_UNAVAILABLE, LoRAModulePath
+from shoal.proto.lora.registry import LoRARegistry
+from shoal.proto.lora.request import LoRARequest
+from shoal.proto.messages import WorkerError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_outputs import StructuredOutputsParams
 
 
 class StructuredOutputGrammar(Protocol):

@@ -9,9 +9,9 @@ import llguidance
 import llguidance.numpy as llg_np
 import numpy as np
 
+from shoal.proto.errors import InvalidRequestError
 from shoal.proto.grammar import LIMITS, _short, grammar_text, what
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams
 
 
 class GuidanceGrammar:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams
 from shoal.workers.structured_output.backend import StructuredOutputBackend
 from shoal.workers.structured_output.request import StructuredOutputRequest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_outputs import StructuredOutputsParams
 from shoal.workers.structured_output.backend import StructuredOutputGrammar
 
 

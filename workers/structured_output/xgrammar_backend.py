@@ -24,9 +24,9 @@ import re
 
 import numpy as np
 
+from shoal.proto.errors import InvalidRequestError
 from shoal.proto.grammar import what
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.structured_outputs import StructuredOutputsParams
 
 SEPARATORS = (", ", ": ")
 # Fewer rows are filled on the caller's thread: waking the library's pool for

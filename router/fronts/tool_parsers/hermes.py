@@ -11,8 +11,10 @@ could start one, so no text is searched twice."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from shoal.router.fronts.tool_parsers.abstract import Reader, ToolParser
-from shoal.router.fronts.tool_parsers.json_scan import Malformed, Out, skip_ws
+from shoal.router.fronts.tool_parsers.json_scan import CallScanner, Malformed, Out, skip_ws
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -71,7 +73,7 @@ class HermesReader(Reader):
                 self._scanned += len(body)
                 p = body.find(END)
                 stop = n if p < 0 else max(i, i + p - len(self._tail))
-                end = self._scanner.feed(s, i, stop)
+                end = cast(CallScanner, self._scanner).feed(s, i, stop)
                 if end is None:
                     if p >= 0:
                         raise Malformed("incomplete call")

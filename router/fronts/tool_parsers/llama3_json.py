@@ -4,8 +4,10 @@ by `;`. A reply that does not start so is plain content."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from shoal.router.fronts.tool_parsers.abstract import Reader, ToolParser
-from shoal.router.fronts.tool_parsers.json_scan import Malformed, Out, skip_ws
+from shoal.router.fronts.tool_parsers.json_scan import CallScanner, Malformed, Out, skip_ws
 
 TAG = "<|python_tag|>"
 ARGS_KEYS = ("parameters", "arguments")
@@ -36,7 +38,7 @@ class Llama3JsonReader(Reader):
                     self.state = _AFTER_TAG
                 continue
             if st == _OBJECT:
-                end = self._scanner.feed(s, i, n)
+                end = cast(CallScanner, self._scanner).feed(s, i, n)
                 if end is None:
                     return
                 self._retire_scanner()

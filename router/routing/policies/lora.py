@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shoal.proto.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, LORA_UNAVAILABLE
 from shoal.router.routing.policies.base import DOES_NOT_FIT
 from shoal.router.routing.replica_stats import ReplicaFigures
-from shoal.workers.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, LORA_UNAVAILABLE
 
 # Copying an adapter from host memory into a slot (and perhaps waiting for
 # a slot to free), and reading it from disk first, in prompt tokens of
@@ -43,8 +43,8 @@ def lora_cost(f: ReplicaFigures, lora: str) -> float:
     where = LORA_ON_DISK if held is None else held[1]  # (unreported: taken to serve it)
     if where == LORA_ON_DEVICE:
         return 0.0
-    held = f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w > LORA_ON_DISK}
-    others = len(held) - (lora in held)
+    taken = f.lora_sent.keys() | {n for n, (_, w) in f.loras.items() if w > LORA_ON_DISK}
+    others = len(taken) - (lora in taken)
     return (LORA_HOST_TOKENS if where == LORA_IN_HOST else LORA_DISK_TOKENS) + LORA_HELD_TOKENS * others
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shoal.proto.utils import cdiv
 from shoal.router.routing.replica_stats import ReplicaFigures
-from shoal.workers.utils import cdiv
 
 # The output a request is expected to need room for: max_tokens is only a
 # bound (an OpenAI chat request without one gets the rest of the context),

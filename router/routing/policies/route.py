@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shoal.router.observability import tracing
 from shoal.router.routing.policies.base import RoutingPolicy
 from shoal.router.routing.policies.need import blocks_at
 from shoal.router.routing.replica_stats import ReplicaFigures, ReplicaStats
@@ -51,5 +50,9 @@ def route(
             lora=request.lora_name,
         )
         if request.trace_context:  # the request's routing span: what each candidate looked like
+            # Imported here: the flags read the registry beside this module, and `shoal bench gpu`
+            # runs where opentelemetry is absent (the GPU machine).
+            from shoal.router.observability import tracing
+
             tracing.trace_route(request.trace_context, list(names), figs, order[0], policy.name)
     return order

@@ -27,6 +27,8 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 
 class RayExecutor:
+    driver_worker: RankWorker  # rank 0, in this process: set before anything reads it
+
     def __init__(self, args: EngineArgs, loaded: LoadedModel, max_model_len: int):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -38,13 +40,13 @@ class RayExecutor:
             args = dataclasses.replace(args, num_threads=max(1, (os.cpu_count() or 1) // size))
         self.workers: list = []  # ranks 1..K-1: actor handles, in rank order
         self.loops: list = []  # their step loops, once started
-        self.driver_worker: RankWorker | None = None
         self._own_pg = None
         self._owns_ray = not ray.is_initialized()
         try:
             if self._owns_ray:
                 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-                ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, logging_level="WARNING")
+                # ray.init's annotation says int; it takes a level's name too (its own default is "info")
+                ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, logging_level="WARNING")  # type: ignore[arg-type]
             pg = self._placement_group(size, gpu)
             # Rendezvous on a port the OS picks (several workers share a machine).
             host = ray.util.get_node_ip_address()

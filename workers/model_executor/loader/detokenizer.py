@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import weakref
 
-from shoal.workers.errors import InvalidRequestError
-from shoal.workers.model_executor.tokenizer import Tokenizer
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.tokenizer import Tokenizer
 
 # Tokens a window may wait for its text to complete. A character is at most 4
 # UTF-8 bytes, so a wait longer than this is bytes that never make one.

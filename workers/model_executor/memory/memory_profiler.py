@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import torch
 
+from shoal.proto.utils import cdiv
 from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
 from shoal.workers.model_executor.models.config import ModelConfig
-from shoal.workers.utils import cdiv
 
 GiB = 1 << 30
 

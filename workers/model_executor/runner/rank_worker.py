@@ -20,12 +20,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shoal.proto.utils import cdiv
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEncoder
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
-from shoal.workers.model_executor.layers.cpu_precision import compute_dtype, cpu_bf16_compute
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
 from shoal.workers.model_executor.loader.model_loader import (
@@ -44,11 +44,11 @@ from shoal.workers.model_executor.memory.memory_profiler import (
     profile_memory,
 )
 from shoal.workers.model_executor.models.config import ModelConfig
+from shoal.workers.model_executor.platforms.cpu.precision import compute_dtype, cpu_bf16_compute
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
 from shoal.workers.model_executor.runner.interface import Runner
 from shoal.workers.model_executor.runner.model_runner import ModelRunner
 from shoal.workers.model_executor.runner.simulated_runner import SimulatedRunner, load_cost_model
-from shoal.workers.utils import cdiv
 
 logger = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT = timedelta(seconds=120)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from shoal.workers.utils import cdiv
+from shoal.proto.utils import cdiv
 
 _ALIGN = 16  # bytes: every view starts aligned for any dtype used here
 

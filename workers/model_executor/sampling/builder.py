@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from shoal.workers.core.logit_bias import LogitBias
+from shoal.proto.logit_bias import LogitBias
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.model_executor.runner.staging_buffer import StagedBatch, StagingBuffer
 from shoal.workers.model_executor.sampling.metadata import SamplingMetadata

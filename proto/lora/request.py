@@ -15,7 +15,7 @@ class LoRARequest:
     lora_path: str = ""
     base_model_name: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name or len(self.lora_name) > 256:
             raise ValueError("lora_name must be a non-empty string of at most 256 characters")
         i = self.lora_int_id

@@ -41,7 +41,7 @@ class LoRARegistry(Protocol):
 class LocalLoRARegistry:
     """name -> RuntimeLoRA, in this process."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._entries: dict[str, RuntimeLoRA] = {}
         self._lock = threading.Lock()
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from shoal.workers.model_executor.chat_templates import fallback_chat_template
+from shoal.proto.chat_templates import fallback_chat_template
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 class Tokenizer:
@@ -30,7 +34,7 @@ class Tokenizer:
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
-        self._template = None
+        self._template: Template | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -43,7 +47,11 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
         """Render chat messages to the prompt text the model was tuned on;
         `tools` (the tool definitions, as given) as transformers passes them."""
@@ -52,7 +60,7 @@ class Tokenizer:
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            def raise_exception(message):
+            def raise_exception(message: str) -> NoReturn:
                 raise ValueError(message)
 
             env = ImmutableSandboxedEnvironment(
@@ -79,7 +87,7 @@ class Tokenizer:
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_file):
             return None
-        cfg = {}
+        cfg: dict[str, Any] = {}
         if os.path.exists(os.path.join(path, "tokenizer_config.json")):
             with open(os.path.join(path, "tokenizer_config.json")) as f:
                 cfg = json.load(f)
@@ -89,7 +97,7 @@ class Tokenizer:
             with open(jinja) as f:
                 template = f.read()
 
-        def token(v):
+        def token(v: Any) -> Any:
             return v.get("content") if isinstance(v, dict) else v
 
         # Most tokenizer.json files add BOS in their post-processor already;
@@ -103,14 +111,14 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, md: dict) -> Tokenizer:
+    def from_gguf_metadata(cls, md: dict[str, Any]) -> Tokenizer:
         """Byte-level BPE ('gpt2' in GGUF: SmolLM, Llama 3, Qwen2) or SentencePiece
         ('llama': Gemma 3; gguf_sentencepiece.py). A Gemma 3 file without a chat
         template gets Gemma's (chat_templates/)."""
         kind = md.get("tokenizer.ggml.model")
         tokens = md["tokenizer.ggml.tokens"]
         if kind == "llama":
-            from shoal.workers.model_executor.loader.gguf_sentencepiece import sentencepiece_backend
+            from shoal.proto.gguf_sentencepiece import sentencepiece_backend
 
             backend = sentencepiece_backend(md)
         elif kind == "gpt2":
@@ -130,7 +138,7 @@ class Tokenizer:
                 f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' or SentencePiece 'llama')"
             )
 
-        def tok(key):
+        def tok(key: str) -> Any:
             i = md.get(key)
             return tokens[i] if i is not None and i < len(tokens) else None
 
@@ -142,3 +150,20 @@ class Tokenizer:
             add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             chat_template=md.get("tokenizer.chat_template") or fallback_chat_template(md["general.architecture"]),
         )
+
+
+def load_tokenizer(model: str | None) -> Tokenizer | None:
+    """The tokenizer of a model (model_files.resolve_model's names and
+    paths), read without its config or weights: a Hugging Face folder's
+    tokenizer files, or a .gguf file's metadata. None where a folder has no
+    tokenizer."""
+    from shoal.proto.model_files import resolve_model
+
+    path = resolve_model(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from shoal.proto.gguf_file import GGUFFile
+
+        return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_folder(path)
+    raise ValueError(f"{path}: expected a Hugging Face folder or a .gguf file")

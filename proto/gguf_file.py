@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from shoal.workers.utils import cdiv
+from shoal.proto.utils import cdiv
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {
@@ -43,7 +45,7 @@ class GGUFFile:
     def __init__(self, path: str):
         self.path = path
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
-        self._mv = memoryview(self._buf)
+        self._mv = memoryview(self._buf)  # type: ignore[arg-type]  # numpy declares __buffer__ from 3.12
         self._pos = 0
         if bytes(self._mv[:4]) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
@@ -52,7 +54,7 @@ class GGUFFile:
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is too old")
         n_tensors, n_kv = self._read("<Q"), self._read("<Q")
-        self.metadata: dict = {}
+        self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._read_str()
             self.metadata[key] = self._read_value(self._read("<I"))
@@ -65,7 +67,7 @@ class GGUFFile:
         data_start = cdiv(self._pos, align) * align
         self.tensors = {n: GGUFTensor(n, s, t, data_start + o) for n, s, t, o in infos}
 
-    def _read(self, fmt: str):
+    def _read(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._mv, self._pos)
         self._pos += struct.calcsize(fmt)
         return value
@@ -76,13 +78,13 @@ class GGUFFile:
         self._pos += n
         return s
 
-    def _read_value(self, vtype: int):
+    def _read_value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self._read_str()
         if vtype == _ARRAY:
             etype, count = self._read("<I"), self._read("<Q")
             if etype in _NUMPY:  # numeric arrays in one go
-                arr = np.frombuffer(self._mv, dtype=_NUMPY[etype], count=count, offset=self._pos)
+                arr: npt.NDArray[Any] = np.frombuffer(self._mv, dtype=_NUMPY[etype], count=count, offset=self._pos)
                 self._pos += arr.nbytes
                 return arr.tolist()
             return [self._read_value(etype) for _ in range(count)]

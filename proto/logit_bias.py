@@ -7,23 +7,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
 
 MAX_BIAS = 100.0  # OpenAI's range: [-100, 100]
 DEFAULT_MAX_LOGIT_BIAS = 300  # entries in one request (--max-logit-bias), as OpenAI allows
 _FIELD = "logit_bias"
 
 
-class LogitBias(Mapping):
+class LogitBias(Mapping[int, float]):
     """A read-only map token id -> bias; `max_token_id` makes the
     vocabulary check O(1)."""
 
     __slots__ = ("_map", "token_ids", "values", "max_token_id")
+    token_ids: npt.NDArray[np.int64]
+    # an array in place of Mapping.values(): what the engine stages
+    values: npt.NDArray[np.float32]  # type: ignore[assignment]
+    max_token_id: int
 
-    def __init__(self, bias: Mapping):
+    def __init__(self, bias: Mapping[Any, Any]) -> None:
         if not isinstance(bias, Mapping):
             raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {_show(bias)}", field=_FIELD)
         for token, value in bias.items():
@@ -35,7 +41,7 @@ class LogitBias(Mapping):
                 raise InvalidRequestError(
                     f"logit_bias values must be numbers in [-100, 100], got {_show(value)}", field=_FIELD
                 )
-        self._map = {t: float(v) for t, v in bias.items()}
+        self._map: dict[int, float] = {t: float(v) for t, v in bias.items()}
         self.token_ids = np.fromiter(self._map, np.int64, len(self._map))
         self.values = np.fromiter(self._map.values(), np.float32, len(self._map))
         self.token_ids.flags.writeable = self.values.flags.writeable = False
@@ -53,11 +59,11 @@ class LogitBias(Mapping):
     def __repr__(self) -> str:
         return f"LogitBias({self._map!r})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[LogitBias], tuple[dict[int, float]]]:
         return (LogitBias, (self._map,))
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shoal.workers.core.logit_bias import LogitBias
-from shoal.workers.core.structured_outputs import StructuredOutputsParams
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.logit_bias import LogitBias
+from shoal.proto.structured_outputs import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -121,14 +121,14 @@ _INT_FIELDS = ("max_tokens", "top_k", "min_tokens", "seed", "logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return type(x) is int  # not bool, not a subclass that compares oddly
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> bool:
     return type(x) in (int, float)
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     text = repr(value)  # a hostile value may be huge: the message names it, briefly
     return text if len(text) <= 80 else text[:77] + "..."

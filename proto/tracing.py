@@ -14,11 +14,18 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from shoal.proto.messages import RequestFinished
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +67,7 @@ WORKER_EVENTS = ("scheduled", "first_token", "preempted", "resumed")
 
 enabled = False  # read as `tracing.enabled`: a from-import would copy it
 tracer: trace.Tracer | None = None  # shoal's tracer while enabled
-_provider = None  # the SDK TracerProvider this module made
+_provider: TracerProvider | None = None  # the SDK TracerProvider this module made
 _lock = threading.Lock()
 # The Ray hop always speaks W3C trace context, whatever OTEL_PROPAGATORS says
 # for clients: router and worker must agree on it.
@@ -81,7 +88,7 @@ def _env(*names: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _exporters() -> list:
+def _exporters() -> list[SpanExporter]:
     """The span exporters the environment asks for ([] = tracing off)."""
     var, value = _env("OTEL_TRACES_EXPORTER")
     if value is None:  # the spec's default is otlp; shoal's is off unless an endpoint is given
@@ -93,7 +100,7 @@ def _exporters() -> list:
         raise ValueError(
             f"OTEL_TRACES_EXPORTER={value!r}: unknown exporter {unknown[0]!r} (shoal supports otlp, console, none)"
         )
-    out = []
+    out: list[SpanExporter] = []
     for name in dict.fromkeys(n for n in names if n != "none"):
         if name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -104,7 +111,7 @@ def _exporters() -> list:
     return out
 
 
-def _otlp_exporter():
+def _otlp_exporter() -> SpanExporter:
     # Both exporters read their endpoint, headers, TLS and timeout from the environment.
     var, protocol = _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
     protocol = (protocol or "grpc").lower()
@@ -114,14 +121,16 @@ def _otlp_exporter():
         return OTLPSpanExporter()
     if protocol == "http/protobuf":
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
         except ImportError:
             raise ValueError(
                 f"{var}=http/protobuf needs the opentelemetry-exporter-otlp-proto-http package "
                 "(pip install it), or use grpc"
             ) from None
-        return OTLPSpanExporter()
-    raise ValueError(f"{var}={os.environ[var]!r} is not a supported OTLP protocol (use grpc or http/protobuf)")
+        return cast("SpanExporter", HTTPSpanExporter())
+    raise ValueError(
+        f"{var}={os.environ[cast(str, var)]!r} is not a supported OTLP protocol (use grpc or http/protobuf)"
+    )
 
 
 def configure(service_name: str) -> bool:
@@ -171,7 +180,7 @@ def flush(timeout_s: float = 10.0) -> bool:
     return _provider.force_flush(int(timeout_s * 1000))
 
 
-def inject(span_or_context) -> dict[str, str] | None:
+def inject(span_or_context: trace.Span | Context | None) -> dict[str, str] | None:
     """The W3C carrier ({'traceparent': ..., 'tracestate'?: ...}) naming a
     span (or a Context's span) as parent across the Ray hop; None when off."""
     if not enabled or span_or_context is None:
@@ -192,14 +201,16 @@ def ns(t_s: float | None) -> int | None:
     return None if t_s is None else int(t_s * 1e9)
 
 
-def set_attributes(span, attributes: Mapping | None) -> None:
+def set_attributes(span: trace.Span | None, attributes: Mapping[str, Any] | None) -> None:
     """Set those of attributes that are not None (the SDK drops None anyway, with a warning)."""
     if span is None or not attributes or not span.is_recording():
         return
     span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
-def add_event(span, name: str, attributes: Mapping | None = None, at_s: float | None = None) -> None:
+def add_event(
+    span: trace.Span | None, name: str, attributes: Mapping[str, Any] | None = None, at_s: float | None = None
+) -> None:
     """An event on span, at wall time at_s (time.time(); default now)."""
     if span is None or not span.is_recording():
         return
@@ -207,7 +218,9 @@ def add_event(span, name: str, attributes: Mapping | None = None, at_s: float | 
     span.add_event(name, attrs, timestamp=ns(at_s))
 
 
-def fail_span(span, error: BaseException | str, error_type: str | None = None, end: bool = True) -> None:
+def fail_span(
+    span: trace.Span | None, error: BaseException | str, error_type: str | None = None, end: bool = True
+) -> None:
     """Record an error (exception or message), set status ERROR, and end span."""
     if span is None or not span.is_recording():
         return
@@ -224,7 +237,7 @@ def fail_span(span, error: BaseException | str, error_type: str | None = None, e
         span.end()
 
 
-def end_span(span, at_s: float | None = None) -> None:
+def end_span(span: trace.Span | None, at_s: float | None = None) -> None:
     """End span if it is still open (safe to call again after finish/fail)."""
     if span is not None and span.is_recording():
         span.end(end_time=ns(at_s))
@@ -234,8 +247,11 @@ def end_span(span, at_s: float | None = None) -> None:
 
 
 def start_worker_span(
-    carrier: Mapping[str, str] | None, request_id: str, attributes: Mapping | None = None, start_s: float | None = None
-):
+    carrier: Mapping[str, str] | None,
+    request_id: str,
+    attributes: Mapping[str, Any] | None = None,
+    start_s: float | None = None,
+) -> trace.Span | None:
     """The worker's span for one request, a child of the router's span the
     carrier names; None when off or when the router sent no carrier (the
     router traces no request the worker should make a root span for)."""
@@ -244,18 +260,20 @@ def start_worker_span(
     attrs = {"shoal.request_id": request_id}
     if attributes:
         attrs.update((k, v) for k, v in attributes.items() if v is not None)
-    return tracer.start_span(
+    return cast(trace.Tracer, tracer).start_span(
         WORKER_SPAN, context=extract(carrier), kind=SpanKind.SERVER, attributes=attrs, start_time=ns(start_s)
     )
 
 
-def worker_event(span, name: str, at_s: float | None = None, **attributes) -> None:
+def worker_event(span: trace.Span | None, name: str, at_s: float | None = None, **attributes: Any) -> None:
     """One of WORKER_EVENTS ('scheduled', 'first_token', 'preempted',
     'resumed'), at the engine's wall time at_s (default now)."""
     add_event(span, name, attributes, at_s)
 
 
-def end_worker_span(span, finished=None, end_s: float | None = None, **attributes) -> None:
+def end_worker_span(
+    span: trace.Span | None, finished: object = None, end_s: float | None = None, **attributes: Any
+) -> None:
     """End the worker's span with the final figures: `finished` is a
     RequestFinished (or anything with its fields); attributes are added as given."""
     if span is None or not span.is_recording():
@@ -276,7 +294,7 @@ def end_worker_span(span, finished=None, end_s: float | None = None, **attribute
     span.end(end_time=ns(end_s))
 
 
-def finish_worker_span(span, timings, finished) -> None:
+def finish_worker_span(span: trace.Span | None, timings: Any, finished: RequestFinished) -> None:
     """End the worker's span with the engine's milestones as events, at the
     times they happened (nothing was traced while the request ran): timings
     is the request's RequestTimings (or None), finished its RequestFinished."""

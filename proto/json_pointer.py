@@ -7,7 +7,9 @@ whatever the number of spellings pointing at one node."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote
 
 # RFC 6901: an array index is "0" or ASCII digits without a leading zero.
@@ -39,7 +41,7 @@ class RefWalk:
 _MISSING = object()
 
 
-def resolve(document, ref: str, walk: RefWalk | None = None):
+def resolve(document: Any, ref: str, walk: RefWalk | None = None) -> Any:
     """The value the local reference `ref` ("#", "#/a/0/b~1c", percent-encoded
     or not) names in `document`; None when it names nothing there or is not
     a JSON pointer fragment (an anchor: the library's to resolve and report).
@@ -80,7 +82,7 @@ def _show(text: str) -> str:
     return repr(text) if len(text) <= 60 else repr(text[:57] + "...")
 
 
-def ref_cycle(schema, walk: RefWalk | None = None) -> list[str] | None:
+def ref_cycle(schema: Any, walk: RefWalk | None = None) -> list[str] | None:
     """A chain of local $refs that comes back to where it started with
     nothing in between but references and combinators (a -> b -> a): a
     grammar that recurs before it reads anything. Recursion through a
@@ -90,7 +92,7 @@ def ref_cycle(schema, walk: RefWalk | None = None) -> list[str] | None:
     walk = walk if walk is not None else RefWalk()
     targets: dict[str, object] = {}  # each distinct $ref resolved once
 
-    def successors(node: dict) -> list[tuple[str, dict]]:
+    def successors(node: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         """(label, node) of what `node` stands for before it reads any input."""
         out = []
         ref = node.get("$ref")
@@ -136,7 +138,7 @@ def ref_cycle(schema, walk: RefWalk | None = None) -> list[str] | None:
     return None
 
 
-def _objects(document, walk: RefWalk):
+def _objects(document: Any, walk: RefWalk) -> Iterator[dict[str, Any]]:
     """Every object (dict) in the document, iteratively (any depth)."""
     todo = [document]
     while todo:
@@ -150,7 +152,7 @@ def _objects(document, walk: RefWalk):
             todo += [v for v in x if isinstance(v, (dict, list))]
 
 
-def schema_height(schema, limit: int, walk: RefWalk | None = None) -> int:
+def schema_height(schema: Any, limit: int, walk: RefWalk | None = None) -> int:
     """How deep a grammar library recurses to expand `schema`: the longest
     chain of nested objects, a local $ref counting as the object it names
     (a reference back to one already on the chain counts nothing: the
@@ -159,11 +161,11 @@ def schema_height(schema, limit: int, walk: RefWalk | None = None) -> int:
     order the document lists its definitions in. (llguidance overflows its
     thread's stack, killing the process, on a chain of ~900 definitions.)"""
     walk = walk if walk is not None else RefWalk()
-    targets: dict[str, object] = {}
+    targets: dict[str, Any] = {}
     on_chain = -1
     height: dict[int, int] = {}  # id(object) -> its height, or on_chain
 
-    def children(node: dict):
+    def children(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             if ref not in targets:

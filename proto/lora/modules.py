@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from shoal.workers.lora.request import LoRARequest
+from shoal.proto.lora.request import LoRARequest
 
 # Where a worker holds an adapter (WorkerLoad.loras), cheapest to serve last.
 LORA_UNAVAILABLE = -1  # served elsewhere, but its files could not be loaded here: never routed here
@@ -49,7 +51,7 @@ def fresh_lora_id() -> int:
     return secrets.randbits(63) or 1
 
 
-def parse_lora_module(entry) -> LoRAModulePath:
+def parse_lora_module(entry: Any) -> LoRAModulePath:
     """One --lora-modules entry: `name=path`, its JSON object form, or (from a
     Serve config or Helm values) that object as a mapping."""
     if isinstance(entry, str) and entry.lstrip().startswith("{"):
@@ -78,7 +80,7 @@ def parse_lora_module(entry) -> LoRAModulePath:
     return LoRAModulePath(name.strip(), path, base)
 
 
-def parse_lora_modules(entries) -> list[LoRAModulePath]:
+def parse_lora_modules(entries: Iterable[object] | str | dict[str, object] | None) -> list[LoRAModulePath]:
     """Every entry, names unique."""
     if entries is None:
         return []

@@ -15,7 +15,7 @@ class VerdictCache:
     def __init__(self, max_entries: int = 4096):
         self.max_entries = max_entries
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
-        self._pending: dict[bytes, Future] = {}
+        self._pending: dict[bytes, Future[str | None]] = {}
         self._lock = threading.Lock()
         self.num_computed = self.num_hits = 0
 
@@ -30,7 +30,8 @@ class VerdictCache:
                 return self._verdicts[key]
             waiting = self._pending.get(key)
             if waiting is None:
-                self._pending[key] = mine = Future()
+                mine: Future[str | None] = Future()
+                self._pending[key] = mine
         if waiting is not None:
             return waiting.result()
         try:

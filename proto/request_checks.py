@@ -8,12 +8,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
-from shoal.workers.core.logit_bias import DEFAULT_MAX_LOGIT_BIAS, check_count
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
+from shoal.proto.sampling_params import SamplingParams
 
 MAX_STOP_STRING_CHARS = 1024
 
@@ -84,7 +85,7 @@ def _check_limits(params: SamplingParams, limits: RequestLimits) -> None:
         )
     if params.logit_bias:  # a LogitBias once validated: O(1) here
         check_count(len(params.logit_bias), limits.max_logit_bias)
-        if params.logit_bias.max_token_id >= vocab:
+        if cast(LogitBias, params.logit_bias).max_token_id >= vocab:
             raise InvalidRequestError(f"logit_bias has keys outside the vocabulary [0, {vocab})", field="logit_bias")
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
         raise InvalidRequestError(

@@ -11,6 +11,8 @@ among one token's splits the longer left piece first.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -19,14 +21,14 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 
 
 def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    merges = []
+    merges: list[tuple[str, str]] = []
     for token in sorted(vocab, key=vocab.__getitem__):
         pairs = ((token[:i], token[i:]) for i in range(len(token) - 1, 0, -1))
         merges.extend((left, right) for left, right in pairs if left in vocab and right in vocab)
     return merges
 
 
-def sentencepiece_backend(md: dict) -> HFTokenizer:
+def sentencepiece_backend(md: dict[str, Any]) -> HFTokenizer:
     # A token of two or more spaces is stored with real spaces; the normalizer
     # turns spaces into SPACE before lookup, so it is looked up respelled.
     tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in md["tokenizer.ggml.tokens"]]

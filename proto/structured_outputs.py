@@ -9,10 +9,11 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import cast
 
-from shoal.workers.core.json_pointer import PointerError, ref_cycle, schema_height
-from shoal.workers.core.verdict_cache import VerdictCache
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
+from shoal.proto.json_pointer import PointerError, ref_cycle, schema_height
+from shoal.proto.verdict_cache import VerdictCache
 
 # A spec is compiled on every worker it reaches and sits in a cache: bounded like a prompt's text.
 MAX_SPEC_CHARS = 256 * 1024
@@ -45,8 +46,10 @@ class StructuredOutputsParams:
     field: str = "structured_outputs"
     # The checks this object passed, each with the spec it checked (by
     # identity: a value set past the constructor is checked again); never pickled.
-    _marks: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
-    _digest: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # (spec, digest)
+    _marks: tuple[tuple[str, object], ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+    _digest: tuple[object, bytes] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )  # (spec, digest)
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -62,10 +65,10 @@ class StructuredOutputsParams:
         self.check_shape()
 
     # An unpickled spec (a worker's) is checked afresh: the check's mark stays behind.
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[object, ...]:
         return tuple(getattr(self, name) for name in _FIELDS)
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: tuple[object, ...]) -> None:
         for name, value in zip(_FIELDS, state):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_marks", ())
@@ -82,8 +85,9 @@ class StructuredOutputsParams:
         if kind == "json_object":
             return '{"type":"object"}'
         if kind == "choice":
-            return json.dumps(list(self.choice))
-        return getattr(self, kind)
+            return json.dumps(list(cast("tuple[str, ...]", self.choice)))
+        text: str = getattr(self, kind)
+        return text
 
     @property
     def digest(self) -> bytes:
@@ -92,7 +96,7 @@ class StructuredOutputsParams:
         source = self._source
         if self._digest is None or self._digest[0] is not source:
             object.__setattr__(self, "_digest", (source, spec_digest(self.kind, self.spec)))
-        return self._digest[1]
+        return cast("tuple[object, bytes]", self._digest)[1]
 
     def validate(self) -> None:
         """The shape, then the spec itself (cached); whether the grammar
@@ -115,7 +119,7 @@ class StructuredOutputsParams:
         object.__setattr__(self, "_marks", (*self._marks, (check, self._source)))
 
     @property
-    def _source(self):
+    def _source(self) -> object:
         kind = self.kind
         return getattr(self, kind) if kind != "json_object" else kind
 
@@ -153,7 +157,7 @@ class StructuredOutputsParams:
                 )
 
 
-def _name(f) -> str | None:
+def _name(f: object) -> str | None:
     return f if isinstance(f, str) else None
 
 

@@ -9,10 +9,11 @@ module; the workers never import the router.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from shoal.proto.logprobs import TokenLogprob
-from shoal.workers.core.sampling_params import SamplingParams
-from shoal.workers.core.stats import EngineStats
+from shoal.proto.sampling_params import SamplingParams
+from shoal.proto.stats import EngineStats
 
 
 @dataclass(slots=True)
@@ -155,14 +156,14 @@ class WorkerLoad(EngineStats):
     worker: str
     time: float = 0.0  # wall time the figures were read
     # LoRA (--enable-lora): each adapter served by name -> (lora_int_id, where
-    # it is: workers/lora/modules.py's LORA_ON_DEVICE, LORA_IN_HOST or
+    # it is: proto/lora/modules.py's LORA_ON_DEVICE, LORA_IN_HOST or
     # LORA_ON_DISK), and the adapters of the running and the waiting requests.
     loras: dict[str, tuple[int, int]] = field(default_factory=dict)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
 
     @classmethod
-    def from_dict(cls, d: dict) -> WorkerLoad:
+    def from_dict(cls, d: dict[str, Any]) -> WorkerLoad:
         """The report back from `dataclasses.asdict` (Serve's poll carries a
         dict), ignoring what else the dict carries."""
         return cls(**{f.name: d[f.name] for f in fields(cls)})

@@ -35,7 +35,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from shoal.workers.errors import InvalidRequestError
+from shoal.proto.errors import InvalidRequestError
 
 KEY_BYTES = 32  # a key is a SHA-256 digest
 MAX_CACHE_SALT_CHARS = 256  # it is hashed once a prompt, but still bounded, as every string a client sends

@@ -255,7 +255,7 @@ class _Acc:
 def measure_steps(free_engine, engines: dict, speeds: dict, work: Workload, batch: int, ns) -> list[dict]:
     """One row per library: matched decode steps, unconstrained against guided
     (the ratio divided by the guided engine's own speed, engine_speeds)."""
-    from shoal.proto.structured_outputs import StructuredOutputsParams
+    from shoal.proto.structured_params import StructuredOutputsParams
     from shoal.workers import SamplingParams
 
     max_tokens = ns.max_tokens or work.max_tokens
@@ -296,7 +296,7 @@ def _pct(xs: list[float], q: float) -> float:
 def measure_compile(manager, work: Workload, n: int) -> dict:
     """Compile n schemas that differ in one property's name (each a miss),
     then ask for each again (each a hit), and start a matcher from one."""
-    from shoal.proto.structured_outputs import StructuredOutputsParams
+    from shoal.proto.structured_params import StructuredOutputsParams
 
     manager.compiled(StructuredOutputsParams(json=work.schema("_warmup")))  # the backend's own start, not counted
     specs = [StructuredOutputsParams(json=work.schema(f"_{i}")) for i in range(n)]

@@ -1,7 +1,7 @@
 """The contract between the router's processes and a worker's: everything
 that crosses the process boundary, and nothing that needs torch. The
 messages (messages.py) and what rides in them (sampling_params.py,
-structured_outputs.py, logit_bias.py, logprobs.py, stats.py), the errors
+structured_params.py, logit_bias.py, logprobs.py, stats.py), the errors
 (errors.py), the request checks both sides run (request_checks.py,
 grammar.py, json_pointer.py, verdict_cache.py), the prefix-cache key chain
 (block_hash.py), LoRA names and states (lora/), tracing and log set-up

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 import llguidance
 
 from shoal.proto.errors import InvalidRequestError
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 from shoal.proto.verdict_cache import VerdictCache
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ LIMITS = llguidance.LLParserLimits(
     max_lexer_states=250_000,  # 1-2 kB each
     max_grammar_size=500_000,
 )
-# The router's verdict on each distinct spec (structured_outputs.SPEC_CHECKS checks the schema first).
+# The router's verdict on each distinct spec (structured_params.SPEC_CHECKS checks the schema first).
 GRAMMAR_CHECKS = VerdictCache()
 
 # Compact JSON with the separators people write: a flexible-whitespace grammar

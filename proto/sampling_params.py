@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.logit_bias import LogitBias
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 
 
 @dataclass(slots=True)

@@ -59,7 +59,7 @@ def run_engine(llm, ids: list[int], requests: list[tuple[str, object, str | None
 
 
 def outputs(setting: str, engine_args: dict, tmp: str) -> list[dict]:
-    from shoal.proto.structured_outputs import StructuredOutputsParams
+    from shoal.proto.structured_params import StructuredOutputsParams
     from shoal.workers import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=TOKENS)

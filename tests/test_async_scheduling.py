@@ -12,7 +12,7 @@ from engine_hold import EngineHold, until
 from step_gate import StepGate
 
 from shoal.proto.messages import GenerateRequest
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.workers import AsyncEngine, SamplingParams
 from shoal.workers.llm_engine import PendingOutput
 

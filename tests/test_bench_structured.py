@@ -10,7 +10,7 @@ import json
 from shoal.benchmarks.structured import lockstep, palindrome, validate
 from shoal.benchmarks.structured_workloads import WORKLOADS, record_schema, tool_call_schema
 from shoal.cluster.cli import main
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.workers import LLMEngine, SamplingParams
 
 

@@ -15,7 +15,7 @@ import pytest
 from engine_hold import EngineHold
 from serving import grpc_server, make_frontend
 
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.workers import LLM, SamplingParams

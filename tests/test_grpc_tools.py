@@ -17,7 +17,7 @@ from serving import make_frontend
 from test_grpc_structured import PROMPT, assert_invalid, drain, serve, text_of
 
 from shoal.cluster.options import ServeOptions
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 from shoal.router.fronts.grpc_server import GrpcServer

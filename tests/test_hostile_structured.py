@@ -17,12 +17,12 @@ from serving import grpc_server, http_client, make_frontend
 
 from shoal.proto import grammar as guidance
 from shoal.proto import logit_bias as logit_bias_module
-from shoal.proto import structured_outputs
+from shoal.proto import structured_params
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.json_pointer import PointerError, RefWalk, ref_cycle, resolve, schema_height
 from shoal.proto.messages import GenerateRequest
-from shoal.proto.structured_outputs import MAX_SCHEMA_HEIGHT, MAX_SPEC_CHARS
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import MAX_SCHEMA_HEIGHT, MAX_SPEC_CHARS
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.proto.v1 import shoal_pb2_grpc
 
@@ -187,7 +187,7 @@ def test_a_spec_is_checked_once_per_request_and_the_grammar_cache_hits_when_repe
     """8 prompts x n=4 (32 engine requests) with one schema: its JSON check, the
     library's check and the worker's compile each run once; the same schema
     again runs none of them (the caches hit). logit_bias is checked once too."""
-    schema_checks = _count_calls(monkeypatch, structured_outputs, "json_schema_problem")
+    schema_checks = _count_calls(monkeypatch, structured_params, "json_schema_problem")
     grammar_checks = _count_calls(monkeypatch, guidance, "problem")
     bias_checks = []
     real_init = logit_bias_module.LogitBias.__init__

@@ -15,7 +15,7 @@ import pytest
 from prompts import SHORT_PROMPTS
 
 from shoal.proto.errors import InvalidRequestError
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.workers import EngineArgs, SamplingParams
 from shoal.workers.llm import LLM
 from shoal.workers.model_executor.loader.model_loader import load_model_files

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from serving import http_client, make_frontend
 
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 from shoal.router.fronts.frontend import ServingError
 from shoal.workers import SamplingParams
 

@@ -17,7 +17,7 @@ from test_failover import DyingWorkers, all_free, run, same, workers
 
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.messages import GenerateRequest
-from shoal.proto.structured_outputs import StructuredOutputsParams as SO
+from shoal.proto.structured_params import StructuredOutputsParams as SO
 from shoal.router.routing.failover import FailoverPool
 from shoal.workers import EngineArgs, SamplingParams
 from shoal.workers.async_engine import AsyncEngine
@@ -265,7 +265,7 @@ def test_stop_strings_and_seeds_work_on_guided_replies(llm):
 def test_the_engine_bounds_and_checks_a_spec_however_it_was_built(llm):
     """Size, count and shape are checked in the engine too: a spec built past
     its constructor (a pickle, a front with a bug) is refused, the field named."""
-    from shoal.proto.structured_outputs import MAX_CHOICES, MAX_SPEC_CHARS
+    from shoal.proto.structured_params import MAX_CHOICES, MAX_SPEC_CHARS
 
     with pytest.raises(InvalidRequestError, match="at most"):
         SO(regex="a" * (MAX_SPEC_CHARS + 1))

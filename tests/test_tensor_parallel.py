@@ -111,7 +111,7 @@ def test_k2_lora_adapters_equal_k1(ray_cluster, tp_models, name, tmp_path):
 def test_k2_guided_sampling_equals_k1(ray_cluster, tp_models):
     """Rank 0 alone builds and applies the grammar's mask: the sharded engine's
     guided, seeded replies equal the single rank's (a padded vocabulary too)."""
-    from shoal.proto.structured_outputs import StructuredOutputsParams
+    from shoal.proto.structured_params import StructuredOutputsParams
 
     so = StructuredOutputsParams(regex=r"[a-z]{2,8}( [0-9]{1,3}){1,4}")
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, structured_outputs=so) for s in range(6)]

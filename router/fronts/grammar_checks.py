@@ -3,7 +3,7 @@ text and $refs, then the grammar library's own check), before any worker
 sees it: on a small pool of its own, never the event loop nor the
 tokenizer's threads; once per request (its prompts and samples share the
 spec object, which remembers it passed) and once per distinct spec in the
-process (the verdict caches: structured_outputs.SPEC_CHECKS,
+process (the verdict caches: structured_params.SPEC_CHECKS,
 grammar.GRAMMAR_CHECKS). The work is bounded by the spec's size cap and
 the library's fuel (grammar.LIMITS); a check still queued at the timeout
 is cancelled, and past max_pending waiting checks a request is told to
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.grammar import validate as validate_grammar
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 from shoal.router.fronts.serving_error import ServingError
 
 

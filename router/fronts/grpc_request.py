@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from shoal.proto.block_hash import check_cache_salt
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.logit_bias import DEFAULT_MAX_LOGIT_BIAS, LogitBias, check_count
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 from shoal.proto.v1 import shoal_pb2 as pb
 from shoal.router.fronts.frontend import ServingError
 from shoal.router.fronts.prompt import Prompt

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import cast
 
 from shoal.proto.errors import InvalidRequestError
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 
 GUIDED = (
     ("guided_json", "json"),

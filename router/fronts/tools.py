@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from shoal.proto.errors import InvalidRequestError
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")

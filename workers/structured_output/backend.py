@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 
 
 class StructuredOutputGrammar(Protocol):

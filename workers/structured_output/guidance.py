@@ -11,7 +11,7 @@ import numpy as np
 
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.grammar import LIMITS, _short, grammar_text, what
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 
 
 class GuidanceGrammar:

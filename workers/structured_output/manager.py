@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shoal.proto.errors import InvalidRequestError
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 from shoal.workers.structured_output.backend import StructuredOutputBackend
 from shoal.workers.structured_output.request import StructuredOutputRequest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 from shoal.workers.structured_output.backend import StructuredOutputGrammar
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from shoal.proto.errors import InvalidRequestError
 from shoal.proto.grammar import what
-from shoal.proto.structured_outputs import StructuredOutputsParams
+from shoal.proto.structured_params import StructuredOutputsParams
 
 SEPARATORS = (", ", ": ")
 # Fewer rows are filled on the caller's thread: waking the library's pool for

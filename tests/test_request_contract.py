@@ -66,3 +66,26 @@ def test_request_ids_are_checked_in_one_place(tiny_model):
     with pytest.raises(InvalidRequestError, match="already in use"):  # one queued in the async engine, not yet added
         engine.check_request(GenerateRequest("b", [5, 6], SamplingParams(max_tokens=2)), in_flight={"b"})
     engine.shutdown()
+
+
+def test_the_engine_refuses_bad_fields_of_the_whole_request(tiny_model):
+    """The fields the engine reads off the request itself are checked there, naming each."""
+    import pytest
+
+    from shoal.proto.errors import InvalidRequestError
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, num_kv_blocks=16))
+    sp = SamplingParams(max_tokens=2)
+    bad = [
+        (GenerateRequest("p", "not ids", sp), "prompt"),
+        (GenerateRequest("q", [5, 6], sp, priority=2**40), "priority"),
+        (GenerateRequest("l", [5, 6], sp, lora_name=5), "model"),
+        (GenerateRequest("u", [5, 6], sp, lora_name="nobody"), "model"),
+        (GenerateRequest("g", [5, 6], sp, parent_request_id=7), "parent_request_id"),
+    ]
+    for request, field in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request(request)
+        assert e.value.field == field
+    assert not engine.requests  # nothing queued
+    engine.shutdown()

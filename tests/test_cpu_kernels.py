@@ -56,6 +56,26 @@ def test_small_m_linear_matches_float64_reference(kernel, wdtype, K, bias):
             )
 
 
+def test_small_m_linear_rows_do_not_depend_on_the_batch(kernel):
+    """From 8 rows up, float32 weights go through the outer-product tiles,
+    which sum each output in k order whatever the tiling: a row's result is
+    the same bits in a batch of 8 as of 130 (16-row panels, an 8-row tail,
+    a second block of 64), and at one thread as at two."""
+    gen = torch.Generator().manual_seed(5)
+    K, N = 576, 133  # N: 6-row weight groups and a tail of 1
+    w = torch.randn(N, K, generator=gen)
+    x = torch.randn(130, K, generator=gen)
+    full = kernel.small_m_linear(x, w, None)
+    for M in (8, 9, 16, 17, 24, 64, 65, 100):
+        assert torch.equal(kernel.small_m_linear(x[:M], w, None), full[:M]), f"M={M}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.small_m_linear(x, w, None), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_small_m_linear_strided_rows_and_bf16_bias(kernel, wdtype):
     gen = torch.Generator().manual_seed(1)

@@ -111,7 +111,9 @@ class GGUFFile:
         return dequantize(rows, qtype).reshape(t.shape)
 
     def is_float(self, name: str) -> bool:
-        return self.tensors[name].ggml_type in (0, 1, 30)  # F32, F16, BF16
+        from gguf import GGMLQuantizationType as T
+
+        return self.tensors[name].ggml_type in (T.F32, T.F16, T.BF16)
 
     def load_blocks(self, name: str) -> np.ndarray:
         """The tensor's blocks as they are in the file: uint8 [*rows, bytes a

@@ -13,6 +13,8 @@ import inspect
 import json
 import os
 import pkgutil
+import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +80,28 @@ def test_the_registry_lists_every_policy_module_once_by_its_name():
         assert all(isinstance(getattr(p, a), bool) for a in NEEDS)
 
 
+def test_a_new_policy_is_one_module(tmp_path, monkeypatch):
+    """A module holding a POLICY, dropped beside the others, is a policy: no
+    list to extend anywhere else."""
+    (tmp_path / "first_worker.py").write_text(
+        "class FirstPolicy:\n"
+        "    name = 'first'\n"
+        "    summary = 'the first worker'\n"
+        "    needs_load = needs_prefix = needs_adapters = serve_builtin = False\n\n"
+        "    def choose(self, request, figs, block_size, turn=0):\n"
+        "        from shoal.router.routing.policies.base import Ranking\n\n"
+        "        return Ranking(list(range(len(figs))))\n\n\n"
+        "POLICY = FirstPolicy()\n"
+    )
+    monkeypatch.setattr(policies, "__path__", [*policies.__path__, str(tmp_path)])  # where the import looks
+    try:
+        found = registry._discover(list(policies.__path__))
+        assert set(found) == {*policies.POLICY_NAMES, "first"}
+        assert found["first"].choose(None, [None, None], 16).order == [0, 1]
+    finally:
+        sys.modules.pop(f"{policies.__name__}.first_worker", None)
+
+
 def test_the_flag_the_serve_config_and_the_chart_read_the_registry():
     from shoal.cluster.options import ServeOptions
     from shoal.router.options import RouterOptions
@@ -92,10 +116,13 @@ def test_the_flag_the_serve_config_and_the_chart_read_the_registry():
     assert all(f"{p.name} = {p.summary}" in field.metadata["help"] for p in policies.POLICIES.values())
     for name in policies.POLICY_NAMES:
         assert ServeOptions.from_dict({"routing": name}).routing == name
-    # The chart's schema cannot import the registry: it holds the same names, in its order.
+    # The chart's schema cannot import the registry, so it lists no names (a new
+    # policy touches no chart file): it takes any name and the Serve config's
+    # check, which reads the registry, refuses an unknown one at start.
     with open(os.path.join(ROOT, "helm", "shoal", "values.schema.json")) as f:
         schema = json.load(f)
-    assert schema["properties"]["shoal"]["properties"]["routing"]["enum"] == [None, *policies.POLICY_NAMES]
+    routing = schema["properties"]["shoal"]["properties"]["routing"]
+    assert "enum" not in routing and all(re.fullmatch(routing["pattern"], n) for n in policies.POLICY_NAMES)
     with open(os.path.join(ROOT, "helm", "shoal", "values.yaml")) as f:
         assert yaml.safe_load(f)["shoal"]["routing"] is None  # the registry's default
 

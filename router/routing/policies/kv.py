@@ -112,3 +112,6 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
         hits.append(hit)
     order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties keep the lower index
     return [(i, blocks - hits[i], prompt - hits[i] * bs) for i in order]
+
+
+POLICY = KVPolicy()  # found by registry.py

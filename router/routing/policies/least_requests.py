@@ -33,3 +33,6 @@ class LeastRequestsPolicy:
 
     def choose(self, request, figs: Sequence[ReplicaFigures], block_size: int, turn: int = 0) -> Ranking:
         return Ranking(adapter_servers_first(least_requests_rank(figs), figs, request))
+
+
+POLICY = LeastRequestsPolicy()  # found by registry.py

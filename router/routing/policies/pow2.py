@@ -31,3 +31,6 @@ class Pow2Policy:
             a, b = b, a
         # The rest as fallbacks (Serve's router would draw two more), least loaded first.
         return Ranking([a, b, *(i for i in least_requests_rank(figs) if i != a and i != b)])
+
+
+POLICY = Pow2Policy()  # found by registry.py

@@ -1,20 +1,36 @@
 """The routing policies, listed once: `--routing`'s choices and help, the
 Serve config's check, the request routers and the in-process pool all read
-this (the Helm chart's values.schema.json enum is held equal to it by
-tests/test_routing_policies.py). A new policy is a module beside this one,
-one line here, and its test."""
+this. Each module of this package that holds a `POLICY` is one, found here
+by its module's name, so a new policy is a module beside this one and its
+test, nothing else. The Helm chart takes any name and the router refuses
+one it does not know at start."""
 
 from __future__ import annotations
 
-from shoal.router.routing.policies.base import RoutingPolicy
-from shoal.router.routing.policies.kv import KVPolicy
-from shoal.router.routing.policies.least_requests import LeastRequestsPolicy
-from shoal.router.routing.policies.pow2 import Pow2Policy
-from shoal.router.routing.policies.round_robin import RoundRobinPolicy
+import importlib
+import os
+import pkgutil
 
-POLICIES: dict[str, RoutingPolicy] = {
-    p.name: p for p in (KVPolicy(), LeastRequestsPolicy(), Pow2Policy(), RoundRobinPolicy())
-}
+from shoal.router.routing.policies.base import RoutingPolicy
+
+_PACKAGE = __name__.rpartition(".")[0]
+
+
+def _discover(path: list[str] | None = None) -> dict[str, RoutingPolicy]:
+    """Every POLICY of the modules in `path` (this package's folder), by name."""
+    found: dict[str, RoutingPolicy] = {}
+    path = path or [os.path.dirname(__file__)]
+    for mod in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
+        policy = getattr(importlib.import_module(f"{_PACKAGE}.{mod.name}"), "POLICY", None)
+        if policy is None:
+            continue
+        if policy.name in found:
+            raise RuntimeError(f"two routing policies named {policy.name!r}")
+        found[policy.name] = policy
+    return found
+
+
+POLICIES: dict[str, RoutingPolicy] = _discover()
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 DEFAULT_POLICY = "kv"
 

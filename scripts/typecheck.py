@@ -1,4 +1,6 @@
-"""mypy over the contract (proto/, strict), the router and the Protocols' implementers.
+"""mypy over the contract (proto/, strict), the router and the Protocols' implementers: attention
+backends and layer, executors, linear methods, platforms (the CPU decode step), model runners and
+structured-output (grammar) backends.
 
     .venv/bin/python scripts/typecheck.py          # `make lint` runs it
     .venv/bin/python scripts/typecheck.py -- --no-incremental   # extra arguments go to mypy
@@ -26,10 +28,15 @@ FOLDERS = ("workers", "router", "cluster", "proto", "benchmarks")
 PACKAGES = (
     "shoal.proto",
     "shoal.router",
-    # the Protocols' implementers: attention backends, executors, linear methods
+    # the Protocols and their implementers: attention backends (and the layer they read, AttentionLayer), executors,
+    # linear methods, the CPU decode step (DecodeStep), runners (Runner) and grammar backends (StructuredOutputBackend)
     "shoal.workers.model_executor.layers.attention.backends",
+    "shoal.workers.model_executor.layers.attention.layer",
     "shoal.workers.model_executor.executor",
     "shoal.workers.model_executor.layers.quantization",
+    "shoal.workers.model_executor.platforms",
+    "shoal.workers.model_executor.runner",
+    "shoal.workers.structured_output",
 )
 # Modules bound for proto/ that still live in workers/ (strict there too, through pyproject's overrides).
 MODULES = ("shoal.workers.core.outputs",)

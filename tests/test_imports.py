@@ -2,9 +2,10 @@
 
 Every import counts, including those inside functions (a lazy import is
 still a dependency). Top-level folders depend downwards only:
-benchmarks -> cluster -> router -> workers (proto beside workers); the one
-exception is the `shoal` command itself (cluster/cli.py), which hands
-`shoal bench ...` to the benchmarks. Inside workers/, layers and models take
+benchmarks -> cluster -> router -> proto, and cluster -> workers -> proto;
+router/ imports nothing from workers/ (the two meet only in proto/, the
+contract). The one exception is the `shoal` command itself (cluster/cli.py),
+which hands `shoal bench ...` to the benchmarks. Inside workers/, layers and models take
 tensors and know nothing of the engine above them.
 """
 
@@ -197,6 +198,10 @@ def test_router_and_workers_meet_only_in_proto():
     nothing from workers/, and proto/ imports nothing of either side (nor cluster or benchmarks)."""
     assert _imports_outside("shoal.router", ("shoal.router", "shoal.proto")) == []
     assert _imports_outside("shoal.proto", ("shoal.proto",)) == []
+    # and both sides do import it: the messages they exchange are proto's
+    graph = import_graph()
+    assert "shoal.proto.messages" in graph["shoal.router.fronts.frontend"]
+    assert "shoal.proto.messages" in graph["shoal.workers.worker"]
 
 
 def test_attention_backends_know_nothing_above_layers():

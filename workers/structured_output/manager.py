@@ -50,7 +50,8 @@ class StructuredOutputManager:
         compile_timeout_s: float = 10.0,
         cache_chars: int = 16 * 1024 * 1024,
     ):
-        self._make_backend, self._backend = make_backend, None
+        self._make_backend = make_backend
+        self._backend: StructuredOutputBackend | None = None
         self.cache_size, self.cache_chars, self.compile_timeout_s = cache_size, cache_chars, compile_timeout_s
         # digest -> (compiled grammar, its spec's length): keyed by the digest, never the 256 KiB text
         self._cache: OrderedDict[bytes, tuple[object, int]] = OrderedDict()

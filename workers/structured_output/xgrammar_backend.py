@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import cast
 
 import numpy as np
 
@@ -126,12 +127,15 @@ class XgrammarBackend:
                     params.spec, any_whitespace=False, separators=SEPARATORS, strict_mode=False
                 )
             if kind == "regex":
-                return c.compile_regex(params.regex)
+                return c.compile_regex(cast(str, params.regex))
             if kind == "choice":  # the Lark llguidance makes of a choice
-                return c.compile_lark("start: " + " | ".join(json.dumps(s) for s in params.choice))
-            if "::=" in params.grammar:  # GBNF, rooted at `root`
-                return c.compile_grammar(params.grammar)
-            return c.compile_lark(params.grammar)
+                return c.compile_lark(
+                    "start: " + " | ".join(json.dumps(s) for s in cast("tuple[str, ...]", params.choice))
+                )
+            grammar = cast(str, params.grammar)  # the kind left
+            if "::=" in grammar:  # GBNF, rooted at `root`
+                return c.compile_grammar(grammar)
+            return c.compile_lark(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(
                 f"{params.field}: {what(params)} is not supported: {_short(e)}", field=params.field

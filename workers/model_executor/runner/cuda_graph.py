@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -91,7 +92,7 @@ class DecodeGraphs:
             batch.upload()
             if self.static is None:
                 self.static = torch.zeros(batch.nbytes, dtype=torch.uint8, device=self.device)
-            self.static[: batch.nbytes].copy_(batch.device_bytes[: batch.nbytes])
+            self.static[: batch.nbytes].copy_(cast(torch.Tensor, batch.device_bytes)[: batch.nbytes])  # uploaded
             inputs = batch.views(self.static)
             graph, logits = None, None
             if self.use_graphs:
@@ -117,8 +118,9 @@ class DecodeGraphs:
         e = self.entries[size]
         self.num_replays += 1
         # One device-to-device copy of the step's model inputs into the graph's.
-        self.static[: e.nbytes].copy_(batch.device_bytes[: e.nbytes])
+        static, staged = cast(torch.Tensor, self.static), cast(torch.Tensor, batch.device_bytes)  # captured, uploaded
+        static[: e.nbytes].copy_(staged[: e.nbytes])
         if e.graph is None:
             return forward(e.inputs)
         e.graph.replay()
-        return e.logits
+        return cast(torch.Tensor, e.logits)  # captured with the graph

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -308,7 +309,8 @@ class ModelRunner:
 
         with step_range("forward"):
             if graph_size is not None:
-                logits = self.graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
+                graphs = cast(DecodeGraphs, self.graphs)  # graph_size is set only with graphs
+                logits = graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
             elif self.cpu_decode_step is not None and meta.decode_only:
                 logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
             else:
@@ -383,7 +385,7 @@ class ModelRunner:
             pad = pad_to - len(rows)
             input_ids += [_PAD_INPUT] * pad
             positions += [_PAD_INPUT] * pad
-            slots += [self.pad_block * self.block_size] * pad
+            slots += [cast(int, self.pad_block) * self.block_size] * pad  # varlen: set with the KV cache
             logits_indices += range(len(logits_indices), pad_to)
             seq_lens = seq_lens + [1] * pad  # new lists: the caller's stay the rows'
             query_lens = query_lens + [1] * pad

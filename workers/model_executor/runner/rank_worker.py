@@ -16,6 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ from shoal.workers.model_executor.memory.memory_profiler import (
 from shoal.workers.model_executor.models.config import ModelConfig
 from shoal.workers.model_executor.platforms.cpu.precision import compute_dtype, cpu_bf16_compute
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
-from shoal.workers.model_executor.runner.interface import Runner
+from shoal.workers.model_executor.runner.interface import DeviceRunner, Runner
 from shoal.workers.model_executor.runner.model_runner import ModelRunner
 from shoal.workers.model_executor.runner.simulated_runner import SimulatedRunner, load_cost_model
 
@@ -90,7 +91,7 @@ class RankWorker:
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         if self.size > 1:
-            d = self.distributed
+            d = cast(DistributedInit, self.distributed)  # passed where size > 1
             store = d.store or dist.TCPStore(d.host, d.port, self.size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
             init_tp_group(self.rank, self.size, store, d.backend, args.enable_expert_parallel)
             self.store = store  # the group talks through it while it lives
@@ -173,7 +174,7 @@ class RankWorker:
         return num_blocks
 
     def _profile_num_blocks(self, per_block: int) -> int:
-        args, runner = self.args, self.runner
+        args, runner = self.args, cast(DeviceRunner, self.runner)  # on one GPU: a ModelRunner
         runner.initialize_kv_cache(runner.profile_num_blocks(args.max_num_batched_tokens))
         try:
             profile = profile_memory(
@@ -189,7 +190,7 @@ class RankWorker:
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate this rank's KV cache (and bind its attention kernel)."""
-        self.runner.initialize_kv_cache(num_blocks)
+        cast(Runner, self.runner).initialize_kv_cache(num_blocks)  # load_model set it
         if isinstance(self.runner, ModelRunner):
             per_block = ModelRunner.kv_bytes_per_block(
                 self.model_config, self.args.block_size, self.kv_cache_dtype, self.size
@@ -206,8 +207,9 @@ class RankWorker:
     def warm_up(self) -> None:
         """Capture CUDA graphs of decode steps: on CUDA, with a varlen
         backend, on one rank, unless enforce_eager."""
-        if self.device.type == "cuda" and self.runner.varlen and not self.runner.enforce_eager and self.size == 1:
-            self.cuda_graphs = self.runner.capture_cudagraphs()
+        runner = cast(ModelRunner, self.runner)  # read only on CUDA, where runners are ModelRunners
+        if self.device.type == "cuda" and runner.varlen and not runner.enforce_eager and self.size == 1:
+            self.cuda_graphs = runner.capture_cudagraphs()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Rank 0's step: the other ranks get its inputs and run its forward
@@ -218,7 +220,7 @@ class RankWorker:
             if manager is not None:  # the other ranks fill their slots from these, never from disk
                 step.lora_adapters = manager.adapters_to_send(sched.lora_slots)
             get_tp_group().broadcast_object(step)
-        return self.runner.execute(sched)
+        return cast(Runner, self.runner).execute(sched)  # load_model set it
 
     def stop_worker_execution_loop(self) -> None:
         """Rank 0: end the other ranks' loops."""
@@ -229,7 +231,7 @@ class RankWorker:
         None. A failure ends this process: rank 0's next collective then
         fails at once instead of waiting on a rank that will never answer."""
         try:
-            runner = self.runner
+            runner = cast(ModelRunner, self.runner)  # ranks 1..K-1 run a model (execute_model)
             decoder = StepInputDecoder()
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:

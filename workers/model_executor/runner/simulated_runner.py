@@ -148,7 +148,8 @@ def fit_cost_model(shapes: list[StepShape], seconds: list[float], source: str = 
             coef[active] = sol
             break
         del active[int(np.argmin(sol))]
-    return StepCostModel(*(float(c) for c in coef), source=source)
+    # the four coefficients in order, which mypy cannot count in a generator
+    return StepCostModel(*(float(c) for c in coef), source=source)  # type: ignore[arg-type, misc]
 
 
 def stand_in_token(key: int, index: int, vocab_size: int, banned: Iterable[int] = ()) -> int:

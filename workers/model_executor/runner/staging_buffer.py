@@ -13,6 +13,7 @@ step ends by fetching its sampled tokens, which waits for the copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -101,7 +102,7 @@ class StagedBatch:
         for (arr, _, _), off in zip(self._arrays.values(), offsets):
             host_np[off : off + arr.nbytes] = arr.view(np.uint8)
         if buf.pinned:
-            dev = buf._dev
+            dev = cast(torch.Tensor, buf._dev)  # pinned: on the device
             dev[:end].copy_(host[:end], non_blocking=True)
             buf.num_uploads += 1
         else:

@@ -6,6 +6,7 @@ whole-batch tensors, ending in one fetch of the step's results."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    cpu_kernels = None  # the compiled CPU kernels, when the model runner binds them (argmax_rows)
+    cpu_kernels: Any = None  # the compiled CPU kernels, when the model runner binds them (argmax_rows)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:

@@ -4,6 +4,8 @@ library reaches them. Each layer that runs on the kernels keeps it as its
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from shoal.workers.model_executor.layers.custom_op import CustomOp
@@ -35,5 +37,5 @@ def bind(model: nn.Module, kernels) -> object | None:
         if isinstance(module, (*KERNEL_USERS, VocabParallelEmbedding)) and isinstance(
             getattr(module, "quant_method", None), GGUFLinearMethod
         ):
-            set_packed(module.weight, bound)
+            set_packed(cast(nn.Parameter, module.weight), bound)
     return bound

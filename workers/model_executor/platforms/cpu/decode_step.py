@@ -26,11 +26,13 @@ blocks keeps the model on the per-layer path.
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from shoal.workers.model_executor.layers.attention.backends.cpu_kernel import CPUKernelMetadata
+from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import DecodeGroup
 from shoal.workers.model_executor.layers.quantization.gguf import GGUFLinearMethod
 from shoal.workers.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from shoal.workers.model_executor.models.decode_plan import LLAMA, DecodePlan
@@ -91,9 +93,11 @@ def why_not(model: nn.Module, plan: DecodePlan | None) -> str | None:
 
 
 class CPUDecodeStep:
+    model: Any  # an nn.Module with the model's own methods (get_input_embeddings, compute_logits)
+
     def __init__(self, model: nn.Module, plan: DecodePlan, kernels):
         self.model, self.plan, self.kernels = model, plan, kernels
-        self._bound = None  # (what it was built over, kernels.DecodeLayers)
+        self._bound: Any = None  # (what it was built over, kernels.DecodeLayers, head in the call, _embedding's)
 
     @classmethod
     def create(cls, model: nn.Module, kernels) -> CPUDecodeStep | None:
@@ -112,13 +116,13 @@ class CPUDecodeStep:
                 "decode steps run layer by layer, not in the one-call CPU decode step: %s", reason
             )
             return None
-        return cls(model, plan, kernels)
+        return cls(model, cast(DecodePlan, plan), kernels)  # why_not says why where it is None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, meta: CPUKernelMetadata
     ) -> torch.Tensor:
         """The model's forward for a step whose rows are all decodes (meta.decode_only)."""
-        g = meta.decode
+        g = cast(DecodeGroup, meta.decode)  # meta.decode_only
         layers = self.bound_layers()
         embed = self._bound[3]
         if embed is not None:  # the rows dequantized in one call, gguf.py's bits

@@ -67,8 +67,9 @@ def set_packed(param: nn.Parameter, kernels) -> None:
             if kernels is not None:
                 data = kernels.gguf_pack(data, t, False)
         new.append((t, data, cols))
-    param.gguf_groups = new
-    param.gguf_packed_by = kernels
+    # attributes of a GGUF weight's own (gguf.py sets gguf_groups), which nn.Parameter's types do not name
+    param.gguf_groups = new  # type: ignore[attr-defined]
+    param.gguf_packed_by = kernels  # type: ignore[attr-defined]
     if len(new) == 1:
         param.data = new[0][1]
 

@@ -37,8 +37,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib.abc import Loader
+from importlib.machinery import ModuleSpec
 from types import ModuleType
+from typing import cast
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +77,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_key(name: str, sources: list[str], extra_cflags: list[str], extra_ldflags: list[str]) -> str:
+def build_key(name: str, sources: list[str], extra_cflags: Sequence[str], extra_ldflags: Sequence[str]) -> str:
     """A hash of everything that changes the binary, and nothing that does not
     (the interpreter's or the venv's path)."""
     import torch
@@ -233,9 +237,12 @@ def _import_built(folder: str) -> ModuleType | None:
     try:
         with open(os.path.join(folder, "built")) as f:
             built = json.load(f)
-        spec = importlib.util.spec_from_file_location(built["module"], os.path.join(folder, built["file"]))
+        # a spec or loader missing raises below, and the build is taken for damaged
+        spec = cast(
+            ModuleSpec, importlib.util.spec_from_file_location(built["module"], os.path.join(folder, built["file"]))
+        )
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        cast(Loader, spec.loader).exec_module(module)
         return module
     except FileNotFoundError:
         return None
@@ -247,8 +254,8 @@ def _import_built(folder: str) -> ModuleType | None:
 def load_extension(
     name: str,
     sources: list[str],
-    extra_cflags: list[str] = (),
-    extra_ldflags: list[str] = (),
+    extra_cflags: Sequence[str] = (),
+    extra_ldflags: Sequence[str] = (),
     timeout_s: float | None = None,
 ) -> ModuleType:
     """torch.utils.cpp_extension.load, built once per key into its own folder

@@ -55,6 +55,8 @@ class AttentionLayer(Protocol):
 class AttentionMetadataBuilder(Protocol):
     """Built once per engine as builder_cls(block_size, device)."""
 
+    def __init__(self, block_size: int, device: torch.device) -> None: ...
+
     def build(self, common: CommonAttentionMetadata) -> Any:
         """The step's metadata, an instance of the backend's metadata class
         (which always carries slot_mapping)."""

@@ -194,7 +194,7 @@ def run_shoal(args: EngineArgs, work) -> dict:
 
     llm = LLM(**dataclasses.asdict(args))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate([p for p, _ in work[:2]], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
+    llm.generate([p for p, _ in work[:2]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up (one prompt or two)
     eng = llm.engine
     model = eng.runner.model
     moe = hasattr(model, "expert_load")  # a mixture of experts: count the timed run's routing alone

@@ -17,8 +17,18 @@ from shoal.workers.core.sequence import SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.engine_commands import AbortRequest, AddRequest, EngineCommand, Stall
 from shoal.workers.llm_engine import EngineStats, LLMEngine, PendingOutput
+from shoal.workers.model_executor.platforms.cpu.openmp import release_thread_team
 
 logger = logging.getLogger(__name__)
+
+
+def _computing_briefly(fn, *args):
+    """fn(*args) on a pool thread that lives on, leaving no OpenMP team there
+    beside the engine core's (platforms/cpu/openmp.py)."""
+    try:
+        return fn(*args)
+    finally:
+        release_thread_team()
 
 
 class AsyncEngine:
@@ -204,11 +214,11 @@ class AsyncEngine:
 
     async def add_lora(self, lora_request) -> None:
         """LLMEngine.register_lora, its files read and checked off the event loop."""
-        await asyncio.to_thread(self.engine.register_lora, lora_request)
+        await asyncio.to_thread(_computing_briefly, self.engine.register_lora, lora_request)
 
     async def add_named_lora(self, request, root: str | None = None) -> None:
         """LLMEngine.add_named_lora, its files read off the event loop."""
-        await asyncio.to_thread(self.engine.add_named_lora, request, root)
+        await asyncio.to_thread(_computing_briefly, self.engine.add_named_lora, request, root)
 
     def num_lora_requests(self, name: str) -> int:
         """Requests under the adapter served as `name`, from generate() to

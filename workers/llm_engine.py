@@ -36,6 +36,7 @@ from shoal.workers.lora.peft_adapter import read_lora_adapter
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
 from shoal.workers.model_executor.loader.model_loader import load_model_files
+from shoal.workers.model_executor.platforms.cpu.openmp import release_thread_team
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
 from shoal.workers.model_executor.runner.interface import Runner
 from shoal.workers.profiling import step_range
@@ -158,6 +159,9 @@ class LLMEngine:
         # PendingOutput for requests without stop strings, whose text its output thread makes.
         self.defer_outputs = False
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
+        # The steps may run on another thread (AsyncEngine's engine core): this one's
+        # OpenMP team, made by loading and warm-up, must not outlive its work (openmp.py).
+        release_thread_team()
         self.load_time_s = time.perf_counter() - t0
 
     def _grammar_backend(self):

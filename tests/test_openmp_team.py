@@ -4,6 +4,7 @@ and libgomp keeps its full spin at each barrier."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -16,8 +17,27 @@ from shoal.workers.model_executor.platforms.cpu import openmp
 pytestmark = pytest.mark.skipif(openmp._libgomp() is None, reason="torch here runs on no libgomp with OpenMP 5")
 
 
+_NAME = b"omp-probe"
+
+
+def _name_this_thread() -> None:
+    """Name the calling thread (Linux's comm); the threads it starts, its
+    OpenMP team's among them, inherit the name, so they can be told apart
+    from the other threads of the test process, which come and go."""
+    libc = ctypes.CDLL(None)
+    assert libc.prctl(15, ctypes.c_char_p(_NAME), 0, 0, 0) == 0  # PR_SET_NAME
+
+
 def _num_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This thread and the threads it started."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+                n += f.read().strip() == _NAME
+        except FileNotFoundError:  # ended meanwhile
+            continue
+    return n
 
 
 def _compute() -> None:
@@ -31,6 +51,7 @@ def _on_a_thread(fn):
 
     def run():
         try:
+            _name_this_thread()
             box["result"] = fn()
         except BaseException as e:  # handed to the caller
             box["error"] = e

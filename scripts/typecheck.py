@@ -37,6 +37,8 @@ PACKAGES = (
     "shoal.workers.model_executor.platforms",
     "shoal.workers.model_executor.runner",
     "shoal.workers.structured_output",
+    # the KV connector seam: KVConnectorBase, its connectors, and (base.py) the scheduler's view of one
+    "shoal.workers.kv_transfer",
 )
 # Modules bound for proto/ that still live in workers/ (strict there too, through pyproject's overrides).
 MODULES = ("shoal.workers.core.outputs",)

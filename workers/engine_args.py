@@ -161,6 +161,23 @@ class EngineArgs:
         True, "share KV blocks of common prompt prefixes", aliases=("--prefix-caching",)
     )
     seed: int = cli_field(0, "draws the sampling seeds of requests that bring none")
+    kv_connector: str | None = cli_field(
+        None,
+        "the KV connector moving blocks between the paged cache and other tiers: offloading (the host "
+        "tier), or a class of your own as package.module:ClassName (default: offloading when "
+        "--kv-offload-host-bytes is set, else none)",
+    )
+    kv_offload_host_bytes: int = cli_field(
+        0,
+        "host memory that keeps KV blocks evicted from the paged cache, so a prefix that comes back "
+        "is copied in instead of prefilled again (0: no host tier)",
+    )
+    kv_offload_dtype: str = cli_field(
+        "auto",
+        "the host tier's storage: auto = the KV cache's dtype (loads give back the very values); "
+        "bfloat16 or float16 hold twice a float32 cache's blocks in the same bytes, rounded",
+        choices=("auto", "bfloat16", "float16"),
+    )
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
     attention_backend: str = cli_field(
         "auto",

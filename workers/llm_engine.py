@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -23,6 +24,7 @@ from shoal.proto.logprobs import TokenLogprob
 from shoal.proto.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
 from shoal.proto.lora.request import LoRARequest
 from shoal.proto.messages import GenerateRequest
+from shoal.proto.model_files import resolve_model
 from shoal.proto.request_checks import RequestLimits, check_request, check_request_id
 from shoal.proto.sampling_params import SamplingParams
 from shoal.proto.stats import EngineStats
@@ -32,6 +34,9 @@ from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLoadError
+from shoal.workers.kv_transfer.factory import connector_class, connector_name, kv_cache_spec, make_connector
+from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint
 from shoal.workers.lora.peft_adapter import read_lora_adapter
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
@@ -97,6 +102,8 @@ class LLMEngine:
             raise ValueError("structured_outputs_backend 'xgrammar' needs the xgrammar package: pip install xgrammar")
         if args.enable_lora:
             _check_lora_args(args)
+        if connector_name(args) is not None:
+            _check_kv_connector_args(args)
         loaded = load_model_files(args.model)  # config and tokenizer now; rank 0 reads the weights as it builds
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
@@ -115,6 +122,8 @@ class LLMEngine:
         try:
             num_blocks = self.model_executor.determine_num_available_blocks()
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+            # The KV connector's scheduler side (kv_transfer/); each rank makes its worker side.
+            self.kv_connector = self._make_kv_connector(cfg) if connector_name(args) is not None else None
             self.scheduler = Scheduler(
                 SchedulerConfig(
                     args.max_num_batched_tokens,
@@ -127,6 +136,7 @@ class LLMEngine:
                 max_len,
                 self.eos_token_ids,
                 LoRASlotTable(args.max_loras) if args.enable_lora else None,
+                self.kv_connector,
             )
             self.model_executor.initialize_cache(num_blocks)
         except BaseException:
@@ -163,6 +173,25 @@ class LLMEngine:
         # OpenMP team, made by loading and warm-up, must not outlive its work (openmp.py).
         release_thread_team()
         self.load_time_s = time.perf_counter() - t0
+
+    def _make_kv_connector(self, cfg) -> KVConnectorBase:
+        """The scheduler side, keying blocks under this engine's fingerprint (kv_transfer/keys.py)."""
+        args, worker = self.args, self.model_executor.driver_worker
+        fingerprint = engine_fingerprint(
+            checkpoint_digest(resolve_model(args.model)),
+            dtype=str(worker.dtype),
+            weight_dtype=str(worker.weight_dtype),
+            quantization=f"{args.quantization}@{worker.device.type}",
+            kv_cache_dtype=str(worker.kv_cache_dtype),
+            block_size=args.block_size,
+            tp_size=args.tensor_parallel_size,
+        )
+        spec = kv_cache_spec(cfg, args.block_size, worker.kv_cache_dtype, args.tensor_parallel_size, fingerprint)
+        return cast(KVConnectorBase, make_connector(args, KVConnectorRole.SCHEDULER, spec))
+
+    def kv_tier_stats(self) -> dict:
+        """Each tier's counters (kv_transfer/offloading.py TierStats), by tier; {} without a connector."""
+        return self.kv_connector.stats() if self.kv_connector is not None else {}
 
     def _grammar_backend(self):
         if self.args.structured_outputs_backend == "xgrammar":
@@ -435,6 +464,9 @@ class LLMEngine:
         try:
             with step_range("execute_model"):
                 out = self.model_executor.execute_model(sched)
+        except KVLoadError as e:
+            self._recompute_unloaded(sched, e)
+            return []
         except Exception as e:
             # Nothing advanced: the sequences are as scheduled, and the next
             # step computes the same tokens again (their KV slots rewritten
@@ -470,6 +502,26 @@ class LLMEngine:
         self.num_generation_tokens += len(tokens)
         self.num_finished_requests += len(finished) - sum(1 for s in finished if s.request_id in failed)
         return deltas
+
+    def _recompute_unloaded(self, sched: SchedulerOutput, error: KVLoadError) -> None:
+        """A step whose connector could not load some blocks ran no forward.
+        Each sequence holding one goes back to its first such block: the blocks
+        from there leave the prefix index (and the tier forgets them), and the
+        next step computes them, so its tokens are as if no tier had them."""
+        logger.warning("%s; computing them instead", error)
+        bs, pool = self.block_manager.block_size, self.block_manager.pool
+        for seq, _ in sched.scheduled:
+            bad = next((i for i, b in enumerate(seq.block_table) if b in error.block_ids), None)
+            if bad is None:
+                continue
+            for i in range(bad, seq.num_registered_blocks):
+                block = pool.blocks[seq.block_table[i]]
+                if block.block_hash is not None and self.kv_connector is not None:
+                    self.kv_connector.discard(block.block_hash)
+                pool.uncache_block(seq.block_table[i])
+            seq.num_registered_blocks = min(seq.num_registered_blocks, bad)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, bad * bs)
+            seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)
 
     def _blame(self, sched: SchedulerOutput, error: Exception) -> list[tuple[Sequence, Exception]]:
         """The requests a failed step's error belongs to, found by running
@@ -587,8 +639,27 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
         if getattr(self, "structured_output", None) is not None:
             self.structured_output.shutdown()
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.shutdown()
         if getattr(self, "model_executor", None) is not None:
+            runner_connector = getattr(self.model_executor.driver_worker.runner, "kv_connector", None)
+            if runner_connector is not None:
+                runner_connector.shutdown()
             self.model_executor.shutdown()
+
+
+def _check_kv_connector_args(args: EngineArgs) -> None:
+    """The KV tiers' settings, before anything loads."""
+    if type(args.kv_offload_host_bytes) is not int or args.kv_offload_host_bytes < 0:
+        raise ValueError(f"kv_offload_host_bytes must be an integer >= 0; got {args.kv_offload_host_bytes!r}")
+    if args.load_format == "simulated":
+        raise ValueError("load_format 'simulated' has no KV cache: a KV connector needs a real model")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("KV tiers (--kv-connector, --kv-offload-host-bytes) run on one rank for now")
+    name = connector_name(args)
+    connector_class(name)  # importable, and a connector
+    if name == "offloading" and not args.kv_offload_host_bytes:
+        raise ValueError("kv_connector 'offloading' needs a tier: set kv_offload_host_bytes")
 
 
 def _check_lora_args(args: EngineArgs) -> None:

@@ -74,18 +74,22 @@ class BlockManager:
             n += 1
         return donor.block_table[:n]
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), num_external_tokens: int = 0
+    ) -> bool:
         """Give seq room for `num_new_tokens` more tokens after its computed
         ones (and after `computed_blocks`, prefix hits for a sequence that has
-        no blocks yet, which the scheduler then counts as computed). Returns
-        False, changing nothing, if blocks run short."""
+        no blocks yet, and num_external_tokens past them that a KV connector
+        loads into fresh blocks before the step's forward; the scheduler then
+        counts both as computed). Returns False, changing nothing, if blocks
+        run short."""
         bs = self.block_size
-        if not computed_blocks:
+        if not computed_blocks and not num_external_tokens:
             # The common case, a decode inside its last block: nothing to do.
             end = seq.num_computed_tokens + num_new_tokens
             if end <= len(seq.block_table) * bs and end // bs <= seq.num_registered_blocks:
                 return True
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs + num_external_tokens
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
         # A hit on a block that sits in the free queue uses up free capacity too.
         num_free_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)

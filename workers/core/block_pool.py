@@ -4,6 +4,7 @@ the prefix-cache index. It knows nothing of sequences (see block_manager)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -39,6 +40,9 @@ class BlockPool:
         self.in_use_cached: dict[int, None] = {}
         self.num_hit_tokens = 0
         self.num_query_tokens = 0
+        # Called with (block_id, block_hash) as a cached block is handed out afresh, before
+        # anything overwrites it: a KV connector saves it to a slower tier (kv_transfer/).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +59,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block_id)

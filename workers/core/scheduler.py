@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.kv_connector import SchedulerConnector
 from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
@@ -60,6 +61,8 @@ class SchedulerOutput:
     grammar_bitmask: object | None = None
     # slot -> LoRARequest of every adapter the scheduled sequences run under (the runner fills the slots)
     lora_slots: dict = field(default_factory=dict)
+    # The KV connector's moves for this step (kv_transfer/), made by every rank before its forward.
+    kv_connector_metadata: object | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -89,6 +92,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int],
         lora_table: LoRASlotTable | None = None,
+        connector: SchedulerConnector | None = None,
     ):
         self.config = config
         # vLLM's default: with several partial prefills, a prompt over 4% of the model length is long.
@@ -110,6 +114,11 @@ class Scheduler:
         # cannot have a slot this step (every slot held by running sequences) stays waiting.
         self.lora_table = lora_table
         self.num_waiting_for_lora = 0  # such sequences in the last schedule()
+        # The KV connector's scheduler side (kv_transfer/): a new request's blocks past its
+        # device prefix hits may come from a slower tier, and evicted blocks go to one.
+        self.connector = connector
+        if connector is not None:
+            block_manager.pool.on_evict = connector.on_block_evicted
 
     @property
     def num_waiting(self) -> int:
@@ -146,6 +155,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """End seq (stop, length or abort) and free its blocks at once."""
+        if self.connector is not None:
+            self.connector.request_finished(seq, seq.block_table)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
@@ -234,7 +245,10 @@ class Scheduler:
             hits = bm.get_computed_blocks(seq)
             if donor is not None and len(shared := bm.shared_blocks(seq, donor, ready)) > len(hits):
                 hits = shared  # the cache is off, or did not keep them all
-            left = seq.num_tokens - len(hits) * bm.block_size
+            num_external = 0
+            if self.connector is not None:
+                num_external, _ = self.connector.get_num_new_matched_tokens(seq, len(hits) * bm.block_size)
+            left = seq.num_tokens - len(hits) * bm.block_size - num_external
             n = min(left, budget, threshold) if threshold else min(left, budget)
             if n < left and (
                 partial[0] >= self.config.max_num_partial_prefills
@@ -245,13 +259,15 @@ class Scheduler:
                     seq.lora_slot = None
                 held.append(heapq.heappop(self.waiting))
                 continue
-            if not bm.allocate_slots(seq, n, hits):
+            if not bm.allocate_slots(seq, n, hits, num_external):
                 if seq.lora_slot is not None:
                     self.lora_table.release(seq.lora_request)
                     seq.lora_slot = None
                 break
             heapq.heappop(self.waiting)
-            seq.num_computed_tokens = len(hits) * bm.block_size  # the prefix-cache hits
+            seq.num_computed_tokens = len(hits) * bm.block_size + num_external  # the prefix hits, every tier's
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(seq, seq.block_table[len(hits) :], num_external)
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = time.time()
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -266,6 +282,8 @@ class Scheduler:
         for item in held:
             heapq.heappush(self.waiting, item)
         out.lora_slots = {s.lora_slot: s.lora_request for s, _ in out.scheduled if s.lora_slot is not None}
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _count_partial(self, partial: list[int], left: int, n: int) -> None:

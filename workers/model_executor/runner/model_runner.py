@@ -27,6 +27,7 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.core.sequence import RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
+from shoal.workers.kv_transfer.base import KVConnectorBase
 from shoal.workers.lora.layers import lora_context
 from shoal.workers.lora.manager import LoRAModelManager
 from shoal.workers.lora.ops import NO_LORA
@@ -115,6 +116,8 @@ class ModelRunner:
             self.sampler.cpu_kernels = bound
             self.cpu_decode_step = CPUDecodeStep.create(model, bound)
         self.lora_manager: LoRAModelManager | None = None
+        # The KV connector's worker side (kv_transfer/), set by the rank worker with the cache.
+        self.kv_connector: KVConnectorBase | None = None
 
     def enable_lora(
         self, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, lora_dtype: torch.dtype | None = None
@@ -241,14 +244,23 @@ class ModelRunner:
         if self.lora_manager is not None:
             with step_range("lora_slots"):
                 self.lora_manager.set_active(sched.lora_slots)
+        self._move_kv(sched.kv_connector_metadata)
         seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
         if not seqs:
             return ModelRunnerOutput([], [], [])
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
         if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
             self.fault_plan.before_sampling(seqs)
         with step_range("sample"):
             out = self.sampler(logits, metadata)
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
+
+    def _move_kv(self, metadata) -> None:
+        """The connector's moves for the step, before its forward writes or reads any block."""
+        if self.kv_connector is not None and metadata is not None:
+            with step_range("kv_connector"):
+                self.kv_connector.start_load_kv(metadata)
 
     def execute_model(
         self, scheduled: list, lora_slots: dict | None = None, lora_adapters: dict | None = None

@@ -26,6 +26,8 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEncoder
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from shoal.workers.kv_transfer.factory import connector_name, kv_cache_spec, make_connector
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
@@ -189,8 +191,14 @@ class RankWorker:
         )
 
     def init_cache(self, num_blocks: int) -> None:
-        """Allocate this rank's KV cache (and bind its attention kernel)."""
+        """Allocate this rank's KV cache (and bind its attention kernel), and
+        the KV connector's worker side beside it, if one is asked for."""
         cast(Runner, self.runner).initialize_kv_cache(num_blocks)  # load_model set it
+        if isinstance(self.runner, ModelRunner) and connector_name(self.args) is not None:
+            spec = kv_cache_spec(self.model_config, self.args.block_size, self.kv_cache_dtype, self.size)
+            connector = cast(KVConnectorBase, make_connector(self.args, KVConnectorRole.WORKER, spec))
+            connector.register_kv_caches(cast(torch.Tensor, self.runner.kv_cache))
+            self.runner.kv_connector = connector
         if isinstance(self.runner, ModelRunner):
             per_block = ModelRunner.kv_bytes_per_block(
                 self.model_config, self.args.block_size, self.kv_cache_dtype, self.size

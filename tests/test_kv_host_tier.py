@@ -1,0 +1,200 @@
+"""The host KV tier behind the offloading connector (workers/kv_transfer/):
+blocks the paged pool evicts come back from host memory instead of being
+prefilled again, with the very tokens a recompute gives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shoal.proto.messages import GenerateRequest
+from shoal.workers import LLMEngine, SamplingParams
+from shoal.workers.kv_transfer.base import KVLoadError
+from shoal.workers.kv_transfer.host_tier import HostTierIndex
+from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint
+
+BLOCK = 16
+POOL_BLOCKS = 24  # the paged pool: a few prompts' worth, so later prompts evict earlier ones
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+SHARED = _prompt(0, 96)  # 6 full blocks
+WORKLOAD = [
+    SHARED + _prompt(1, 20),
+    *[_prompt(100 + i, 150) for i in range(4)],  # unrelated: they push SHARED's blocks out of the pool
+    SHARED[:40] + _prompt(3, 30),  # SHARED's first 2 blocks: from the host tier, or prefilled again
+    SHARED + _prompt(2, 20),  # those 2 from the pool, the other 4 from the host tier
+]
+HOST_HITS = (2 + 4) * BLOCK
+
+
+def _block_bytes(engine: LLMEngine) -> int:
+    cfg = engine.model_config
+    return 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+def _engine(model: str, host_blocks: int = 0, **kw) -> LLMEngine:
+    host = 0
+    if host_blocks:
+        probe = 2 * 2 * BLOCK * 2 * 16 * 4  # the tiny model: 2 layers, 2 KV heads of 16 dims, float32
+        host = host_blocks * probe
+    return LLMEngine(model=model, num_kv_blocks=POOL_BLOCKS, num_threads=1, kv_offload_host_bytes=host, **kw)
+
+
+def _run(engine: LLMEngine, prompts, params: SamplingParams, salt: str | None = None) -> list[list[int]]:
+    """Each prompt to its end before the next starts."""
+    outs = []
+    for i, ids in enumerate(prompts):
+        rid = f"r{i}-{len(engine.requests)}-{engine.num_steps}"
+        engine.add_request(GenerateRequest(rid, list(ids), params, cache_salt=salt))
+        tokens = []
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                tokens += d.new_token_ids
+        outs.append(tokens)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = _engine(tiny_model)
+    try:
+        assert _block_bytes(engine) == 2 * 2 * BLOCK * 2 * 16 * 4, "the tiny model changed: fix _engine's probe"
+        return {name: _run(engine, WORKLOAD, p) for name, p in (("greedy", GREEDY), ("seeded", SEEDED))}
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_blocks_from_the_host_tier_give_the_tokens_a_prefill_gives(tiny_model, reference, kind):
+    engine = _engine(tiny_model, host_blocks=64)
+    try:
+        out = _run(engine, WORKLOAD, GREEDY if kind == "greedy" else SEEDED)
+        host = engine.kv_tier_stats()["host"]
+    finally:
+        engine.shutdown()
+    assert out == reference[kind]
+    assert host.saved_blocks > 0
+    assert host.hit_tokens == HOST_HITS
+    assert host.loaded_blocks == HOST_HITS // BLOCK
+
+
+def test_without_a_tier_the_evicted_prefix_is_prefilled_again(tiny_model):
+    """The workload's point: the pool alone has lost SHARED by its second use."""
+    engine = _engine(tiny_model)
+    try:
+        _run(engine, WORKLOAD[:5], GREEDY)
+        pool = engine.block_manager.pool
+        hit_tokens_before = pool.num_hit_tokens
+        _run(engine, [WORKLOAD[5]], GREEDY)
+    finally:
+        engine.shutdown()
+    assert pool.num_hit_tokens == hit_tokens_before  # SHARED held nowhere: no hit
+
+
+def test_a_full_tier_drops_its_least_recently_used_blocks(tiny_model, reference):
+    engine = _engine(tiny_model, host_blocks=4)
+    try:
+        out = _run(engine, WORKLOAD, GREEDY)
+        host = engine.kv_tier_stats()["host"]
+    finally:
+        engine.shutdown()
+    assert out == reference["greedy"]
+    assert host.used_blocks == host.total_blocks == 4
+    assert host.evicted_blocks > 0
+
+
+def test_two_salts_never_share_a_tier_block(tiny_model):
+    engine = _engine(tiny_model, host_blocks=64)
+    try:
+        _run(engine, WORKLOAD[:5], GREEDY, salt="tenant-a")
+        _run(engine, [WORKLOAD[6]], GREEDY, salt="tenant-b")
+        assert engine.kv_tier_stats()["host"].hit_tokens == 0
+        _run(engine, [WORKLOAD[6]], GREEDY, salt="tenant-a")
+        assert engine.kv_tier_stats()["host"].hit_tokens == 6 * BLOCK
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_that_fails_is_computed_again(tiny_model, reference, monkeypatch):
+    engine = _engine(tiny_model, host_blocks=64)
+    connector = engine.runner.kv_connector
+    real = type(connector).start_load_kv
+    failed = []
+
+    def start_load_kv(self, metadata):
+        if metadata.loads and not failed:  # the first loads fail: a corrupted copy, say
+            failed.extend(b for _, b in metadata.loads)
+            real(self, type(metadata)(saves=metadata.saves))  # the saves still happen
+            raise KVLoadError(failed, "checksum mismatch (test)")
+        real(self, metadata)
+
+    monkeypatch.setattr(type(connector), "start_load_kv", start_load_kv)
+    try:
+        out = _run(engine, WORKLOAD, GREEDY)
+        host = engine.kv_tier_stats()["host"]
+    finally:
+        engine.shutdown()
+    assert len(failed) == 2 and out == reference["greedy"]
+    # The 2 that failed were offered, then computed; the last prompt found them in the pool.
+    assert host.hit_tokens == HOST_HITS
+
+
+def test_index_evicts_the_least_recently_used_unpinned_slot():
+    index = HostTierIndex(2)
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    assert index.allocate(a) == 0 and index.allocate(b) == 1
+    index.pin(a)  # a feeds this step's loads: b goes, though a is older
+    assert index.allocate(c) == 1 and a in index and b not in index
+    index.pin(c)
+    assert index.allocate(b"d" * 32) is None  # every slot feeds a load
+    index.unpin_all()
+    index.discard(a)
+    assert a not in index and index.allocate(b"e" * 32) == 0
+
+
+def test_fingerprint_is_the_same_in_every_process_and_changes_with_the_settings(tiny_model):
+    digest = checkpoint_digest(tiny_model)
+    args = dict(
+        dtype="torch.float32",
+        weight_dtype="torch.float32",
+        quantization="auto@cpu",
+        kv_cache_dtype="torch.float32",
+        block_size=16,
+        tp_size=1,
+    )
+    fp = engine_fingerprint(digest, **args)
+    code = (
+        "from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint;"
+        f"print(engine_fingerprint(checkpoint_digest({tiny_model!r}), **{args!r}).hex())"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == fp.hex()
+    for field, other in (("block_size", 32), ("kv_cache_dtype", "torch.bfloat16"), ("tp_size", 2)):
+        assert engine_fingerprint(digest, **{**args, field: other}) != fp
+    assert engine_fingerprint(b"another checkpoint", **args) != fp
+
+
+def test_bad_tier_settings_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="kv_offload_host_bytes must be an integer"):
+        LLMEngine(model=tiny_model, kv_offload_host_bytes=-1)
+    with pytest.raises(ValueError, match="holds no block"):
+        LLMEngine(model=tiny_model, num_kv_blocks=8, kv_offload_host_bytes=100)
+    with pytest.raises(ValueError, match="needs a tier"):
+        LLMEngine(model=tiny_model, num_kv_blocks=8, kv_connector="offloading")
+    with pytest.raises(ValueError, match="expected one of offloading"):
+        LLMEngine(model=tiny_model, num_kv_blocks=8, kv_connector="nixl")
+    with pytest.raises(ValueError, match="is not a KVConnectorBase"):
+        LLMEngine(model=tiny_model, num_kv_blocks=8, kv_connector="collections:OrderedDict")

@@ -1,0 +1,106 @@
+"""The host tier: KV blocks evicted from the paged pool, kept in host memory.
+
+The scheduler side keeps the index (HostTierIndex: key -> slot, least
+recently used first); the worker side keeps the slots (HostTierStorage: one
+tensor [slots, 2, layers, block_size, kv_heads, head_dim], so a block is one
+contiguous copy across layers, not one copy a layer). Both sides size the
+tier the same way from the same settings, so a slot number means the same
+on both.
+
+On a CPU worker the paged pool is in host memory already: the tier is worth
+having as a second, denser level (--kv-offload-dtype bfloat16 holds twice the
+blocks of a float32 pool in the same bytes), and as the first stop of the
+disk and cluster tiers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from shoal.workers.kv_transfer.base import KVCacheSpec
+
+
+def block_shape(spec: KVCacheSpec) -> tuple[int, ...]:
+    """One block across every layer: keys and values."""
+    return (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+
+def num_host_slots(spec: KVCacheSpec, host_bytes: int, dtype: torch.dtype) -> int:
+    per_block = torch.Size(block_shape(spec)).numel() * torch.empty(0, dtype=dtype).element_size()
+    return host_bytes // per_block
+
+
+class HostTierIndex:
+    """Which key each slot holds. A slot being read by this step's loads is
+    pinned: a save of the same step never takes it."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.slots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.pinned: set[int] = set()
+        self.num_evictions = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.slots.get(key)
+
+    def touch(self, key: bytes) -> int:
+        self.slots.move_to_end(key)
+        return self.slots[key]
+
+    def pin(self, key: bytes) -> int:
+        slot = self.touch(key)
+        self.pinned.add(slot)
+        return slot
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def allocate(self, key: bytes) -> int | None:
+        """A slot for key (known already: its slot), evicting the least
+        recently used unpinned key if none is free; None if every slot is pinned."""
+        if key in self.slots:
+            return self.touch(key)
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = next((k for k, s in self.slots.items() if s not in self.pinned), None)
+            if victim is None:
+                return None
+            slot = self.slots.pop(victim)
+            self.num_evictions += 1
+        self.slots[key] = slot
+        return slot
+
+    def discard(self, key: bytes) -> None:
+        """Forget key (its contents proved bad): its slot is free again."""
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
+class HostTierStorage:
+    """The slots' memory, and the copies between them and the paged cache
+    (on a GPU, synchronous for now: pinned memory and a copy stream are
+    the GPU run's work)."""
+
+    def __init__(self, spec: KVCacheSpec, num_slots: int, dtype: torch.dtype):
+        self.data = torch.empty((num_slots, *block_shape(spec)), dtype=dtype)
+
+    def save(self, kv_cache: torch.Tensor, block_ids: list[int], slots: list[int]) -> None:
+        """Paged blocks -> slots, in one gather (converted to the tier's dtype)."""
+        blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]  # [2, layers, n, ...]
+        self.data[torch.tensor(slots)] = blocks.permute(2, 0, 1, 3, 4, 5).to("cpu", self.data.dtype)
+
+    def load(self, kv_cache: torch.Tensor, slots: list[int], block_ids: list[int]) -> None:
+        """Slots -> paged blocks (converted to the cache's dtype)."""
+        src = self.data[torch.tensor(slots)].permute(1, 2, 0, 3, 4, 5)  # [2, layers, n, ...]
+        kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = src.to(kv_cache.device, kv_cache.dtype)

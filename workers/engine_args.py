@@ -163,14 +163,24 @@ class EngineArgs:
     seed: int = cli_field(0, "draws the sampling seeds of requests that bring none")
     kv_connector: str | None = cli_field(
         None,
-        "the KV connector moving blocks between the paged cache and other tiers: offloading (the host "
-        "tier), or a class of your own as package.module:ClassName (default: offloading when "
-        "--kv-offload-host-bytes is set, else none)",
+        "the KV connector moving blocks between the paged cache and other tiers: offloading (host "
+        "memory and disk), or a class of your own as package.module:ClassName (default: offloading "
+        "when --kv-offload-host-bytes or --kv-offload-disk-path is set, else none)",
     )
     kv_offload_host_bytes: int = cli_field(
         0,
         "host memory that keeps KV blocks evicted from the paged cache, so a prefix that comes back "
         "is copied in instead of prefilled again (0: no host tier)",
+    )
+    kv_offload_disk_path: str | None = cli_field(
+        None,
+        "a folder (an absolute path; one worker's) where the blocks of finished requests are written, "
+        "so a prefix that comes back, even after a restart with the same model and settings, is read "
+        "instead of prefilled again",
+    )
+    kv_offload_disk_bytes: int = cli_field(
+        16 << 30,
+        "the disk tier's size: past it, the least recently used files are deleted",
     )
     kv_offload_dtype: str = cli_field(
         "auto",

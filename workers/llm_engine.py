@@ -24,7 +24,6 @@ from shoal.proto.logprobs import TokenLogprob
 from shoal.proto.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
 from shoal.proto.lora.request import LoRARequest
 from shoal.proto.messages import GenerateRequest
-from shoal.proto.model_files import resolve_model
 from shoal.proto.request_checks import RequestLimits, check_request, check_request_id
 from shoal.proto.sampling_params import SamplingParams
 from shoal.proto.stats import EngineStats
@@ -36,7 +35,6 @@ from shoal.workers.core.sequence import Sequence, SequenceStatus
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLoadError
 from shoal.workers.kv_transfer.factory import connector_class, connector_name, kv_cache_spec, make_connector
-from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint
 from shoal.workers.lora.peft_adapter import read_lora_adapter
 from shoal.workers.model_executor.executor.abstract import Executor, get_executor_class
 from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokenizer
@@ -177,17 +175,20 @@ class LLMEngine:
     def _make_kv_connector(self, cfg) -> KVConnectorBase:
         """The scheduler side, keying blocks under this engine's fingerprint (kv_transfer/keys.py)."""
         args, worker = self.args, self.model_executor.driver_worker
-        fingerprint = engine_fingerprint(
-            checkpoint_digest(resolve_model(args.model)),
-            dtype=str(worker.dtype),
-            weight_dtype=str(worker.weight_dtype),
-            quantization=f"{args.quantization}@{worker.device.type}",
-            kv_cache_dtype=str(worker.kv_cache_dtype),
-            block_size=args.block_size,
-            tp_size=args.tensor_parallel_size,
+        spec = kv_cache_spec(
+            cfg, args.block_size, worker.kv_cache_dtype, args.tensor_parallel_size, worker.kv_fingerprint()
         )
-        spec = kv_cache_spec(cfg, args.block_size, worker.kv_cache_dtype, args.tensor_parallel_size, fingerprint)
         return cast(KVConnectorBase, make_connector(args, KVConnectorRole.SCHEDULER, spec))
+
+    def _flush_kv_moves(self) -> None:
+        """The connector's moves gathered outside a schedule (a finished or
+        aborted request's disk writes), made now in a pass of their own,
+        before the pool can hand the blocks out again."""
+        if self.kv_connector is None:
+            return
+        meta = self.kv_connector.build_connector_meta(None)
+        if not meta.is_empty:
+            self.model_executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
 
     def kv_tier_stats(self) -> dict:
         """Each tier's counters (kv_transfer/offloading.py TierStats), by tier; {} without a connector."""
@@ -439,6 +440,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
+        self._flush_kv_moves()
         self.num_finished_requests += 1
         return self._delta(req, [], None)
 
@@ -456,6 +458,9 @@ class LLMEngine:
         with step_range("schedule"):
             sched = self.scheduler.schedule()
         if sched.is_empty:
+            meta = sched.kv_connector_metadata
+            if meta is not None and not getattr(meta, "is_empty", True):
+                self.model_executor.execute_model(sched)  # moves gathered with nothing to run
             return []
         if self.structured_output is not None:
             with step_range("grammar_bitmask"):
@@ -501,6 +506,8 @@ class LLMEngine:
                 del self.requests[seq.request_id]
         self.num_generation_tokens += len(tokens)
         self.num_finished_requests += len(finished) - sum(1 for s in finished if s.request_id in failed)
+        if finished:
+            self._flush_kv_moves()
         return deltas
 
     def _recompute_unloaded(self, sched: SchedulerOutput, error: KVLoadError) -> None:
@@ -640,7 +647,10 @@ class LLMEngine:
         if getattr(self, "structured_output", None) is not None:
             self.structured_output.shutdown()
         if getattr(self, "kv_connector", None) is not None:
-            self.kv_connector.shutdown()
+            try:
+                self._flush_kv_moves()  # an abort's writes, if it was the last thing to happen
+            finally:
+                self.kv_connector.shutdown()
         if getattr(self, "model_executor", None) is not None:
             runner_connector = getattr(self.model_executor.driver_worker.runner, "kv_connector", None)
             if runner_connector is not None:
@@ -656,10 +666,14 @@ def _check_kv_connector_args(args: EngineArgs) -> None:
         raise ValueError("load_format 'simulated' has no KV cache: a KV connector needs a real model")
     if args.tensor_parallel_size > 1:
         raise ValueError("KV tiers (--kv-connector, --kv-offload-host-bytes) run on one rank for now")
-    name = connector_name(args)
+    if type(args.kv_offload_disk_bytes) is not int or args.kv_offload_disk_bytes < 0:
+        raise ValueError(f"kv_offload_disk_bytes must be an integer >= 0; got {args.kv_offload_disk_bytes!r}")
+    if args.kv_offload_disk_path is not None and not os.path.isabs(args.kv_offload_disk_path):
+        raise ValueError(f"kv_offload_disk_path must be an absolute path; got {args.kv_offload_disk_path!r}")
+    name = cast(str, connector_name(args))
     connector_class(name)  # importable, and a connector
-    if name == "offloading" and not args.kv_offload_host_bytes:
-        raise ValueError("kv_connector 'offloading' needs a tier: set kv_offload_host_bytes")
+    if name == "offloading" and not (args.kv_offload_host_bytes or args.kv_offload_disk_path):
+        raise ValueError("kv_connector 'offloading' needs a tier: set kv_offload_host_bytes or kv_offload_disk_path")
 
 
 def _check_lora_args(args: EngineArgs) -> None:

@@ -155,7 +155,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """End seq (stop, length or abort) and free its blocks at once."""
-        if self.connector is not None:
+        if self.connector is not None and reason != "error":  # a failed request's blocks are not trusted
             self.connector.request_finished(seq, seq.block_table)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)

@@ -36,8 +36,13 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1  # beside each rank's model runner
 
 
-class KVConnectorMetadata:  # noqa: B903 (a base for each connector's own)
+class KVConnectorMetadata:
     """What the scheduler side tells the worker side about one step."""
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether there is nothing to do (a pass of its own is then skipped)."""
+        return False
 
 
 @dataclass(slots=True)

@@ -17,10 +17,10 @@ CONNECTORS = {"offloading": "shoal.workers.kv_transfer.offloading:OffloadingConn
 
 def connector_name(args) -> str | None:
     """The connector the settings ask for: --kv-connector, else offloading
-    when a tier is sized (as vLLM's --kv-offloading-size implies it)."""
+    when a tier is given (as vLLM's --kv-offloading-size implies it)."""
     if args.kv_connector:
         return args.kv_connector
-    return "offloading" if args.kv_offload_host_bytes else None
+    return "offloading" if args.kv_offload_host_bytes or args.kv_offload_disk_path else None
 
 
 def connector_class(name: str) -> type[KVConnectorBase]:

@@ -245,6 +245,8 @@ class ModelRunner:
             with step_range("lora_slots"):
                 self.lora_manager.set_active(sched.lora_slots)
         self._move_kv(sched.kv_connector_metadata)
+        if not sched.scheduled:  # the connector's moves alone (LLMEngine._flush_kv_moves)
+            return ModelRunnerOutput([], [], [])
         seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
         if not seqs:
             return ModelRunnerOutput([], [], [])

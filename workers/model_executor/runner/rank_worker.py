@@ -21,6 +21,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from shoal.proto.model_files import resolve_model
 from shoal.proto.utils import cdiv
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
@@ -28,6 +29,7 @@ from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEnco
 from shoal.workers.engine_args import EngineArgs
 from shoal.workers.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from shoal.workers.kv_transfer.factory import connector_name, kv_cache_spec, make_connector
+from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint
 from shoal.workers.model_executor.layers.attention.kv_cache import kv_cache_torch_dtype
 from shoal.workers.model_executor.layers.parallel_state import get_tp_group, init_tp_group
 from shoal.workers.model_executor.layers.quantization import get_quantization_config
@@ -78,6 +80,7 @@ class RankWorker:
         self.cuda_graphs: CaptureStats | None = None
         # Rank 0 of a group sends each step's inputs; the other ranks mirror them.
         self.encoder = StepInputEncoder() if size > 1 and rank == 0 else None
+        self._kv_fingerprint: bytes | None = None
 
     def init_device(self) -> None:
         """This rank's device, dtypes and threads; joins the group (returns
@@ -195,7 +198,9 @@ class RankWorker:
         the KV connector's worker side beside it, if one is asked for."""
         cast(Runner, self.runner).initialize_kv_cache(num_blocks)  # load_model set it
         if isinstance(self.runner, ModelRunner) and connector_name(self.args) is not None:
-            spec = kv_cache_spec(self.model_config, self.args.block_size, self.kv_cache_dtype, self.size)
+            spec = kv_cache_spec(
+                self.model_config, self.args.block_size, self.kv_cache_dtype, self.size, self.kv_fingerprint()
+            )
             connector = cast(KVConnectorBase, make_connector(self.args, KVConnectorRole.WORKER, spec))
             connector.register_kv_caches(cast(torch.Tensor, self.runner.kv_cache))
             self.runner.kv_connector = connector
@@ -211,6 +216,22 @@ class RankWorker:
                 num_blocks,
                 self.args.block_size,
             )
+
+    def kv_fingerprint(self) -> bytes:
+        """What this rank's KV blocks depend on beyond their tokens (kv_transfer/keys.py): the same on every
+        rank of a group, and for every engine with the same checkpoint and settings."""
+        if self._kv_fingerprint is None:
+            args = self.args
+            self._kv_fingerprint = engine_fingerprint(
+                checkpoint_digest(resolve_model(args.model)),
+                dtype=str(self.dtype),
+                weight_dtype=str(self.weight_dtype),
+                quantization=f"{args.quantization}@{self.device.type}",
+                kv_cache_dtype=str(self.kv_cache_dtype),
+                block_size=args.block_size,
+                tp_size=self.size,
+            )
+        return self._kv_fingerprint
 
     def warm_up(self) -> None:
         """Capture CUDA graphs of decode steps: on CUDA, with a varlen

@@ -1,0 +1,146 @@
+"""The disk KV tier (workers/kv_transfer/disk_tier.py): finished requests'
+blocks in files, read back instead of prefilled, also by a restarted engine;
+a bad or missing file is computed instead, with the same tokens."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from test_kv_host_tier import BLOCK, GREEDY, HOST_HITS, POOL_BLOCKS, SHARED, WORKLOAD, _prompt, _run
+
+from shoal.workers import LLMEngine
+
+FIRST, AGAIN = SHARED + _prompt(1, 20), SHARED[:40] + _prompt(3, 30)  # AGAIN: 2 of FIRST's full blocks
+
+
+def _engine(model: str, path, **kw) -> LLMEngine:
+    return LLMEngine(model=model, num_kv_blocks=POOL_BLOCKS, num_threads=1, kv_offload_disk_path=str(path), **kw)
+
+
+def _files(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names if f.endswith(".kv")]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = LLMEngine(model=tiny_model, num_kv_blocks=POOL_BLOCKS, num_threads=1)
+    try:
+        return {"workload": _run(engine, WORKLOAD, GREEDY), "again": _run(engine, [AGAIN], GREEDY)}
+    finally:
+        engine.shutdown()
+
+
+def test_blocks_from_disk_give_the_tokens_a_prefill_gives(tiny_model, reference, tmp_path):
+    engine = _engine(tiny_model, tmp_path)
+    try:
+        out = _run(engine, WORKLOAD, GREEDY)
+        disk = engine.kv_tier_stats()["disk"]
+    finally:
+        engine.shutdown()
+    assert out == reference["workload"]
+    assert disk.hit_tokens == HOST_HITS and disk.loaded_blocks == HOST_HITS // BLOCK
+    assert disk.saved_blocks > 0 and disk.failed_blocks == 0
+
+
+def test_a_restarted_engine_finds_its_blocks_on_disk(tiny_model, reference, tmp_path):
+    first = _engine(tiny_model, tmp_path)
+    try:
+        _run(first, [FIRST], GREEDY)
+    finally:
+        first.shutdown()  # every write it asked for is on disk when this returns
+    files = _files(tmp_path)
+    assert files
+    for path in files:  # the caller's alone
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    again = _engine(tiny_model, tmp_path)
+    try:
+        out = _run(again, [AGAIN], GREEDY)
+        disk = again.kv_tier_stats()["disk"]
+    finally:
+        again.shutdown()
+    assert out == reference["again"]
+    assert disk.hit_tokens == 2 * BLOCK  # the first request of the new engine, its pool empty
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "missing file"])
+def test_a_bad_or_missing_file_is_computed_instead(tiny_model, reference, tmp_path, damage):
+    first = _engine(tiny_model, tmp_path)
+    try:
+        _run(first, [FIRST], GREEDY)
+    finally:
+        first.shutdown()
+    again = _engine(tiny_model, tmp_path)  # reads the headers now
+    try:
+        (path,) = _files(tmp_path)
+        if damage == "missing file":
+            os.unlink(path)
+        else:
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 100)  # inside the last block's data
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        out = _run(again, [AGAIN], GREEDY)
+        disk = again.kv_tier_stats()["disk"]
+    finally:
+        again.shutdown()
+    assert out == reference["again"]
+    if damage == "flipped byte":
+        # Only the last block's data changed, but the load reads blocks 0 and 1: they still pass.
+        assert disk.failed_blocks == 0 and disk.hit_tokens == 2 * BLOCK
+    else:
+        assert disk.failed_blocks >= 1 and path not in _files(tmp_path)
+
+
+def test_a_bad_block_is_refused_by_its_checksum(tiny_model, reference, tmp_path):
+    first = _engine(tiny_model, tmp_path)
+    try:
+        _run(first, [FIRST], GREEDY)
+    finally:
+        first.shutdown()
+    (path,) = _files(tmp_path)
+    size = os.path.getsize(path)
+    num_blocks = 7  # FIRST's computed full blocks: 116 prompt + 7 output tokens
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
+    with open(path, "r+b") as f:  # one byte of block 0
+        f.seek(size - num_blocks * block_bytes + 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    again = _engine(tiny_model, tmp_path)
+    try:
+        out = _run(again, [AGAIN], GREEDY)
+        disk = again.kv_tier_stats()["disk"]
+        again._flush_kv_moves()
+    finally:
+        again.shutdown()
+    assert out == reference["again"]
+    assert disk.failed_blocks == 1
+    # The file with a bad block was deleted; the tokens were computed, and written again when AGAIN ended.
+    assert path not in _files(tmp_path)
+
+
+def test_the_tier_stays_within_its_bytes(tiny_model, reference, tmp_path):
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
+    budget = 20 * block_bytes
+    engine = _engine(tiny_model, tmp_path, kv_offload_disk_bytes=budget)
+    try:
+        out = _run(engine, WORKLOAD, GREEDY)
+        disk = engine.kv_tier_stats()["disk"]
+    finally:
+        engine.shutdown()
+    assert out == reference["workload"]
+    assert disk.evicted_blocks > 0
+    assert sum(os.path.getsize(p) for p in _files(tmp_path)) <= budget
+
+
+def test_disk_settings_are_checked(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="must be an absolute path"):
+        LLMEngine(model=tiny_model, kv_offload_disk_path="relative/kv")
+    with pytest.raises(ValueError, match="kv_offload_disk_bytes must be an integer"):
+        LLMEngine(model=tiny_model, kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=-5)
+    with pytest.raises(ValueError, match="holds no block"):
+        LLMEngine(model=tiny_model, num_kv_blocks=8, kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=10)

@@ -1,0 +1,297 @@
+"""The disk tier: KV blocks in files under --kv-offload-disk-path, found
+again by a restarted engine with the same settings.
+
+A file holds a group of blocks: those of one finished request that the tier
+did not hold yet. It is named by its first block's key and begins with a
+header (magic, then JSON: the keys, each block's CRC-32, the block's bytes
+and dtype), padded to a page; the blocks follow, each one contiguous across
+layers. Files are written by one writer thread, off the step, to a
+temporary name (mode 0600, in a 0700 folder) and renamed once complete, so
+a file that exists is whole; they are read through mmap, and a block whose
+key or checksum does not match is a failed load (KVLoadError), computed
+instead.
+
+The folder holds one subfolder per engine fingerprint (keys.py) and storage
+dtype, so engines with other weights or settings never read each other's
+files; one worker writes each (two sharing one would delete each other's
+files as they evict). The
+scheduler side's DiskTierIndex knows which key lies in which file (read
+from the headers at start, then kept as files are written and deleted), and
+evicts whole files, least recently used first, past --kv-offload-disk-bytes.
+The worker side's DiskTierStorage writes, reads and deletes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import queue
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SHOALKV1"
+PAGE = 4096
+SUFFIX = ".kv"
+
+
+def tier_folder(root: str, fingerprint: bytes, dtype: torch.dtype, rank: int = 0) -> str:
+    """Where an engine of this fingerprint, storing blocks in dtype, keeps rank's files."""
+    return os.path.join(root, f"{fingerprint.hex()[:32]}-{str(dtype).removeprefix('torch.')}", f"rank{rank}")
+
+
+def _header(keys: list[bytes], crcs: list[int], block_bytes: int, dtype: torch.dtype) -> bytes:
+    meta = {"keys": [k.hex() for k in keys], "crc32": crcs, "block_bytes": block_bytes, "dtype": str(dtype)}
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    head = MAGIC + len(body).to_bytes(4, "little") + body
+    return head + b"\0" * (-len(head) % PAGE)
+
+
+def file_bytes(num_blocks: int, block_bytes: int, dtype: torch.dtype) -> int:
+    """A file's size: its header (the keys' hex and checksums bound it) and its blocks."""
+    return (
+        len(_header([bytes(32)] * num_blocks, [2**32 - 1] * num_blocks, block_bytes, dtype)) + num_blocks * block_bytes
+    )
+
+
+def read_header(path: str) -> tuple[dict, int] | None:
+    """(the header's fields, the data's offset), or None for a file that is not one of ours."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return None
+            n = int.from_bytes(f.read(4), "little")
+            if n > 1 << 24:
+                return None
+            meta = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    offset = len(MAGIC) + 4 + n
+    return meta, offset + (-offset % PAGE)
+
+
+def _alive(tmp_name: str) -> bool:
+    """Whether the process that writes tmp_name (.<name>.<pid>.tmp) still runs."""
+    try:
+        os.kill(int(tmp_name.rsplit(".", 2)[-2]), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(slots=True)
+class DiskFile:
+    keys: list[bytes]
+    size: int
+
+
+class DiskTierIndex:
+    """Which file holds each key; files least recently used first."""
+
+    def __init__(self, folder: str, capacity_bytes: int, block_bytes: int, dtype: torch.dtype):
+        self.folder = folder
+        self.capacity_bytes = capacity_bytes
+        self.block_bytes = block_bytes
+        self.files: OrderedDict[str, DiskFile] = OrderedDict()  # name -> file, least recently used first
+        self.where: dict[bytes, tuple[str, int]] = {}  # key -> (file name, index in it)
+        self.used_bytes = 0
+        self.pinned: set[str] = set()  # files this step's loads read: never deleted in the same step
+        self.num_evicted_blocks = 0
+        self._scan(str(dtype))
+
+    def _scan(self, dtype: str) -> None:
+        """The files a previous engine with this fingerprint left, oldest first."""
+        if not os.path.isdir(self.folder):
+            return
+        found = []
+        for name in os.listdir(self.folder):
+            path = os.path.join(self.folder, name)
+            if not name.endswith(SUFFIX):
+                if name.endswith(".tmp") and not _alive(name):  # a write cut short: never renamed, never read
+                    os.unlink(path)
+                continue
+            got = read_header(path)
+            meta = got[0] if got is not None else None
+            if meta is None or meta.get("block_bytes") != self.block_bytes or meta.get("dtype") != dtype:
+                logger.warning("KV disk tier: %s is not a file of this engine's; removed", path)
+                os.unlink(path)
+                continue
+            found.append((os.path.getmtime(path), name, [bytes.fromhex(k) for k in meta["keys"]]))
+        for _, name, keys in sorted(found):
+            self._add(name, keys, os.path.getsize(os.path.join(self.folder, name)))
+
+    def _add(self, name: str, keys: list[bytes], size: int) -> None:
+        self.files[name] = DiskFile(keys, size)
+        for i, key in enumerate(keys):
+            self.where.setdefault(key, (name, i))
+        self.used_bytes += size
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.where
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def pin(self, key: bytes) -> tuple[str, int]:
+        name, i = self.where[key]
+        self.files.move_to_end(name)
+        self.pinned.add(name)
+        return name, i
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def add(self, keys: list[bytes], dtype: torch.dtype) -> tuple[str, list[str]]:
+        """A new file for keys (none held yet): its name, and the files to
+        delete (least recently used, unpinned) so the tier stays within its bytes."""
+        name = f"{keys[0].hex()[:32]}-{os.urandom(4).hex()}{SUFFIX}"  # unique: a name is never reused
+        size = file_bytes(len(keys), self.block_bytes, dtype)
+        deleted = []
+        while self.files and self.used_bytes + size > self.capacity_bytes:
+            victim = next((n for n in self.files if n not in self.pinned), None)
+            if victim is None:
+                break
+            deleted.append(victim)
+            self.num_evicted_blocks += self.forget(victim)
+        self._add(name, keys, size)
+        return name, deleted
+
+    def forget(self, name: str) -> int:
+        """The file is gone (evicted, or its contents proved bad); returns its blocks."""
+        f = self.files.pop(name, None)
+        if f is None:
+            return 0
+        for i, key in enumerate(f.keys):
+            if self.where.get(key) == (name, i):
+                del self.where[key]
+        self.used_bytes -= f.size
+        return len(f.keys)
+
+
+class DiskTierStorage:
+    """The worker side: writes on its own thread, reads through mmap."""
+
+    def __init__(self, folder: str, block_shape: tuple[int, ...], dtype: torch.dtype):
+        self.folder = folder
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        self._pending: dict[str, tuple[list[bytes], torch.Tensor]] = {}  # written soon: loads read them here
+        self._lock = threading.Lock()
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self.write_errors = 0
+        self._writer = threading.Thread(target=self._write_loop, name="shoal-kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- on the step's thread ----------------------------------------------
+
+    def save(self, kv_cache: torch.Tensor, name: str, block_ids: list[int], keys: list[bytes]) -> None:
+        """Copy the blocks out now (the pool may reuse them after this step); write them later."""
+        blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]
+        data = blocks.permute(2, 0, 1, 3, 4, 5).to("cpu", self.dtype).contiguous()
+        with self._lock:
+            self._pending[name] = (keys, data)
+        self._ops.put(("write", name))
+
+    def delete(self, name: str) -> None:
+        self._ops.put(("delete", name))
+
+    def load(self, kv_cache: torch.Tensor, name: str, index: int, key: bytes, block_id: int) -> bool:
+        """Block `index` of file `name` into the paged block; False (nothing
+        written) if the file is gone, or its key or checksum does not match."""
+        with self._lock:
+            pending = self._pending.get(name)
+        block: torch.Tensor | None
+        if pending is not None:
+            keys, data = pending
+            if index >= len(keys) or keys[index] != key:
+                return False
+            block = data[index]
+        else:
+            block = self._read(name, index, key)
+        if block is None:
+            return False
+        kv_cache[:, :, block_id] = block.to(kv_cache.device, kv_cache.dtype)
+        return True
+
+    def _read(self, name: str, index: int, key: bytes) -> torch.Tensor | None:
+        path = os.path.join(self.folder, name)
+        got = read_header(path)
+        if got is None:
+            return None
+        meta, offset = got
+        keys = meta.get("keys", [])
+        if index >= len(keys) or keys[index] != key.hex() or meta.get("block_bytes") != self.block_bytes:
+            return None
+        start = offset + index * self.block_bytes
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                if start + self.block_bytes > len(mm):
+                    return None
+                raw = mm[start : start + self.block_bytes]  # one copy out of the page cache
+        except (OSError, ValueError):
+            return None
+        if zlib.crc32(raw) != meta["crc32"][index]:
+            return None
+        return torch.frombuffer(bytearray(raw), dtype=self.dtype).view(self.block_shape)
+
+    def flush(self) -> None:
+        """Wait until every write and delete asked so far is done."""
+        done = threading.Event()
+        self._ops.put(("flush", done))
+        done.wait()
+
+    def shutdown(self) -> None:
+        self.flush()
+        self._ops.put(None)
+        self._writer.join()
+
+    # ---- on the writer thread ----------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (op := self._ops.get()) is not None:
+            kind, arg = op
+            if kind == "flush":
+                arg.set()
+            elif kind == "delete":
+                try:
+                    os.unlink(os.path.join(self.folder, arg))
+                except FileNotFoundError:
+                    pass
+            else:
+                self._write(arg)
+
+    def _write(self, name: str) -> None:
+        with self._lock:
+            keys, data = self._pending[name]  # set before the op was queued; popped only here
+        raw = [data[i].numpy().tobytes() for i in range(len(keys))] if self.dtype != torch.bfloat16 else None
+        if raw is None:  # numpy has no bfloat16: its bits as int16
+            raw = [data[i].view(torch.int16).numpy().tobytes() for i in range(len(keys))]
+        tmp = os.path.join(self.folder, f".{name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_header(keys, [zlib.crc32(b) for b in raw], self.block_bytes, self.dtype))
+                for b in raw:
+                    f.write(b)
+            os.replace(tmp, os.path.join(self.folder, name))
+        except OSError as e:
+            self.write_errors += 1
+            logger.warning("KV disk tier: writing %s failed: %s", name, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        finally:
+            with self._lock:
+                self._pending.pop(name, None)

@@ -8,7 +8,7 @@ import os
 import stat
 
 import pytest
-from test_kv_host_tier import BLOCK, GREEDY, HOST_HITS, POOL_BLOCKS, SHARED, WORKLOAD, _prompt, _run
+from test_kv_host_tier import BLOCK, GREEDY, HOST_HITS, POOL_BLOCKS, SHARED, WORKLOAD, _prompt, _run, run_once
 
 from shoal.workers import LLMEngine
 
@@ -17,6 +17,14 @@ FIRST, AGAIN = SHARED + _prompt(1, 20), SHARED[:40] + _prompt(3, 30)  # AGAIN: 2
 
 def _engine(model: str, path, **kw) -> LLMEngine:
     return LLMEngine(model=model, num_kv_blocks=POOL_BLOCKS, num_threads=1, kv_offload_disk_path=str(path), **kw)
+
+
+def _flip(path: str, offset: int, mask: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
 
 
 def _files(root) -> list[str]:
@@ -33,60 +41,36 @@ def reference(tiny_model):
 
 
 def test_blocks_from_disk_give_the_tokens_a_prefill_gives(tiny_model, reference, tmp_path):
-    engine = _engine(tiny_model, tmp_path)
-    try:
-        out = _run(engine, WORKLOAD, GREEDY)
-        disk = engine.kv_tier_stats()["disk"]
-    finally:
-        engine.shutdown()
+    out, tiers = run_once(_engine(tiny_model, tmp_path), WORKLOAD)
+    disk = tiers["disk"]
     assert out == reference["workload"]
     assert disk.hit_tokens == HOST_HITS and disk.loaded_blocks == HOST_HITS // BLOCK
     assert disk.saved_blocks > 0 and disk.failed_blocks == 0
 
 
 def test_a_restarted_engine_finds_its_blocks_on_disk(tiny_model, reference, tmp_path):
-    first = _engine(tiny_model, tmp_path)
-    try:
-        _run(first, [FIRST], GREEDY)
-    finally:
-        first.shutdown()  # every write it asked for is on disk when this returns
+    run_once(_engine(tiny_model, tmp_path), [FIRST])  # every write it asked for is on disk when it returns
     files = _files(tmp_path)
     assert files
     for path in files:  # the caller's alone
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
-    again = _engine(tiny_model, tmp_path)
-    try:
-        out = _run(again, [AGAIN], GREEDY)
-        disk = again.kv_tier_stats()["disk"]
-    finally:
-        again.shutdown()
+    out, tiers = run_once(_engine(tiny_model, tmp_path), [AGAIN])
     assert out == reference["again"]
-    assert disk.hit_tokens == 2 * BLOCK  # the first request of the new engine, its pool empty
+    assert tiers["disk"].hit_tokens == 2 * BLOCK  # the first request of the new engine, its pool empty
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "missing file"])
 def test_a_bad_or_missing_file_is_computed_instead(tiny_model, reference, tmp_path, damage):
-    first = _engine(tiny_model, tmp_path)
-    try:
-        _run(first, [FIRST], GREEDY)
-    finally:
-        first.shutdown()
+    run_once(_engine(tiny_model, tmp_path), [FIRST])
     again = _engine(tiny_model, tmp_path)  # reads the headers now
-    try:
-        (path,) = _files(tmp_path)
-        if damage == "missing file":
-            os.unlink(path)
-        else:
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) - 100)  # inside the last block's data
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0xFF]))
-        out = _run(again, [AGAIN], GREEDY)
-        disk = again.kv_tier_stats()["disk"]
-    finally:
-        again.shutdown()
+    (path,) = _files(tmp_path)
+    if damage == "missing file":
+        os.unlink(path)
+    else:
+        _flip(path, os.path.getsize(path) - 100, 0xFF)  # inside the last block's data
+    out, tiers = run_once(again, [AGAIN])
+    disk = tiers["disk"]
     assert out == reference["again"]
     if damage == "flipped byte":
         # Only the last block's data changed, but the load reads blocks 0 and 1: they still pass.
@@ -96,29 +80,15 @@ def test_a_bad_or_missing_file_is_computed_instead(tiny_model, reference, tmp_pa
 
 
 def test_a_bad_block_is_refused_by_its_checksum(tiny_model, reference, tmp_path):
-    first = _engine(tiny_model, tmp_path)
-    try:
-        _run(first, [FIRST], GREEDY)
-    finally:
-        first.shutdown()
+    run_once(_engine(tiny_model, tmp_path), [FIRST])
     (path,) = _files(tmp_path)
     size = os.path.getsize(path)
     num_blocks = 7  # FIRST's computed full blocks: 116 prompt + 7 output tokens
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
-    with open(path, "r+b") as f:  # one byte of block 0
-        f.seek(size - num_blocks * block_bytes + 10)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
-    again = _engine(tiny_model, tmp_path)
-    try:
-        out = _run(again, [AGAIN], GREEDY)
-        disk = again.kv_tier_stats()["disk"]
-        again._flush_kv_moves()
-    finally:
-        again.shutdown()
+    _flip(path, size - num_blocks * block_bytes + 10, 0x01)  # one bit of block 0
+    out, tiers = run_once(_engine(tiny_model, tmp_path), [AGAIN])
     assert out == reference["again"]
-    assert disk.failed_blocks == 1
+    assert tiers["disk"].failed_blocks == 1
     # The file with a bad block was deleted; the tokens were computed, and written again when AGAIN ended.
     assert path not in _files(tmp_path)
 
@@ -126,14 +96,9 @@ def test_a_bad_block_is_refused_by_its_checksum(tiny_model, reference, tmp_path)
 def test_the_tier_stays_within_its_bytes(tiny_model, reference, tmp_path):
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
     budget = 20 * block_bytes
-    engine = _engine(tiny_model, tmp_path, kv_offload_disk_bytes=budget)
-    try:
-        out = _run(engine, WORKLOAD, GREEDY)
-        disk = engine.kv_tier_stats()["disk"]
-    finally:
-        engine.shutdown()
+    out, tiers = run_once(_engine(tiny_model, tmp_path, kv_offload_disk_bytes=budget), WORKLOAD)
     assert out == reference["workload"]
-    assert disk.evicted_blocks > 0
+    assert tiers["disk"].evicted_blocks > 0
     assert sum(os.path.getsize(p) for p in _files(tmp_path)) <= budget
 
 

@@ -65,6 +65,14 @@ def _run(engine: LLMEngine, prompts, params: SamplingParams, salt: str | None = 
     return outs
 
 
+def run_once(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tuple[list[list[int]], dict]:
+    """_run, then the engine's tier counters, and the engine shut down (its writes done)."""
+    try:
+        return _run(engine, prompts, params), engine.kv_tier_stats()
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     engine = _engine(tiny_model)
@@ -77,12 +85,8 @@ def reference(tiny_model):
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_blocks_from_the_host_tier_give_the_tokens_a_prefill_gives(tiny_model, reference, kind):
-    engine = _engine(tiny_model, host_blocks=64)
-    try:
-        out = _run(engine, WORKLOAD, GREEDY if kind == "greedy" else SEEDED)
-        host = engine.kv_tier_stats()["host"]
-    finally:
-        engine.shutdown()
+    out, tiers = run_once(_engine(tiny_model, host_blocks=64), WORKLOAD, GREEDY if kind == "greedy" else SEEDED)
+    host = tiers["host"]
     assert out == reference[kind]
     assert host.saved_blocks > 0
     assert host.hit_tokens == HOST_HITS
@@ -103,12 +107,8 @@ def test_without_a_tier_the_evicted_prefix_is_prefilled_again(tiny_model):
 
 
 def test_a_full_tier_drops_its_least_recently_used_blocks(tiny_model, reference):
-    engine = _engine(tiny_model, host_blocks=4)
-    try:
-        out = _run(engine, WORKLOAD, GREEDY)
-        host = engine.kv_tier_stats()["host"]
-    finally:
-        engine.shutdown()
+    out, tiers = run_once(_engine(tiny_model, host_blocks=4), WORKLOAD)
+    host = tiers["host"]
     assert out == reference["greedy"]
     assert host.used_blocks == host.total_blocks == 4
     assert host.evicted_blocks > 0
@@ -140,11 +140,8 @@ def test_a_load_that_fails_is_computed_again(tiny_model, reference, monkeypatch)
         real(self, metadata)
 
     monkeypatch.setattr(type(connector), "start_load_kv", start_load_kv)
-    try:
-        out = _run(engine, WORKLOAD, GREEDY)
-        host = engine.kv_tier_stats()["host"]
-    finally:
-        engine.shutdown()
+    out, tiers = run_once(engine, WORKLOAD)
+    host = tiers["host"]
     assert len(failed) == 2 and out == reference["greedy"]
     # The 2 that failed were offered, then computed; the last prompt found them in the pool.
     assert host.hit_tokens == HOST_HITS

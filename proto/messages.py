@@ -161,6 +161,9 @@ class WorkerLoad(EngineStats):
     loras: dict[str, tuple[int, int]] = field(default_factory=dict)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # KV tiers (--kv-offload-*): each tier's counters (hit_tokens, query_tokens, loaded_blocks,
+    # saved_blocks, evicted_blocks, failed_blocks, used_blocks, total_blocks, bytes_per_block), by tier.
+    kv_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkerLoad:

@@ -27,6 +27,9 @@ COUNTERS = {
     "shoal:prefix_cache_hits_total",
     "shoal:request_success_total",
 }
+# With KV tiers: read from the workers, the kv_offload_ ones per tier too (by their vLLM prefixes).
+KV_TIERS = {n for n in EXPOSED if n.startswith(("shoal:external_prefix_cache_", "shoal:kv_offload_"))}
+assert len(KV_TIERS) == 7
 HISTOGRAMS = {
     "shoal:time_to_first_token_seconds",
     "shoal:inter_token_latency_seconds",
@@ -37,15 +40,19 @@ HISTOGRAMS = {
 }
 # The router's own, one series per router (not read from the workers).
 ROUTER_GAUGES = {"shoal:router_event_loop_lag_seconds"}
-METRIC_NAMES = GAUGES | ROUTER_GAUGES | COUNTERS | HISTOGRAMS
+METRIC_NAMES = GAUGES | ROUTER_GAUGES | COUNTERS | HISTOGRAMS | KV_TIERS
 assert METRIC_NAMES == set(EXPOSED), "the dashboard's list of series and /metrics' differ"
 # Read from the workers and exposed identically by every router: summing them over routers would count each
 # worker once per router, so every query over them must go through `max by (worker)`.
-WORKER_METRICS = GAUGES | {
-    "shoal:num_preemptions_total",
-    "shoal:prefix_cache_queries_total",
-    "shoal:prefix_cache_hits_total",
-}
+WORKER_METRICS = (
+    GAUGES
+    | KV_TIERS
+    | {
+        "shoal:num_preemptions_total",
+        "shoal:prefix_cache_queries_total",
+        "shoal:prefix_cache_hits_total",
+    }
+)
 
 _METRIC = re.compile(r"shoal:[a-z0-9_:]+")  # digits too: e2e_request_latency_seconds
 _HIST_SUFFIX = re.compile(r"_(bucket|sum|count)$")
@@ -134,11 +141,11 @@ def test_queries_use_only_exposed_metrics(dashboard):
 def test_worker_metrics_are_never_summed_over_routers(dashboard):
     for expr in _exprs(dashboard):
         if _metrics(expr) & WORKER_METRICS:
-            # every selector of a worker metric sits right inside a max by (worker) (...)
+            # every selector of a worker metric sits right inside a max by (worker) (...), or by (worker, tier)
             for m in _METRIC.finditer(expr):
                 if m.group() in WORKER_METRICS:
                     before = expr[: m.start()]
-                    assert re.search(r"max by \(worker\) \((rate\()?$", before), expr
+                    assert re.search(r"max by \(worker(, tier)?\) \((rate\()?$", before), expr
 
 
 def test_model_name_variable(dashboard):

@@ -43,7 +43,8 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
     ]
 
     async def main():
-        fe = make_frontend(tiny_model, num_workers=2, api_key="sekret")
+        # With a host KV tier, so its series are there too (the pool is large enough that nothing reaches it).
+        fe = make_frontend(tiny_model, num_workers=2, api_key="sekret", kv_offload_host_bytes=1 << 20)
         fe.load_snapshot.max_age_s = 0  # each scrape reads the workers as they are now, not 0.5 s ago
         auth = {"Authorization": "Bearer sekret"}
         async with http_client(fe) as c:
@@ -104,6 +105,13 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
     assert _total(m, "shoal:prompt_tokens_total") - _total(m0, "shoal:prompt_tokens_total") == prompt
     assert _total(m, "shoal:generation_tokens_total") - _total(m0, "shoal:generation_tokens_total") == gen
     assert _total(m, "shoal:request_success_total", finished_reason="length") == n_req
+    # Every prompt was looked up in the host tier past its device hits; none was there.
+    queried = _total(m, "shoal:external_prefix_cache_queries_total") - _total(
+        m0, "shoal:external_prefix_cache_queries_total"
+    )
+    assert queried == prompt - cached > 0
+    assert _total(m, "shoal:external_prefix_cache_hits_total") == 0
+    assert _total(m, "shoal:kv_offload_usage_perc", tier="host") == 0
     for h in (
         "time_to_first_token_seconds",
         "e2e_request_latency_seconds",

@@ -114,6 +114,7 @@ class Worker:
         load.num_waiting = self.engine.num_waiting  # counting requests added since the engine's last step
         loras, load.running_lora_adapters, load.waiting_lora_adapters = self.engine.engine.lora_stats()
         load.loras = self.loras.where(loras)
+        load.kv_tiers = {tier: asdict(t) for tier, t in self.engine.engine.kv_tier_stats().items()}
         return load
 
     def check_health(self) -> None:

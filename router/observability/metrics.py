@@ -122,6 +122,14 @@ METRIC_NAMES = (
     "shoal:request_prompt_tokens",
     "shoal:request_generation_tokens",
     "shoal:router_event_loop_lag_seconds",
+    # with KV tiers (--kv-offload-*); the kv_offload_ ones labelled `tier` too
+    "shoal:external_prefix_cache_queries_total",
+    "shoal:external_prefix_cache_hits_total",
+    "shoal:kv_offload_load_bytes_total",
+    "shoal:kv_offload_store_bytes_total",
+    "shoal:kv_offload_evicted_blocks_total",
+    "shoal:kv_offload_failed_blocks_total",
+    "shoal:kv_offload_usage_perc",
 )
 
 
@@ -167,8 +175,10 @@ class _WorkerFigures:
             "Running stats on LoRA requests: the adapters of the running and the waiting requests.",
             labels=(*LABELS, "running_lora_adapters", "waiting_lora_adapters", "max_lora"),
         )
+        tiers = _KVTierFamilies()
         for s in self.loads:
             lv = [self.model, s.worker]
+            tiers.add(lv, s.kv_tiers)
             running.add_metric(lv, s.num_running)
             waiting.add_metric(lv, s.num_waiting)
             usage.add_metric(lv, 1.0 - s.num_free_blocks / s.num_total_blocks if s.num_total_blocks else 0.0)
@@ -180,7 +190,70 @@ class _WorkerFigures:
                 run, wait = s.running_lora_adapters, s.waiting_lora_adapters
                 shown = [",".join(run), ",".join(wait)] if self.include_lora_names else [str(len(run)), str(len(wait))]
                 lora.add_metric(lv + [*shown, str(self.max_loras)], s.time)
-        return [running, waiting, usage, free, preempt, queries, hits, *([lora] if self.max_loras else [])]
+        return [
+            running,
+            waiting,
+            usage,
+            free,
+            preempt,
+            queries,
+            hits,
+            *tiers.families(),
+            *([lora] if self.max_loras else []),
+        ]
+
+
+class _KVTierFamilies:
+    """The KV tiers' series (vLLM's external_prefix_cache_* and kv_offload_* names): none without tiers."""
+
+    def __init__(self):
+        def family(cls, name, doc, labels=LABELS):
+            return cls(name, doc, labels=labels)
+
+        tier = (*LABELS, "tier")
+        self.queries = family(
+            CounterMetricFamily,
+            "shoal:external_prefix_cache_queries",
+            "Prompt tokens past the device's prefix hits, looked up in the KV tiers.",
+        )
+        self.hits = family(
+            CounterMetricFamily, "shoal:external_prefix_cache_hits", "Of those, tokens found in a KV tier."
+        )
+        self.load = family(
+            CounterMetricFamily, "shoal:kv_offload_load_bytes", "Bytes loaded from the tier into the KV cache.", tier
+        )
+        self.store = family(CounterMetricFamily, "shoal:kv_offload_store_bytes", "Bytes saved to the tier.", tier)
+        self.evicted = family(
+            CounterMetricFamily, "shoal:kv_offload_evicted_blocks", "Blocks the tier dropped to make room.", tier
+        )
+        self.failed = family(
+            CounterMetricFamily,
+            "shoal:kv_offload_failed_blocks",
+            "Blocks whose load from the tier failed (missing, or a bad checksum): computed instead.",
+            tier,
+        )
+        self.usage = family(GaugeMetricFamily, "shoal:kv_offload_usage_perc", "The tier's usage: 1 is full.", tier)
+        self.any = False
+
+    def add(self, lv: list[str], kv_tiers: dict[str, dict[str, int]]) -> None:
+        if not kv_tiers:
+            return
+        self.any = True
+        # Every tier is asked about the same tokens: past the device's hits.
+        self.queries.add_metric(lv, max(t["query_tokens"] for t in kv_tiers.values()))
+        self.hits.add_metric(lv, sum(t["hit_tokens"] for t in kv_tiers.values()))
+        for name, t in sorted(kv_tiers.items()):
+            tv = [*lv, name]
+            self.load.add_metric(tv, t["loaded_blocks"] * t["bytes_per_block"])
+            self.store.add_metric(tv, t["saved_blocks"] * t["bytes_per_block"])
+            self.evicted.add_metric(tv, t["evicted_blocks"])
+            self.failed.add_metric(tv, t["failed_blocks"])
+            self.usage.add_metric(tv, t["used_blocks"] / t["total_blocks"] if t["total_blocks"] else 0.0)
+
+    def families(self) -> list:
+        if not self.any:
+            return []
+        return [self.queries, self.hits, self.load, self.store, self.evicted, self.failed, self.usage]
 
 
 class RouterMetrics:

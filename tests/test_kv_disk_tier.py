@@ -102,6 +102,20 @@ def test_the_tier_stays_within_its_bytes(tiny_model, reference, tmp_path):
     assert sum(os.path.getsize(p) for p in _files(tmp_path)) <= budget
 
 
+def test_engines_sharing_a_path_keep_to_their_own_slots(tiny_model, reference, tmp_path):
+    """Two engines at once (a pod's workers) write apart; a restarted one takes a free slot and its blocks."""
+    a, b = _engine(tiny_model, tmp_path), _engine(tiny_model, tmp_path)
+    try:
+        _run(a, [FIRST], GREEDY)
+        _run(b, [FIRST], GREEDY)
+    finally:
+        a.shutdown()
+        b.shutdown()  # their writes are done
+    assert {os.path.basename(os.path.dirname(p)) for p in _files(tmp_path)} == {"slot0", "slot1"}
+    out, tiers = run_once(_engine(tiny_model, tmp_path), [AGAIN])
+    assert out == reference["again"] and tiers["disk"].hit_tokens == 2 * BLOCK
+
+
 def test_disk_settings_are_checked(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="must be an absolute path"):
         LLMEngine(model=tiny_model, kv_offload_disk_path="relative/kv")

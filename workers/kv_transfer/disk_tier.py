@@ -23,6 +23,7 @@ The worker side's DiskTierStorage writes, reads and deletes them.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import mmap
@@ -42,9 +43,30 @@ PAGE = 4096
 SUFFIX = ".kv"
 
 
-def tier_folder(root: str, fingerprint: bytes, dtype: torch.dtype, rank: int = 0) -> str:
-    """Where an engine of this fingerprint, storing blocks in dtype, keeps rank's files."""
-    return os.path.join(root, f"{fingerprint.hex()[:32]}-{str(dtype).removeprefix('torch.')}", f"rank{rank}")
+MAX_SLOTS = 64  # engines of one fingerprint sharing a disk path (a pod's workers)
+
+
+def tier_folder(root: str, fingerprint: bytes, dtype: torch.dtype) -> str:
+    """Where engines of this fingerprint, storing blocks in dtype, keep their slots."""
+    return os.path.join(root, f"{fingerprint.hex()[:32]}-{str(dtype).removeprefix('torch.')}")
+
+
+def claim_slot(folder: str) -> tuple[str, int]:
+    """The first slot folder (folder/slot<k>) no running engine holds, and the
+    open lock file that holds it (flock: released when the engine ends, even
+    killed). Engines sharing a disk path so never share files, and a
+    restarted engine takes a slot that a previous one filled."""
+    for k in range(MAX_SLOTS):
+        slot = os.path.join(folder, f"slot{k}")
+        os.makedirs(slot, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(slot, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return slot, fd
+    raise ValueError(f"kv_offload_disk_path: all {MAX_SLOTS} slots under {folder} are held by running engines")
 
 
 def _header(keys: list[bytes], crcs: list[int], block_bytes: int, dtype: torch.dtype) -> bytes:
@@ -77,17 +99,6 @@ def read_header(path: str) -> tuple[dict, int] | None:
     return meta, offset + (-offset % PAGE)
 
 
-def _alive(tmp_name: str) -> bool:
-    """Whether the process that writes tmp_name (.<name>.<pid>.tmp) still runs."""
-    try:
-        os.kill(int(tmp_name.rsplit(".", 2)[-2]), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass(slots=True)
 class DiskFile:
     keys: list[bytes]
@@ -98,7 +109,8 @@ class DiskTierIndex:
     """Which file holds each key; files least recently used first."""
 
     def __init__(self, folder: str, capacity_bytes: int, block_bytes: int, dtype: torch.dtype):
-        self.folder = folder
+        self.folder, fd = claim_slot(folder)
+        self._lock_fd: int | None = fd
         self.capacity_bytes = capacity_bytes
         self.block_bytes = block_bytes
         self.files: OrderedDict[str, DiskFile] = OrderedDict()  # name -> file, least recently used first
@@ -109,14 +121,12 @@ class DiskTierIndex:
         self._scan(str(dtype))
 
     def _scan(self, dtype: str) -> None:
-        """The files a previous engine with this fingerprint left, oldest first."""
-        if not os.path.isdir(self.folder):
-            return
+        """The files a previous engine with this fingerprint left in the slot, oldest first."""
         found = []
         for name in os.listdir(self.folder):
             path = os.path.join(self.folder, name)
             if not name.endswith(SUFFIX):
-                if name.endswith(".tmp") and not _alive(name):  # a write cut short: never renamed, never read
+                if name.endswith(".tmp"):  # a write cut short (the slot's last engine is gone): never read
                     os.unlink(path)
                 continue
             got = read_header(path)
@@ -150,6 +160,15 @@ class DiskTierIndex:
     def unpin_all(self) -> None:
         self.pinned.clear()
 
+    def path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def release(self) -> None:
+        """Let go of the slot (the engine is shutting down)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def add(self, keys: list[bytes], dtype: torch.dtype) -> tuple[str, list[str]]:
         """A new file for keys (none held yet): its name, and the files to
         delete (least recently used, unpinned) so the tier stays within its bytes."""
@@ -178,14 +197,13 @@ class DiskTierIndex:
 
 
 class DiskTierStorage:
-    """The worker side: writes on its own thread, reads through mmap."""
+    """The worker side: writes on its own thread, reads through mmap; told
+    every file by its path (the scheduler side's index owns the folder)."""
 
-    def __init__(self, folder: str, block_shape: tuple[int, ...], dtype: torch.dtype):
-        self.folder = folder
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype):
         self.block_shape = block_shape
         self.dtype = dtype
         self.block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
-        os.makedirs(folder, mode=0o700, exist_ok=True)
         self._pending: dict[str, tuple[list[bytes], torch.Tensor]] = {}  # written soon: loads read them here
         self._lock = threading.Lock()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
@@ -195,22 +213,22 @@ class DiskTierStorage:
 
     # ---- on the step's thread ----------------------------------------------
 
-    def save(self, kv_cache: torch.Tensor, name: str, block_ids: list[int], keys: list[bytes]) -> None:
+    def save(self, kv_cache: torch.Tensor, path: str, block_ids: list[int], keys: list[bytes]) -> None:
         """Copy the blocks out now (the pool may reuse them after this step); write them later."""
         blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]
         data = blocks.permute(2, 0, 1, 3, 4, 5).to("cpu", self.dtype).contiguous()
         with self._lock:
-            self._pending[name] = (keys, data)
-        self._ops.put(("write", name))
+            self._pending[path] = (keys, data)
+        self._ops.put(("write", path))
 
-    def delete(self, name: str) -> None:
-        self._ops.put(("delete", name))
+    def delete(self, path: str) -> None:
+        self._ops.put(("delete", path))
 
-    def load(self, kv_cache: torch.Tensor, name: str, index: int, key: bytes, block_id: int) -> bool:
-        """Block `index` of file `name` into the paged block; False (nothing
+    def load(self, kv_cache: torch.Tensor, path: str, index: int, key: bytes, block_id: int) -> bool:
+        """Block `index` of the file at path into the paged block; False (nothing
         written) if the file is gone, or its key or checksum does not match."""
         with self._lock:
-            pending = self._pending.get(name)
+            pending = self._pending.get(path)
         block: torch.Tensor | None
         if pending is not None:
             keys, data = pending
@@ -218,14 +236,13 @@ class DiskTierStorage:
                 return False
             block = data[index]
         else:
-            block = self._read(name, index, key)
+            block = self._read(path, index, key)
         if block is None:
             return False
         kv_cache[:, :, block_id] = block.to(kv_cache.device, kv_cache.dtype)
         return True
 
-    def _read(self, name: str, index: int, key: bytes) -> torch.Tensor | None:
-        path = os.path.join(self.folder, name)
+    def _read(self, path: str, index: int, key: bytes) -> torch.Tensor | None:
         got = read_header(path)
         if got is None:
             return None
@@ -265,33 +282,34 @@ class DiskTierStorage:
                 arg.set()
             elif kind == "delete":
                 try:
-                    os.unlink(os.path.join(self.folder, arg))
+                    os.unlink(arg)
                 except FileNotFoundError:
                     pass
             else:
                 self._write(arg)
 
-    def _write(self, name: str) -> None:
+    def _write(self, path: str) -> None:
         with self._lock:
-            keys, data = self._pending[name]  # set before the op was queued; popped only here
+            keys, data = self._pending[path]  # set before the op was queued; popped only here
         raw = [data[i].numpy().tobytes() for i in range(len(keys))] if self.dtype != torch.bfloat16 else None
         if raw is None:  # numpy has no bfloat16: its bits as int16
             raw = [data[i].view(torch.int16).numpy().tobytes() for i in range(len(keys))]
-        tmp = os.path.join(self.folder, f".{name}.{os.getpid()}.tmp")
+        folder, base = os.path.split(path)
+        tmp = os.path.join(folder, f".{base}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(_header(keys, [zlib.crc32(b) for b in raw], self.block_bytes, self.dtype))
                 for b in raw:
                     f.write(b)
-            os.replace(tmp, os.path.join(self.folder, name))
+            os.replace(tmp, path)
         except OSError as e:
             self.write_errors += 1
-            logger.warning("KV disk tier: writing %s failed: %s", name, e)
+            logger.warning("KV disk tier: writing %s failed: %s", path, e)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
         finally:
             with self._lock:
-                self._pending.pop(name, None)
+                self._pending.pop(path, None)

@@ -19,6 +19,7 @@ pending across steps, and no request waits for one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -43,10 +44,10 @@ class OffloadingMetadata(KVConnectorMetadata):
     """One step's moves, made in this order: saves, deletes, loads."""
 
     saves: list[tuple[int, int]] = field(default_factory=list)  # (paged block, host slot)
-    disk_saves: list[tuple[str, list[int], list[bytes]]] = field(default_factory=list)  # (file, blocks, keys)
-    disk_deletes: list[str] = field(default_factory=list)  # files
+    disk_saves: list[tuple[str, list[int], list[bytes]]] = field(default_factory=list)  # (path, blocks, keys)
+    disk_deletes: list[str] = field(default_factory=list)  # paths
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, paged block)
-    disk_loads: list[tuple[str, int, bytes, int]] = field(default_factory=list)  # (file, index, key, paged block)
+    disk_loads: list[tuple[str, int, bytes, int]] = field(default_factory=list)  # (path, index, key, paged block)
 
     @property
     def is_empty(self) -> bool:
@@ -100,7 +101,7 @@ class OffloadingConnector(KVConnectorBase):
                 )
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
-            self.disk_storage = DiskTierStorage(folder, block_shape(spec), self.dtype) if folder else None
+            self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype) if folder else None
             self.kv_cache: torch.Tensor | None = None
 
     def _key(self, block_hash: bytes) -> bytes:
@@ -144,10 +145,11 @@ class OffloadingConnector(KVConnectorBase):
             stats.query_tokens += query
         for (tier, key), block_id in zip(sources, block_ids, strict=False):
             if tier == "host":
-                self._meta.loads.append((self.host.pin(key), block_id))  # type: ignore[union-attr]
+                self._meta.loads.append((cast(HostTierIndex, self.host).pin(key), block_id))
             else:
-                name, index = self.disk.pin(key)  # type: ignore[union-attr]
-                self._meta.disk_loads.append((name, index, key, block_id))
+                disk = cast(DiskTierIndex, self.disk)
+                name, index = disk.pin(key)
+                self._meta.disk_loads.append((disk.path(name), index, key, block_id))
             self.tiers[tier].hit_tokens += bs
             self.tiers[tier].loaded_blocks += 1
 
@@ -179,8 +181,8 @@ class OffloadingConnector(KVConnectorBase):
             return
         before = self.disk.num_evicted_blocks
         name, deleted = self.disk.add([k for _, k in new], self.dtype)
-        self._meta.disk_saves.append((name, [b for b, _ in new], [k for _, k in new]))
-        self._meta.disk_deletes += deleted
+        self._meta.disk_saves.append((self.disk.path(name), [b for b, _ in new], [k for _, k in new]))
+        self._meta.disk_deletes += [self.disk.path(d) for d in deleted]
         stats = self.tiers["disk"]
         stats.saved_blocks += len(new)
         stats.evicted_blocks += self.disk.num_evicted_blocks - before
@@ -201,7 +203,7 @@ class OffloadingConnector(KVConnectorBase):
         if self.disk is not None and key in self.disk:
             name = self.disk.where[key][0]
             self.disk.forget(name)  # a file with one bad block is not trusted for the others
-            self._meta.disk_deletes.append(name)
+            self._meta.disk_deletes.append(self.disk.path(name))
             self.tiers["disk"].failed_blocks += 1
 
     def stats(self) -> dict:
@@ -237,6 +239,8 @@ class OffloadingConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         self.kv_cache = None
+        if self.role is KVConnectorRole.SCHEDULER and self.disk is not None:
+            self.disk.release()  # the slot, for the next engine
         if self.role is KVConnectorRole.WORKER:
             if self.disk_storage is not None:
                 self.disk_storage.shutdown()  # every write asked for is on disk

@@ -864,6 +864,7 @@ def test_schema_and_values_list_every_shoal_serve_option():
     fields |= {f.name for f in dataclasses.fields(EngineArgs)}
     chart_set = {"host", "model", "api_key", "nodes_join_later", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"}
     chart_set |= {"ssl_cert_reqs"}  # the TLS files: from `tls`
+    chart_set |= {"kv_offload_disk_path"}  # from `kvDisk`
     with open(os.path.join(CHART, "values.schema.json")) as f:
         schema = json.load(f)
     props = schema["properties"]["shoal"]["properties"]
@@ -873,6 +874,26 @@ def test_schema_and_values_list_every_shoal_serve_option():
         values = yaml.safe_load(f)
     assert set(values["shoal"]) == fields - chart_set
     assert all(v is None for v in values["shoal"].values())  # shoal's own defaults, never pinned here
+
+
+def test_the_kv_disk_tier_is_an_emptydir_on_the_worker_pods_alone():
+    values = load_values("values-cpu-demo.yaml")
+    values["kvDisk"] = {"enabled": True, "mountPath": "/var/lib/shoal/kv", "sizeLimit": "20Gi"}
+    docs = render(values)
+    rs = rayservice(docs)
+    for name, group in groups(rs).items():
+        spec = group["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in ray_container(group)["volumeMounts"]}
+        if name in ("head", "routers"):
+            assert "kv-disk" not in volumes and "/var/lib/shoal/kv" not in mounts, name
+        else:
+            assert volumes["kv-disk"] == {"name": "kv-disk", "emptyDir": {"sizeLimit": "20Gi"}}, name
+            assert mounts["/var/lib/shoal/kv"] == "kv-disk", name
+    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert config["applications"][0]["args"]["kv_offload_disk_path"] == "/var/lib/shoal/kv"
+    off = yaml.safe_load(rayservice(render(load_values("values-cpu-demo.yaml")))["spec"]["serveConfigV2"])
+    assert "kv_offload_disk_path" not in off["applications"][0]["args"]
 
 
 @pytest.mark.slow

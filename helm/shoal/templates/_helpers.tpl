@@ -116,6 +116,7 @@ not started) would make it a CPU deployment.
 {{- range $k, $v := .Values.shoal }}
 {{- if not (kindIs "invalid" $v) }}{{ $_ := set $args $k $v }}{{ end }}
 {{- end }}
+{{- if .Values.kvDisk.enabled }}{{ $_ := set $args "kv_offload_disk_path" .Values.kvDisk.mountPath }}{{ end }}
 {{- /* TLS: the files of the Secret mounted in the router pods (shoal.tlsVolume). */}}
 {{- with .Values.tls }}
 {{- if .secretName }}
@@ -221,6 +222,27 @@ objects), /dev/shm in memory (Ray's object store) and the image user's home
     sizeLimit: {{ . }}
     {{- else }} {}
     {{- end }}
+{{- end }}
+
+{{/*
+The KV cache's disk tier (kvDisk): an emptyDir on the worker pods alone.
+*/}}
+{{- define "shoal.kvDiskVolume" -}}
+{{- if .Values.kvDisk.enabled }}
+- name: kv-disk
+  emptyDir:
+    {{- with .Values.kvDisk.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- else }} {}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.kvDiskVolumeMount" -}}
+{{- if .Values.kvDisk.enabled }}
+- name: kv-disk
+  mountPath: {{ .Values.kvDisk.mountPath }}
+{{- end }}
 {{- end }}
 
 {{- define "shoal.scratchVolumeMounts" -}}

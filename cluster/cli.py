@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shoal.benchmarks import (
         calibrate,
         gpu,
+        kv_tier,
         latency,
         lora,
         offline,
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         structured,
         lora,
         roofline,
+        kv_tier,
     )
     for bench in benches:
         bench.add_parser(bsub)

@@ -1,0 +1,29 @@
+"""`shoal bench kv-tier` end to end on a tiny model: the tiers serve what the
+pool lost, with the same replies, and a restarted engine finds its blocks."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_bench_kv_tier_runs_and_reports(tiny_model, tmp_path, capsys):
+    from shoal.cluster.cli import main
+
+    out = tmp_path / "kv_tier.json"
+    argv = ["bench", "kv-tier", "--model", tiny_model, "--conversations", "6", "--turns", "3-4"]
+    argv += ["--system-len", "96", "--turn-len", "20-40", "--reply-len", "4-8", "--unique-requests", "3"]
+    argv += ["--host-bytes", str(1 << 20), "--num-kv-blocks", "20", "--num-threads", "1", "--output", str(out)]
+    assert main(argv) == 0, capsys.readouterr().out[-3000:]
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert report["same_replies"] and len({r["replies_sha256"] for r in runs.values()}) == 1
+    assert set(runs) == {"tiers off", "host tier", "disk tier"}
+    # The pool alone loses the conversations between their turns; each tier gives back what it lost.
+    for name in ("host tier", "disk tier"):
+        assert runs[name]["hit_share_of_ideal"] > max(0.9, runs["tiers off"]["hit_share_of_ideal"]), name
+        assert runs[name]["tiers"][name.split()[0]]["hit_tokens"] > 0
+    assert report["restart"]["hit_share"] > 0.9
+    costs = report["costs"]
+    assert costs["prefill_ms_per_token"] > 0 and costs["host_ms_per_block"] > 0 and costs["disk_ms_per_block"] > 0
+    printed = capsys.readouterr().out
+    assert "after a restart on the disk tier's folder" in printed and "nothing reusable" in printed

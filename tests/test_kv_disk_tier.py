@@ -123,3 +123,27 @@ def test_disk_settings_are_checked(tiny_model, tmp_path):
         LLMEngine(model=tiny_model, kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=-5)
     with pytest.raises(ValueError, match="holds no block"):
         LLMEngine(model=tiny_model, num_kv_blocks=8, kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=10)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_file_gives_back_its_blocks_as_stored(tmp_path, dtype):
+    """DiskTierStorage alone: blocks written from a cache and read into another, in the tier's dtype."""
+    import torch
+
+    from shoal.workers.kv_transfer.disk_tier import DiskTierStorage
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 3, 6, BLOCK, 2, 8, generator=g)  # [2, layers, blocks, block size, kv heads, head dim]
+    storage = DiskTierStorage((2, 3, BLOCK, 2, 8), getattr(torch, dtype))
+    path, keys = str(tmp_path / "f.kv"), [bytes([i]) * 32 for i in range(3)]
+    try:
+        storage.save(kv, path, [4, 1, 5], keys)
+        storage.flush()
+        back = torch.zeros_like(kv)
+        assert all(storage.load(back, path, i, keys[i], b) for i, b in enumerate([0, 2, 3]))
+        assert not storage.load(back, path, 0, keys[1], 0)  # another key at that index: refused
+    finally:
+        storage.shutdown()
+    stored = kv.to(getattr(torch, dtype)).float()
+    for src, dst in ((4, 0), (1, 2), (5, 3)):
+        assert torch.equal(back[:, :, dst], stored[:, :, src])

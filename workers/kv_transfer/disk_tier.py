@@ -291,9 +291,10 @@ class DiskTierStorage:
     def _write(self, path: str) -> None:
         with self._lock:
             keys, data = self._pending[path]  # set before the op was queued; popped only here
-        raw = [data[i].numpy().tobytes() for i in range(len(keys))] if self.dtype != torch.bfloat16 else None
-        if raw is None:  # numpy has no bfloat16: its bits as int16
-            raw = [data[i].view(torch.int16).numpy().tobytes() for i in range(len(keys))]
+        # Each block's bytes as they lie in the contiguous copy, with no copy of their own (numpy has no
+        # bfloat16: its bits as int16).
+        flat = data.view(torch.int16) if self.dtype == torch.bfloat16 else data
+        raw = [memoryview(flat[i].numpy()).cast("B") for i in range(len(keys))]
         folder, base = os.path.split(path)
         tmp = os.path.join(folder, f".{base}.tmp")
         try:

@@ -294,7 +294,7 @@ class DiskTierStorage:
         # Each block's bytes as they lie in the contiguous copy, with no copy of their own (numpy has no
         # bfloat16: its bits as int16).
         flat = data.view(torch.int16) if self.dtype == torch.bfloat16 else data
-        raw = [memoryview(flat[i].numpy()).cast("B") for i in range(len(keys))]
+        raw = [flat[i].numpy().data.cast("B") for i in range(len(keys))]
         folder, base = os.path.split(path)
         tmp = os.path.join(folder, f".{base}.tmp")
         try:

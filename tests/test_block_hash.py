@@ -204,7 +204,7 @@ def test_a_workers_engine_takes_the_keys_its_router_sent(tiny_model, monkeypatch
         monkeypatch.setattr("shoal.workers.llm_engine.adopt_chain", spy)
         calls = []
         monkeypatch.setattr(
-            "shoal.workers.core.block_manager.chain_hashes",
+            "shoal.workers.core.sequence.chain_hashes",
             lambda *a, **k: calls.append(len(a[2])) or chain_hashes(*a, **k),
         )
         req = GenerateRequest(

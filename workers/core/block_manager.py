@@ -4,7 +4,6 @@ blocks); its progress is the scheduler's."""
 
 from __future__ import annotations
 
-from shoal.proto.block_hash import chain_hashes
 from shoal.proto.utils import cdiv
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sequence import Sequence
@@ -34,13 +33,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def _block_hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """seq's keys, at least its first n (if it has n full blocks)."""
-        hashes = seq.block_hashes
-        if len(hashes) < n:
-            chain_hashes(seq.token_ids, self.block_size, hashes, seq.block_hash_extra, n, seq.cache_salt)
-        return hashes
-
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq (no reference taken yet).
 
@@ -50,7 +42,7 @@ class BlockManager:
             return []
         n = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for h in self._block_hashes(seq, n)[:n]:
+        for h in seq.prefix_keys(self.block_size, n)[:n]:
             block_id = self.pool.lookup(h)
             if block_id is None:
                 break
@@ -109,7 +101,7 @@ class BlockManager:
         if self.pool.enable_caching:
             num_full = (num_computed + num_new_tokens) // bs
             if num_full > seq.num_registered_blocks:
-                hashes = self._block_hashes(seq, num_full)
+                hashes = seq.prefix_keys(self.block_size, num_full)
                 for i in range(seq.num_registered_blocks, num_full):
                     self.pool.cache_block(seq.block_table[i], hashes[i])
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)

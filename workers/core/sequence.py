@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shoal.proto.block_hash import chain_hashes
 from shoal.proto.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,6 +109,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def prefix_keys(self, block_size: int, n: int) -> list[bytes]:
+        """Its prefix-cache keys, at least its first n if it has n full blocks
+        (block_hash.chain_hashes, under its salts): computed once, kept in block_hashes."""
+        hashes = self.block_hashes
+        if len(hashes) < n:
+            chain_hashes(self.token_ids, block_size, hashes, self.block_hash_extra, n, self.cache_salt)
+        return hashes
 
     def sort_key(self) -> tuple[int, int]:
         """Smaller goes first: lower priority value, then earlier arrival."""

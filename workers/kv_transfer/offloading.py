@@ -23,7 +23,6 @@ from typing import cast
 
 import torch
 
-from shoal.proto.block_hash import chain_hashes
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.kv_transfer.base import (
     KVCacheSpec,
@@ -109,19 +108,12 @@ class OffloadingConnector(KVConnectorBase):
 
     # ---- scheduler side ----------------------------------------------
 
-    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """seq's first n prefix-cache keys (computed once, kept on the sequence)."""
-        hashes = seq.block_hashes
-        if len(hashes) < n:
-            chain_hashes(seq.token_ids, self.spec.block_size, hashes, seq.block_hash_extra, n, seq.cache_salt)
-        return hashes
-
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.spec.block_size
         first, last = num_computed_tokens // bs, (seq.num_tokens - 1) // bs
         sources: list[tuple[str, bytes]] = []
         if last > first:
-            hashes = self._hashes(seq, last)
+            hashes = seq.prefix_keys(self.spec.block_size, last)
             for i in range(first, last):
                 # Each match is held for this step (build_connector_meta lets go): the allocation
                 # that follows may evict pool blocks, whose saves must not take its slot or file.
@@ -175,7 +167,7 @@ class OffloadingConnector(KVConnectorBase):
         n = min(seq.num_computed_tokens // bs, len(block_ids))  # full blocks whose keys and values are computed
         if n == 0:
             return
-        keys = [self._key(h) for h in self._hashes(seq, n)[:n]]
+        keys = [self._key(h) for h in seq.prefix_keys(self.spec.block_size, n)[:n]]
         new = [(b, k) for b, k in zip(block_ids[:n], keys, strict=True) if k not in self.disk]
         if not new:
             return

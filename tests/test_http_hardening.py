@@ -6,11 +6,14 @@ a 4xx naming the field or the problem; the worker keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 from serving import http_client, make_frontend
 
+from shoal.router.fronts import strict_json
+from shoal.router.fronts.frontend import ServingError
 from shoal.router.fronts.http_guards import LOOPBACK, host_allowlist
 from shoal.router.fronts.openai_app import OpenAIApp
 
@@ -89,6 +92,41 @@ def test_nesting_of_64_levels_passes_the_reader_and_a_surrogate_pair_is_text(tin
         assert large.json()["error"]["param"] == "temperature"
 
 
+def _reader_error(body: bytes) -> tuple[str, str | None] | None:
+    """strict_json's refusal of a body as (message, field), or None when it reads it."""
+    try:
+        strict_json.loads(body)
+    except ServingError as e:
+        return str(e), e.field
+    return None
+
+
+def test_the_reader_tells_strings_from_structure_and_checks_large_bodies_in_c(monkeypatch):
+    # Brackets and quotes inside strings are text: an escaped quote does not end a string, an escaped backslash does.
+    assert _reader_error(b'{"a": "\\\\\\"' + b"[" * 100 + b'", "b": ' + b"[" * 63 + b"]" * 63 + b"}") is None
+    too_deep = _reader_error(b'{"a": "\\\\", "b": ' + b"[" * 64 + b"]" * 64 + b"}")
+    assert too_deep == ("the JSON body nests deeper than 64 levels", "b")
+    assert _reader_error(b'{"a": "\\\\ud800"}') is None  # an escaped backslash, then text: no surrogate
+    assert _reader_error(b'{"a": [' + b"1" + b"0" * 308 + b"]}") is None  # 1e308: 309 digits, finite
+    assert _reader_error(b'{"a": "' + b"9" * 400 + b'"}') is None  # digits in a string are text
+    assert _reader_error(b'{"a": 1' + b"0" * 400 + b"e-300}") is None  # a float that fits
+    # Too many arrays and objects (here the empty ones, the list and the body): refused before json builds them.
+    many = json.dumps({"prompt": [{}] * (strict_json.MAX_CONTAINERS + 1)}).encode()
+    assert _reader_error(many) == (
+        f"the JSON body holds {strict_json.MAX_CONTAINERS + 3} arrays and objects, over 65536",
+        None,
+    )
+    # A problem past the walk's budget is refused without its field's name.
+    monkeypatch.setattr(strict_json, "WALK_BUDGET", 100)
+    late = [[k] for k in range(200)]
+    for value, word in ((b"NaN", "finite"), (b'"\\udc00"', "surrogate"), (b"-1" + b"0" * 400, "finite")):
+        body = json.dumps({"prompt": late}).encode()[:-2] + b", " + value + b"]}"
+        message, field = _reader_error(body)
+        assert word in message and field is None, (value, message)
+    near = b'{"prompt": [NaN, ' + json.dumps(late).encode()[1:] + b"}"
+    assert _reader_error(near) == ("prompt[0]: NaN is not a finite number", "prompt[0]")
+
+
 @pytest.mark.parametrize(
     "content_type,status",
     [
@@ -102,8 +140,6 @@ def test_nesting_of_64_levels_passes_the_reader_and_a_surrogate_pair_is_text(tin
     ],
 )
 def test_posts_need_content_type_application_json(tiny_model, content_type, status):
-    import json
-
     async def main():
         fe = make_frontend(tiny_model)
         async with http_client(fe) as c:

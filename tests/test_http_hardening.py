@@ -125,6 +125,9 @@ def test_the_reader_tells_strings_from_structure_and_checks_large_bodies_in_c(mo
         assert word in message and field is None, (value, message)
     near = b'{"prompt": [NaN, ' + json.dumps(late).encode()[1:] + b"}"
     assert _reader_error(near) == ("prompt[0]: NaN is not a finite number", "prompt[0]")
+    # Both at once: the first the walk meets is named.
+    both = _reader_error(b'{"a": NaN, "b": "\\ud800"}')
+    assert both is not None and both[1] in ("a", "b")
 
 
 @pytest.mark.parametrize(

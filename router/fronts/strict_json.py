@@ -135,11 +135,15 @@ def _has_huge_int(outside: np.ndarray) -> bool:
     return False
 
 
+def _no_value(bad: _Bad) -> None:
+    return None  # a bad number: the walk names it, here it is no string
+
+
 def _lone_surrogate(obj) -> bool:
     """Whether a string anywhere in obj (keys too) holds a lone surrogate:
     json's C encoder meets every string, and UTF-8 has no surrogates."""
     try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        json.dumps(obj, ensure_ascii=False, default=_no_value).encode("utf-8")
     except UnicodeEncodeError:
         return True
     return False

@@ -198,9 +198,19 @@ def test_bench_offline_prints_vllm_beside_shoal(tiny_model, tmp_path, monkeypatc
     assert os.path.exists(bf16["log"])
 
 
-def test_vllm_serve_is_measured_and_leaves_nothing_behind(tiny_model, tmp_path, monkeypatch):
+def _alive(pid: int, marker: str) -> bool:
+    """Whether the process `pid` runs, and is still the one whose command line holds
+    `marker`: pids wrap (pid_max is 32768 here), so another process may have it now."""
     import psutil
 
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and marker in " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_vllm_serve_is_measured_and_leaves_nothing_behind(tiny_model, tmp_path, monkeypatch):
     from shoal.benchmarks.serve import make_workload, summarize
 
     record = str(tmp_path / "rec.jsonl")
@@ -217,7 +227,7 @@ def test_vllm_serve_is_measured_and_leaves_nothing_behind(tiny_model, tmp_path, 
     assert serve["bind"] == vllm_peer.cpu_list(os.sched_getaffinity(0))
     # stopped: the server's port is free again and its engine child is gone
     core = next(c for c in calls if c["call"] == "core")["pid"]
-    assert not psutil.pid_exists(core) or psutil.Process(core).status() == psutil.STATUS_ZOMBIE
+    assert not _alive(core, "time.sleep(600)"), core
     with socket.socket() as s:
         s.setsockopt(
             socket.SOL_SOCKET, socket.SO_REUSEADDR, 1

@@ -46,6 +46,7 @@ from shoal.workers.profiling import step_range
 from shoal.workers.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+KV_LOAD_WAIT_S = 0.05  # an idle engine's wait for a KV load to land, before it looks at new arrivals again
 
 
 def is_engine_fault(error: BaseException, device: torch.device) -> bool:
@@ -188,7 +189,21 @@ class LLMEngine:
             return
         meta = self.kv_connector.build_connector_meta(None)
         if not meta.is_empty:
-            self.model_executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
+            out = self.model_executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
+            self.scheduler.update_from_kv_output(out.kv_connector_output)
+
+    def _poll_kv_loads(self) -> None:
+        """Loads in flight across steps (a connector's asynchronous tier): a
+        pass that writes those that landed, so their requests join this
+        step. With nothing else to run it waits a little for one to land,
+        rather than spin the engine thread against the fetch."""
+        sched = self.scheduler
+        idle = not sched.running and not sched.waiting
+        meta = cast(KVConnectorBase, self.kv_connector).build_connector_meta(None)
+        out = self.model_executor.execute_model(
+            SchedulerOutput(kv_connector_metadata=meta, kv_wait_s=KV_LOAD_WAIT_S if idle else 0.0)
+        )
+        sched.update_from_kv_output(out.kv_connector_output)
 
     def kv_tier_stats(self) -> dict:
         """Each tier's counters (kv_transfer/offloading.py TierStats), by tier; {} without a connector."""
@@ -455,12 +470,15 @@ class LLMEngine:
         on one request (its staging, sampling or detokenizing raised) ends
         that request alone, with an error delta, and the rest go on; any
         other failure raises, and the engine is dead."""
+        if self.scheduler.loading:
+            self._poll_kv_loads()
         with step_range("schedule"):
             sched = self.scheduler.schedule()
         if sched.is_empty:
             meta = sched.kv_connector_metadata
             if meta is not None and not getattr(meta, "is_empty", True):
-                self.model_executor.execute_model(sched)  # moves gathered with nothing to run
+                out = self.model_executor.execute_model(sched)  # moves gathered with nothing to run
+                self.scheduler.update_from_kv_output(out.kv_connector_output)
             return []
         if self.structured_output is not None:
             with step_range("grammar_bitmask"):
@@ -479,6 +497,7 @@ class LLMEngine:
             return [self._fail(seq, err) for seq, err in self._blame(sched, e)]
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
+        self.scheduler.update_from_kv_output(out.kv_connector_output)
         tokens = out.sampled_token_ids
         stop_strings, failed = [], {}
         with step_range("detokenize"):
@@ -665,15 +684,21 @@ def _check_kv_connector_args(args: EngineArgs) -> None:
     if args.load_format == "simulated":
         raise ValueError("load_format 'simulated' has no KV cache: a KV connector needs a real model")
     if args.tensor_parallel_size > 1:
-        raise ValueError("KV tiers (--kv-connector, --kv-offload-host-bytes) run on one rank for now")
+        raise ValueError("KV tiers (--kv-connector, --kv-offload-*, --kv-cluster-tier) run on one rank for now")
     if type(args.kv_offload_disk_bytes) is not int or args.kv_offload_disk_bytes < 0:
         raise ValueError(f"kv_offload_disk_bytes must be an integer >= 0; got {args.kv_offload_disk_bytes!r}")
     if args.kv_offload_disk_path is not None and not os.path.isabs(args.kv_offload_disk_path):
         raise ValueError(f"kv_offload_disk_path must be an absolute path; got {args.kv_offload_disk_path!r}")
+    if args.kv_cluster_tier not in (None, "object-store"):
+        raise ValueError(f"kv_cluster_tier must be 'object-store' or unset; got {args.kv_cluster_tier!r}")
+    if type(args.kv_cluster_bytes) is not int or args.kv_cluster_bytes < 1:
+        raise ValueError(f"kv_cluster_bytes must be an integer >= 1; got {args.kv_cluster_bytes!r}")
     name = cast(str, connector_name(args))
     connector_class(name)  # importable, and a connector
-    if name == "offloading" and not (args.kv_offload_host_bytes or args.kv_offload_disk_path):
-        raise ValueError("kv_connector 'offloading' needs a tier: set kv_offload_host_bytes or kv_offload_disk_path")
+    if name == "offloading" and not (args.kv_offload_host_bytes or args.kv_offload_disk_path or args.kv_cluster_tier):
+        raise ValueError(
+            "kv_connector 'offloading' needs a tier: set kv_offload_host_bytes, kv_offload_disk_path or kv_cluster_tier"
+        )
 
 
 def _check_lora_args(args: EngineArgs) -> None:

@@ -67,14 +67,20 @@ class BlockManager:
         return donor.block_table[:n]
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), num_external_tokens: int = 0
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: list[int] = (),
+        num_external_tokens: int = 0,
+        external_pending: bool = False,
     ) -> bool:
         """Give seq room for `num_new_tokens` more tokens after its computed
         ones (and after `computed_blocks`, prefix hits for a sequence that has
         no blocks yet, and num_external_tokens past them that a KV connector
         loads into fresh blocks before the step's forward; the scheduler then
-        counts both as computed). Returns False, changing nothing, if blocks
-        run short."""
+        counts both as computed). external_pending: the load is asynchronous,
+        so those blocks enter the prefix index only when it lands
+        (commit_external). Returns False, changing nothing, if blocks run short."""
         bs = self.block_size
         if not computed_blocks and not num_external_tokens:
             # The common case, a decode inside its last block: nothing to do.
@@ -100,12 +106,25 @@ class BlockManager:
         # keys and values are written before any attention reads them.
         if self.pool.enable_caching:
             num_full = (num_computed + num_new_tokens) // bs
+            if external_pending:
+                num_full = min(num_full, (num_computed - num_external_tokens) // bs)
             if num_full > seq.num_registered_blocks:
                 hashes = seq.prefix_keys(self.block_size, num_full)
                 for i in range(seq.num_registered_blocks, num_full):
                     self.pool.cache_block(seq.block_table[i], hashes[i])
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         return True
+
+    def commit_external(self, seq: Sequence, num_external_tokens: int) -> None:
+        """A connector's asynchronous load into seq's blocks past its
+        computed tokens landed: they count as computed, and enter the index."""
+        seq.num_computed_tokens += num_external_tokens
+        num_full = seq.num_computed_tokens // self.block_size
+        if self.pool.enable_caching and num_full > seq.num_registered_blocks:
+            hashes = seq.prefix_keys(self.block_size, num_full)
+            for i in range(seq.num_registered_blocks, num_full):
+                self.pool.cache_block(seq.block_table[i], hashes[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks at once (finish, abort or preemption)."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from shoal.workers.core.outputs import KVConnectorOutput
 from shoal.workers.core.sequence import Sequence
 
 
 class SchedulerConnector(Protocol):
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]: ...
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int | None, bool]: ...
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None: ...
 
@@ -18,3 +19,5 @@ class SchedulerConnector(Protocol):
     def on_block_evicted(self, block_id: int, block_hash: bytes) -> None: ...
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> None: ...
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None: ...

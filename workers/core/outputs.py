@@ -11,6 +11,18 @@ from shoal.workers.core.sequence import RequestTimings, Sequence
 
 
 @dataclass(slots=True)
+class KVConnectorOutput:
+    """What a KV connector's worker side finished since it was last asked (vLLM's name)."""
+
+    finished_recving: set[str] = field(default_factory=set)  # requests whose asynchronous loads are in place
+    failed_recving: set[str] = field(default_factory=set)  # ...whose loads failed: their blocks are computed
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_recving or self.failed_recving)
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """One step's sampling, a row per sequence due a token; the runner
     changes no sequence (Scheduler.update_from_output does)."""
@@ -19,6 +31,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # per row: None, or (sampled token's logprob, {token_id: logprob} of the top n)
     logprobs: list[tuple[float, dict[int, float]] | None]
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass(slots=True)

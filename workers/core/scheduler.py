@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.kv_connector import SchedulerConnector
 from shoal.workers.core.lora_slots import LoRASlotTable
-from shoal.workers.core.outputs import ModelRunnerOutput
+from shoal.workers.core.outputs import KVConnectorOutput, ModelRunnerOutput
 from shoal.workers.core.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class SchedulerOutput:
     lora_slots: dict = field(default_factory=dict)
     # The KV connector's moves for this step (kv_transfer/), made by every rank before its forward.
     kv_connector_metadata: object | None = None
+    # How long the connector may wait for a load to land (a pass with nothing else to do).
+    kv_wait_s: float = 0.0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -119,10 +121,14 @@ class Scheduler:
         self.connector = connector
         if connector is not None:
             block_manager.pool.on_evict = connector.on_block_evicted
+        # request_id -> (seq, its tokens on their way): sequences WAITING_FOR_REMOTE_KVS, whose
+        # blocks past their prefix hits a connector loads across steps; they hold their blocks
+        # and no step's budget. One that ends meanwhile keeps its blocks until the load is done.
+        self.loading: dict[str, tuple[Sequence, int]] = {}
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
 
     @property
     def num_running(self) -> int:
@@ -138,7 +144,7 @@ class Scheduler:
         return n + sum(r for s in list(self.running) if (r := s.num_tokens - s.num_computed_tokens) > 1)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def add(self, seq: Sequence) -> None:
         if seq.num_computed_tokens == 0 and not seq.num_expected_prefill:  # a new arrival, not a preempted one
@@ -162,7 +168,10 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting = [w for w in self.waiting if w[2] is not seq]
             heapq.heapify(self.waiting)
-        self._free(seq)
+        if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            pass  # its blocks are being written: update_from_kv_output frees them once the load is done
+        else:
+            self._free(seq)
         if (members := self.groups.get(seq.parent_request_id)) is not None:
             members[:] = [m for m in members if m is not seq]
             if not members:
@@ -230,6 +239,11 @@ class Scheduler:
         self.num_waiting_for_lora = 0
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][2]
+            if seq.block_table:  # a connector's load landed: its blocks are in place, and counted
+                if not self._admit(seq, [], 0, budget, threshold, partial, out, this_step):
+                    break
+                budget -= this_step[id(seq)]
+                continue
             donor = None
             if seq.parent_request_id is not None:
                 wait, donor, ready = self._sibling_source(seq, this_step)
@@ -245,9 +259,25 @@ class Scheduler:
             hits = bm.get_computed_blocks(seq)
             if donor is not None and len(shared := bm.shared_blocks(seq, donor, ready)) > len(hits):
                 hits = shared  # the cache is off, or did not keep them all
-            num_external = 0
+            num_external, load_async = 0, False
             if self.connector is not None:
-                num_external, _ = self.connector.get_num_new_matched_tokens(seq, len(hits) * bm.block_size)
+                matched, load_async = self.connector.get_num_new_matched_tokens(seq, len(hits) * bm.block_size)
+                if matched is None:  # the connector is still finding out: it waits, and later arrivals may go
+                    self._release_lora(seq)
+                    held.append(heapq.heappop(self.waiting))
+                    continue
+                num_external = matched
+            if load_async and num_external:
+                if not bm.allocate_slots(seq, 0, hits, num_external, external_pending=True):
+                    self._release_lora(seq)
+                    break
+                heapq.heappop(self.waiting)
+                seq.num_computed_tokens = len(hits) * bm.block_size
+                self.connector.update_state_after_alloc(seq, seq.block_table[len(hits) :], num_external)
+                self._release_lora(seq)  # taken again when it runs
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[seq.request_id] = (seq, num_external)
+                continue
             left = seq.num_tokens - len(hits) * bm.block_size - num_external
             n = min(left, budget, threshold) if threshold else min(left, budget)
             if n < left and (
@@ -285,6 +315,66 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _admit(
+        self,
+        seq: Sequence,
+        hits: list[int],
+        num_external: int,
+        budget: int,
+        threshold: int,
+        partial: list[int],
+        out: SchedulerOutput,
+        this_step: dict[int, int],
+    ) -> bool:
+        """Schedule waiting seq, whose computed tokens are counted already (a
+        landed load): False, changing nothing, if blocks run short."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        n = min(left, budget, threshold) if threshold else min(left, budget)
+        if seq.lora_request is not None and seq.lora_slot is None:
+            seq.lora_slot = self.lora_table.acquire(seq.lora_request)
+            if seq.lora_slot is None:
+                return False
+        if not self.block_manager.allocate_slots(seq, n):
+            self._release_lora(seq)
+            return False
+        heapq.heappop(self.waiting)
+        if seq.timings.first_scheduled is None:
+            seq.timings.first_scheduled = time.time()
+            seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append((seq, n))
+        this_step[id(seq)] = n
+        self._count_partial(partial, left, n)
+        return True
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.lora_table.release(seq.lora_request)
+            seq.lora_slot = None
+
+    def update_from_kv_output(self, kv_output: KVConnectorOutput | None) -> None:
+        """Loads that landed: their sequences wait again, their blocks counted
+        as computed (or, where a load failed, computed by the prefill: the
+        same tokens as if no tier had held them). A sequence that ended
+        while loading frees its blocks now."""
+        if kv_output is None or kv_output.is_empty:
+            return
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        for request_id in kv_output.finished_recving | kv_output.failed_recving:
+            entry = self.loading.pop(request_id, None)
+            if entry is None:
+                continue
+            seq, num_external = entry
+            if seq.status is SequenceStatus.FINISHED:
+                self._free(seq)
+                continue
+            if request_id not in kv_output.failed_recving:
+                self.block_manager.commit_external(seq, num_external)
+            seq.status = SequenceStatus.WAITING
+            heapq.heappush(self.waiting, (seq.priority, seq.arrival_order, seq))
 
     def _count_partial(self, partial: list[int], left: int, n: int) -> None:
         """Count a scheduled prefill of n of its `left` tokens in partial ([all, long])."""

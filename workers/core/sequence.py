@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, to be recomputed
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # holds blocks a KV connector is loading (vLLM's name)
     FINISHED = "finished"
 
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from shoal.workers.core.kv_connector import SchedulerConnector
+    from shoal.workers.core.outputs import KVConnectorOutput
     from shoal.workers.core.sequence import Sequence
 
 
@@ -76,10 +77,11 @@ class KVConnectorBase(ABC):
     get_num_new_matched_tokens, update_state_after_alloc,
     build_connector_meta, on_block_evicted, request_finished, discard.
     Worker side, called by each rank's ModelRunner: register_kv_caches,
-    start_load_kv (before the forward), wait_for_save (after it). vLLM's
-    per-layer hooks (wait_for_layer_load, save_kv_layer), its get_finished
-    for transfers that span steps and its take_events come with the first
-    connector that needs them: today's copies are made before the forward."""
+    start_load_kv (before the forward), wait_for_save (after it),
+    get_finished (loads that span steps). vLLM's per-layer hooks
+    (wait_for_layer_load, save_kv_layer) and its take_events come with the
+    first connector that needs them: on the CPU a block's copy is one
+    contiguous move across layers, made before the forward."""
 
     def __init__(self, role: KVConnectorRole, spec: KVCacheSpec, options: Any):
         self.role = role
@@ -89,11 +91,15 @@ class KVConnectorBase(ABC):
     # ---- scheduler side ----------------------------------------------
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens past num_computed_tokens (the device's prefix hits, whole
         blocks) that a tier holds, whether they load asynchronously, across
         steps). A whole number of blocks, never the prompt's last token (its
-        logits are needed). Free of side effects: it may be asked again."""
+        logits are needed); None while the connector is still finding out
+        (the request waits, and is asked again next step). It may be asked
+        again for the same request. An asynchronous load leaves the request
+        WAITING_FOR_REMOTE_KVS, holding its blocks and no step's budget,
+        until the worker side's get_finished names it."""
 
     @abstractmethod
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
@@ -117,6 +123,11 @@ class KVConnectorBase(ABC):
         may keep the blocks for a send in flight; shoal frees them at once.)"""
         return None
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """What the worker side finished (its get_finished), before the
+        scheduler acts on it: a failed load's blocks are no longer trusted."""
+        return None
+
     def discard(self, block_hash: bytes) -> None:
         """Forget the block keyed block_hash: its load failed (KVLoadError), so what a tier holds is bad."""
         return None
@@ -138,6 +149,13 @@ class KVConnectorBase(ABC):
 
     def wait_for_save(self) -> None:
         """After the forward: every save of the step is done (or owned)."""
+        return None
+
+    def get_finished(self, timeout_s: float = 0.0) -> KVConnectorOutput | None:
+        """The requests whose asynchronous loads landed (their blocks written,
+        before any forward can read them) or failed since the last call;
+        waits up to timeout_s for one when none has (the engine's pass with
+        nothing else to run). None: nothing is in flight."""
         return None
 
     def shutdown(self) -> None:

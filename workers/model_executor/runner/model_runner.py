@@ -245,18 +245,19 @@ class ModelRunner:
             with step_range("lora_slots"):
                 self.lora_manager.set_active(sched.lora_slots)
         self._move_kv(sched.kv_connector_metadata)
+        kv_output = self.kv_connector.get_finished(sched.kv_wait_s) if self.kv_connector is not None else None
         if not sched.scheduled:  # the connector's moves alone (LLMEngine._flush_kv_moves)
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], kv_output)
         seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
         if not seqs:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], kv_output)
         if self.kv_connector is not None:
             self.kv_connector.wait_for_save()
         if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
             self.fault_plan.before_sampling(seqs)
         with step_range("sample"):
             out = self.sampler(logits, metadata)
-        return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs)
+        return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs, kv_output)
 
     def _move_kv(self, metadata) -> None:
         """The connector's moves for the step, before its forward writes or reads any block."""

@@ -14,12 +14,14 @@ from ray import serve
 from ray.serve import Application
 
 from shoal.cluster.autoscaling import replica_options
+from shoal.cluster.kv_store import KVStore
 from shoal.cluster.options import ServeOptions
 from shoal.proto.tracing import otel_env
 from shoal.router.fronts.ingress import Router
 from shoal.router.options import API_KEY_ENV
 from shoal.router.routing.request_router import request_router_config
 from shoal.workers.distributed.placement import tp_bundles
+from shoal.workers.kv_transfer.cluster_tier import STORE_DEPLOYMENT
 
 # Nodes for routers carry this custom Ray resource (e.g. `ray start --resources
 # '{"shoal_router": 1}'`); each router asks for a sliver of it, so any amount marks a node.
@@ -64,6 +66,17 @@ def worker_deployment_options(opts: ServeOptions, gpu: bool) -> dict:
         options["placement_group_bundles"] = tp_bundles(opts.tp_size, gpu, actor["num_cpus"])
         options["placement_group_strategy"] = "STRICT_PACK"
     return options
+
+
+def kv_store_deployment_options() -> dict:
+    """The KVStore deployment's: one replica, a sliver of a CPU (it keeps an index; the
+    blocks are in the object store). Its actor owns every block: it is never autoscaled."""
+    return {
+        "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 0.1, "runtime_env": replica_runtime_env()},
+        "max_ongoing_requests": 1000,
+        "health_check_period_s": 5.0,
+    }
 
 
 def router_deployment_options(opts: ServeOptions) -> dict:
@@ -136,5 +149,10 @@ def build_app(args: dict | ServeOptions | None = None) -> Application:
 
     worker = serve.deployment(Worker, name="Worker").options(**worker_deployment_options(opts, gpu))
     router = serve.deployment(Router, name="Router").options(**router_deployment_options(opts))
-    workers = worker.bind(opts.worker_engine_args(gpu), opts.max_waiting, stall_timeout_s=opts.stall_timeout_s)
+    engine_args = opts.worker_engine_args(gpu)
+    kv_store = None
+    if engine_args.kv_cluster_tier == "object-store":  # the cluster tier's index, one replica (cluster/kv_store.py)
+        store = serve.deployment(KVStore, name=STORE_DEPLOYMENT).options(**kv_store_deployment_options())
+        kv_store = store.bind(engine_args.kv_cluster_bytes)
+    workers = worker.bind(engine_args, opts.max_waiting, stall_timeout_s=opts.stall_timeout_s, kv_store=kv_store)
     return router.bind(workers, opts.router_options())

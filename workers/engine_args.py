@@ -182,6 +182,18 @@ class EngineArgs:
         16 << 30,
         "the disk tier's size: past it, the least recently used files are deleted",
     )
+    kv_cluster_tier: str | None = cli_field(
+        None,
+        "a KV tier every worker shares: object-store keeps each computed block in Ray's object store, "
+        "indexed by the application's KVStore deployment, so a prefix computed on any worker (or by a "
+        "worker since gone) is fetched instead of prefilled again; off a Serve cluster, the engines of "
+        "one process share it",
+        choices=("object-store",),
+    )
+    kv_cluster_bytes: int = cli_field(
+        4 << 30,
+        "the cluster tier's size: past it, the least recently used blocks are dropped",
+    )
     kv_offload_dtype: str = cli_field(
         "auto",
         "the host tier's storage: auto = the KV cache's dtype (loads give back the very values); "

@@ -7,6 +7,7 @@ dataclasses of proto/messages.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -39,6 +40,7 @@ from shoal.workers.async_engine import AsyncEngine
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.delta_outbox import DeltaOutbox
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.kv_transfer import cluster_tier
 from shoal.workers.lora.worker_adapters import WorkerAdapters
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,12 @@ class Worker:
         max_waiting: int,
         stall_timeout_s: float = 0.0,
         lora_registry: LoRARegistry | None = None,
+        kv_store=None,
     ):
+        """kv_store: the handle of the application's KVStore deployment
+        (--kv-cluster-tier object-store), the cluster tier's index."""
+        if kv_store is not None:  # before the engine's connector looks for it
+            cluster_tier.use_store_handle(kv_store, _running_loop())
         replica_logs.use_serve_handlers()  # the per-request lines below reach Serve's logs
         self.name = _worker_name()
         tracing.configure("shoal-worker")  # on only when OTEL_* asks for it
@@ -338,3 +345,11 @@ class Worker:
         if moved:
             logger.info("handed back %d waiting requests to move (keeping %d)", len(moved), keep[self.name])
         return len(moved)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The replica's event loop, when its constructor runs on it (Serve's one-loop replicas)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

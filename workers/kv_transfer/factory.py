@@ -20,7 +20,8 @@ def connector_name(args) -> str | None:
     when a tier is given (as vLLM's --kv-offloading-size implies it)."""
     if args.kv_connector:
         return args.kv_connector
-    return "offloading" if args.kv_offload_host_bytes or args.kv_offload_disk_path else None
+    tiers = args.kv_offload_host_bytes or args.kv_offload_disk_path or args.kv_cluster_tier
+    return "offloading" if tiers else None
 
 
 def connector_class(name: str) -> type[KVConnectorBase]:

@@ -1,28 +1,39 @@
 """OffloadingConnector (vLLM's name): blocks leave the paged pool for slower
 tiers instead of being lost, and come back instead of being prefilled again.
 
-It composes two tiers, each optional:
+It composes three tiers, each optional:
 - host memory (host_tier.py): a block is saved there when the pool hands
   it out afresh (evicts it), in the step that does so, before that step's
   forward overwrites it;
 - disk (disk_tier.py): a request's computed full blocks that the tier does
-  not hold are written when it ends, so they outlive the engine.
+  not hold are written when it ends, so they outlive the engine;
+- the cluster (cluster_tier.py): every full block a step computes is
+  published after its forward (prompt and generated tokens alike), so any
+  worker, or the one that resumes a stream after a failover, finds it.
 
 A new request's blocks past its device prefix hits are looked up block by
-block, host first, then disk, and loaded into fresh blocks before the
-forward reads them; its prefill starts after them. On the CPU every move
-is made at the start of a step (a disk write's file is written later, on
-its own thread, but its blocks are copied out then): a load is never
-pending across steps, and no request waits for one.
+block, host first, then disk, then the cluster, and loaded into fresh
+blocks before any forward reads them; its prefill starts after them. Host
+and disk loads are made at the start of the step that admits the request
+(a disk write's file is written later, on its own thread, but its blocks
+are copied out then). A request with blocks from the cluster waits for
+them instead (WAITING_FOR_REMOTE_KVS), holding its blocks and no step's
+budget, while the fetch runs on a thread of its own and other requests'
+steps go on; the fetched blocks are written by the first pass after they
+arrive, and the request joins the next step.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
+from shoal.workers.core.outputs import KVConnectorOutput
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.kv_transfer.base import (
     KVCacheSpec,
@@ -31,11 +42,28 @@ from shoal.workers.kv_transfer.base import (
     KVConnectorRole,
     KVLoadError,
 )
+from shoal.workers.kv_transfer.cluster_tier import ClusterTierClient, cluster_client
 from shoal.workers.kv_transfer.disk_tier import DiskTierIndex, DiskTierStorage, tier_folder
 from shoal.workers.kv_transfer.host_tier import HostTierIndex, HostTierStorage, block_shape, num_host_slots
 from shoal.workers.kv_transfer.keys import tier_key
 
+logger = logging.getLogger(__name__)
+
 OFFLOAD_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOOKUP_WAIT_S = 0.002  # how long a step waits for a cluster lookup before it lets the request wait a step
+_PENDING = object()  # a cluster lookup still on its way
+MAX_LOOKUPS = 4096  # lookups kept for requests not yet admitted (a bound, should any never be)
+
+
+@dataclass(slots=True)
+class ClusterLoad:
+    """One request's loads, when any of its blocks come from the cluster:
+    all of them land together, across steps (get_finished names it)."""
+
+    request_id: str
+    host: list[tuple[int, int]] = field(default_factory=list)  # (host slot, paged block)
+    disk: list[tuple[str, int, bytes, int]] = field(default_factory=list)  # (path, index, key, paged block)
+    cluster: list[tuple[bytes, int]] = field(default_factory=list)  # (cluster key, paged block)
 
 
 @dataclass(slots=True)
@@ -47,10 +75,14 @@ class OffloadingMetadata(KVConnectorMetadata):
     disk_deletes: list[str] = field(default_factory=list)  # paths
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, paged block)
     disk_loads: list[tuple[str, int, bytes, int]] = field(default_factory=list)  # (path, index, key, paged block)
+    cluster_loads: list[ClusterLoad] = field(default_factory=list)  # started now, landing in a later pass
+    cluster_saves: list[tuple[int, bytes]] = field(default_factory=list)  # (paged block, key): after the forward
 
     @property
     def is_empty(self) -> bool:
-        return not (self.saves or self.disk_saves or self.disk_deletes or self.loads or self.disk_loads)
+        return not (
+            self.saves or self.disk_saves or self.disk_deletes or self.loads or self.disk_loads or self.cluster_loads
+        )
 
 
 @dataclass(slots=True)
@@ -86,6 +118,11 @@ class OffloadingConnector(KVConnectorBase):
                 f"({self.block_bytes} bytes each in {self.dtype})"
             )
         folder = tier_folder(disk_path, spec.fingerprint, self.dtype) if disk_path else None
+        self.cluster: ClusterTierClient | None = None
+        if options.kv_cluster_tier:
+            self.cluster = cluster_client(options.kv_cluster_bytes)
+        # The cluster's blocks are in the storage dtype: engines that store another one never share them.
+        self._cluster_tag = str(self.dtype).encode() + b":"
         if role is KVConnectorRole.SCHEDULER:
             self.host = HostTierIndex(self.num_slots) if self.num_slots else None
             self.disk = DiskTierIndex(folder, disk_bytes, self.block_bytes, self.dtype) if folder else None
@@ -98,52 +135,104 @@ class OffloadingConnector(KVConnectorBase):
                 self.tiers["disk"] = TierStats(
                     total_blocks=disk_bytes // self.block_bytes, bytes_per_block=self.block_bytes
                 )
+            if self.cluster is not None:
+                self.tiers["cluster"] = TierStats(
+                    total_blocks=options.kv_cluster_bytes // self.block_bytes, bytes_per_block=self.block_bytes
+                )
+            # request_id -> ((first block, blocks), presence of each in the cluster, on its way)
+            self._lookups: dict[str, tuple[tuple[int, int], concurrent.futures.Future]] = {}
+            self._published: dict[str, int] = {}  # request_id -> its blocks the cluster holds from the start
+            self._async_sources: dict[str, list[tuple[str, bytes]]] = {}  # request_id -> its loading blocks' sources
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
             self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype) if folder else None
             self.kv_cache: torch.Tensor | None = None
+            # request_id -> (its blocks' fetch, the paged blocks they go to)
+            self._fetches: dict[str, tuple[concurrent.futures.Future, list[int]]] = {}
+            self._failed_now: set[str] = set()  # loads that failed before their fetch began
+            self._saves: list[tuple[int, bytes]] = []  # the step's cluster saves, made after its forward
 
     def _key(self, block_hash: bytes) -> bytes:
         return tier_key(self.spec.fingerprint, block_hash)
 
+    def _cluster_key(self, key: bytes) -> bytes:
+        return self._cluster_tag + key
+
     # ---- scheduler side ----------------------------------------------
 
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.spec.block_size
         first, last = num_computed_tokens // bs, (seq.num_tokens - 1) // bs
         sources: list[tuple[str, bytes]] = []
         if last > first:
             hashes = seq.prefix_keys(self.spec.block_size, last)
-            for i in range(first, last):
+            keys = [self._key(hashes[i]) for i in range(first, last)]
+            in_cluster = self._in_cluster(seq.request_id, first, keys)
+            if in_cluster is _PENDING:
+                return None, False
+            for j, key in enumerate(keys):
                 # Each match is held for this step (build_connector_meta lets go): the allocation
                 # that follows may evict pool blocks, whose saves must not take its slot or file.
-                key = self._key(hashes[i])
                 if self.host is not None and key in self.host:
                     self.host.pin(key)
                     sources.append(("host", key))
                 elif self.disk is not None and key in self.disk:
                     self.disk.pin(key)
                     sources.append(("disk", key))
+                elif in_cluster[j]:
+                    sources.append(("cluster", key))
                 else:
                     break
         self._sources[id(seq)] = sources
-        return len(sources) * bs, False
+        return len(sources) * bs, any(tier == "cluster" for tier, _ in sources)
+
+    def _in_cluster(self, request_id: str, first: int, keys: list[bytes]):
+        """Whether the cluster holds each key ([False...] without a cluster
+        tier), or _PENDING while its answer is on the way."""
+        if self.cluster is None:
+            return [False] * len(keys)
+        entry = self._lookups.get(request_id)
+        if entry is None or entry[0] != (first, len(keys)):
+            if len(self._lookups) >= MAX_LOOKUPS:
+                self._lookups.clear()
+            entry = ((first, len(keys)), self.cluster.contains([self._cluster_key(k) for k in keys]))
+            self._lookups[request_id] = entry
+        try:
+            return entry[1].result(timeout=LOOKUP_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            return _PENDING
+        except Exception as e:  # the store is gone or restarting: a miss
+            logger.warning("cluster-tier lookup failed: %s", e)
+            self._lookups.pop(request_id, None)
+            return [False] * len(keys)
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
         bs = self.spec.block_size
         sources = self._sources.pop(id(seq), [])[: num_external_tokens // bs]
-        query = seq.num_tokens - (len(seq.block_table) - len(block_ids)) * bs
+        self._lookups.pop(seq.request_id, None)
+        num_hits = len(seq.block_table) - len(block_ids)
+        query = seq.num_tokens - num_hits * bs
         for stats in self.tiers.values():
             stats.query_tokens += query
+        # Blocks from the device's cache or a tier were published when first computed.
+        self._published[seq.request_id] = max(self._published.get(seq.request_id, 0), num_hits + len(sources))
+        load = ClusterLoad(seq.request_id) if any(tier == "cluster" for tier, _ in sources) else None
         for (tier, key), block_id in zip(sources, block_ids, strict=False):
             if tier == "host":
-                self._meta.loads.append((cast(HostTierIndex, self.host).pin(key), block_id))
-            else:
+                item = (cast(HostTierIndex, self.host).pin(key), block_id)
+                (load.host if load is not None else self._meta.loads).append(item)
+            elif tier == "disk":
                 disk = cast(DiskTierIndex, self.disk)
                 name, index = disk.pin(key)
-                self._meta.disk_loads.append((disk.path(name), index, key, block_id))
+                disk_item = (disk.path(name), index, key, block_id)
+                (load.disk if load is not None else self._meta.disk_loads).append(disk_item)
+            else:
+                cast(ClusterLoad, load).cluster.append((self._cluster_key(key), block_id))
             self.tiers[tier].hit_tokens += bs
             self.tiers[tier].loaded_blocks += 1
+        if load is not None:
+            self._meta.cluster_loads.append(load)
+            self._async_sources[seq.request_id] = sources
 
     def on_block_evicted(self, block_id: int, block_hash: bytes) -> None:
         if self.host is None:
@@ -161,6 +250,8 @@ class OffloadingConnector(KVConnectorBase):
         self.tiers["host"].saved_blocks += 1
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+        self._lookups.pop(seq.request_id, None)
+        self._published.pop(seq.request_id, None)
         if self.disk is None:
             return
         bs = self.spec.block_size
@@ -180,6 +271,8 @@ class OffloadingConnector(KVConnectorBase):
         stats.evicted_blocks += self.disk.num_evicted_blocks - before
 
     def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:
+        if scheduler_output is not None and self.cluster is not None:
+            self._publish_computed(scheduler_output.scheduled)
         meta, self._meta = self._meta, OffloadingMetadata()
         self._sources.clear()
         for index in (self.host, self.disk):
@@ -187,8 +280,36 @@ class OffloadingConnector(KVConnectorBase):
                 index.unpin_all()  # the next step's saves and deletes come after this step's loads
         return meta
 
+    def _publish_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The full blocks the step computes that the cluster has not been
+        given: saved after its forward writes them."""
+        bs = self.spec.block_size
+        saves = self._meta.cluster_saves
+        for seq, n in scheduled:
+            end = (seq.num_computed_tokens + n) // bs
+            start = self._published.get(seq.request_id, seq.num_computed_tokens // bs)
+            if end > start:
+                hashes = seq.prefix_keys(bs, end)
+                saves += [(seq.block_table[i], self._cluster_key(self._key(hashes[i]))) for i in range(start, end)]
+                self._published[seq.request_id] = end
+        self.tiers["cluster"].saved_blocks += len(saves)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_recving:
+            self._async_sources.pop(request_id, None)
+        for request_id in connector_output.failed_recving:
+            sources = self._async_sources.pop(request_id, [])
+            self._published.pop(request_id, None)  # its prefill computes, and publishes, them again
+            for tier, key in sources:
+                if tier == "cluster":
+                    self.tiers["cluster"].failed_blocks += 1
+                else:
+                    self._discard_key(key)
+
     def discard(self, block_hash: bytes) -> None:
-        key = self._key(block_hash)
+        self._discard_key(self._key(block_hash))
+
+    def _discard_key(self, key: bytes) -> None:
         if self.host is not None and key in self.host:
             self.host.discard(key)
             self.tiers["host"].failed_blocks += 1
@@ -203,6 +324,8 @@ class OffloadingConnector(KVConnectorBase):
             self.tiers["host"].used_blocks = len(self.host)
         if self.disk is not None:
             self.tiers["disk"].used_blocks = len(self.disk)
+        if self.cluster is not None:  # the whole cluster's, in blocks of this engine's size
+            self.tiers["cluster"].used_blocks = self.cluster.stats().get("used_bytes", 0) // self.block_bytes
         return dict(self.tiers)
 
     # ---- worker side ----------------------------------------------------
@@ -226,8 +349,67 @@ class OffloadingConnector(KVConnectorBase):
         for name, index, key, block_id in metadata.disk_loads:
             if self.disk_storage is None or not self.disk_storage.load(kv, name, index, key, block_id):
                 failed.append(block_id)
+        for load in metadata.cluster_loads:
+            self._start_cluster_load(load)
+        self._saves = metadata.cluster_saves
         if failed:
             raise KVLoadError(failed, "a disk tier file is missing, or its key or checksum does not match")
+
+    def _start_cluster_load(self, load: ClusterLoad) -> None:
+        """A request's host and disk blocks now (their slots and files are
+        held for this step only), its cluster blocks' fetch on its way."""
+        kv = cast(torch.Tensor, self.kv_cache)
+        if load.host and self.host_storage is not None:
+            self.host_storage.load(kv, [s for s, _ in load.host], [b for _, b in load.host])
+        disk_ok = all(
+            self.disk_storage is not None and self.disk_storage.load(kv, name, index, key, block_id)
+            for name, index, key, block_id in load.disk
+        )
+        if not disk_ok or self.cluster is None:
+            self._failed_now.add(load.request_id)
+            return
+        fetch = self.cluster.fetch([k for k, _ in load.cluster])
+        self._fetches[load.request_id] = (fetch, [b for _, b in load.cluster])
+
+    def wait_for_save(self) -> None:
+        """The step's computed blocks, published now that its forward wrote them."""
+        saves, self._saves = self._saves, []
+        if not saves or self.cluster is None or self.kv_cache is None:
+            return
+        ids = torch.tensor([b for b, _ in saves], device=self.kv_cache.device)
+        blocks = self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).to("cpu", self.dtype).contiguous()
+        raw = blocks.view(torch.uint8).reshape(len(saves), -1).numpy()
+        self.cluster.publish([k for _, k in saves], list(raw))
+
+    def get_finished(self, timeout_s: float = 0.0) -> KVConnectorOutput | None:
+        if not self._fetches and not self._failed_now:
+            return None
+        if timeout_s > 0 and not self._failed_now and not any(f.done() for f, _ in self._fetches.values()):
+            futures = [f for f, _ in self._fetches.values()]
+            concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        out = KVConnectorOutput(failed_recving=self._failed_now)
+        self._failed_now = set()
+        for request_id, (fetch, block_ids) in list(self._fetches.items()):
+            if not fetch.done():
+                continue
+            del self._fetches[request_id]
+            try:
+                blocks = fetch.result()
+            except Exception as e:  # the store or the block's node is gone: computed instead
+                logger.warning("request %s: cluster-tier fetch failed: %s", request_id, e)
+                blocks = [None]
+            if any(b is None or b.nbytes != self.block_bytes for b in blocks):
+                out.failed_recving.add(request_id)
+                continue
+            self._write_blocks(np.stack(blocks), block_ids)
+            out.finished_recving.add(request_id)
+        return out
+
+    def _write_blocks(self, raw: np.ndarray, block_ids: list[int]) -> None:
+        """Fetched blocks (bytes, one row each) into the paged cache, in its dtype."""
+        kv = cast(torch.Tensor, self.kv_cache)
+        data = torch.from_numpy(raw).view(self.dtype).reshape(len(block_ids), *block_shape(self.spec))
+        kv[:, :, torch.tensor(block_ids, device=kv.device)] = data.permute(1, 2, 0, 3, 4, 5).to(kv.device, kv.dtype)
 
     def shutdown(self) -> None:
         self.kv_cache = None
@@ -237,3 +419,5 @@ class OffloadingConnector(KVConnectorBase):
             if self.disk_storage is not None:
                 self.disk_storage.shutdown()  # every write asked for is on disk
             self.host_storage = None
+        if self.cluster is not None:
+            self.cluster.close()  # every publish asked for is made

@@ -1,0 +1,158 @@
+"""Slow tier: the cluster KV tier in a real local Ray cluster (two workers on
+the tiny model, --routing round-robin, --kv-cluster-tier object-store). A
+conversation's turns alternate between the workers; each turn after the
+first finds the earlier turns' blocks, computed on the other worker, in
+Ray's object store, and the replies are those one engine without tiers
+gives. A worker killed mid-stream leaves its blocks behind (the KVStore
+deployment owns them): the stream resumed on the other worker loads them,
+and computes only what was not yet published."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import grpc
+import httpx
+import pytest
+from serving import local_cluster_app
+from test_failover_cluster import kill_process, load, wait_for_workers
+
+from shoal.proto.v1 import shoal_pb2 as pb
+from shoal.proto.v1 import shoal_pb2_grpc as pb_grpc
+from shoal.workers import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+APP = "shoal-kv-cluster"
+TURNS = [
+    "You are a careful assistant. Answer briefly and keep to the facts given in the conversation so far.",
+    " Now list three colours, one per line.",
+    " And three animals, one per line, after them.",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    with local_cluster_app(
+        APP,
+        model=tiny_model,
+        num_workers=2,
+        num_threads=1,
+        num_kv_blocks=256,
+        routing="round-robin",
+        kv_cluster_tier="object-store",
+        kv_cluster_bytes=64 << 20,
+    ) as (base, addr):
+        wait_for_workers(addr, 2, 120)
+        yield base, addr
+
+
+def _complete(client: httpx.Client, prompt: str) -> tuple[str, int]:
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _settled(read, done, timeout_s: float = 30.0):
+    """read() until done(value) (the router polls the workers' figures: they reach /metrics a
+    poll later), or the deadline; the last value."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = read()
+    return value
+
+
+def _cluster_loads(client: httpx.Client) -> dict[str, float]:
+    """Bytes each worker loaded from the cluster tier."""
+    text = client.get("/metrics").text
+    series = re.findall(r'^shoal:kv_offload_load_bytes_total\{([^}]*tier="cluster"[^}]*)\} (\S+)$', text, re.M)
+    return {re.search(r'worker="([^"]*)"', labels).group(1): float(v) for labels, v in series}
+
+
+def test_round_robin_turns_load_the_other_workers_blocks_with_one_engines_replies(cluster, tiny_model):
+    base, _ = cluster
+    replies, cached, prompt = [], [], ""
+    with httpx.Client(base_url=base, timeout=120) as client:
+        for turn in TURNS:
+            prompt += turn
+            text, hit = _complete(client, prompt)
+            replies.append(text)
+            cached.append(hit)
+            prompt += text
+        loaded = _settled(lambda: sum(_cluster_loads(client).values()), lambda v: v > 0)
+    # Turn 2 ran on the worker that had not seen the conversation: its hits came from the cluster tier.
+    # (A reply's text, tokenized again, need not give its tokens: the hits end where they differ.)
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] >= cached[1], cached
+    assert loaded > 0
+    with LLM(model=tiny_model, num_kv_blocks=256, num_threads=1) as llm:
+        reference, prompt = [], ""
+        for turn in TURNS:
+            prompt += turn
+            (out,) = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+            reference.append(out.text)
+            prompt += out.text
+    assert replies == reference
+
+
+def _stream(addr: str, prompt: str, on_token=None) -> list[int]:
+    """A greedy gRPC stream's token ids; on_token(ids so far) after each message."""
+    sampling = pb.SamplingParams(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens: list[int] = []
+    with grpc.insecure_channel(addr) as ch:
+        for m in pb_grpc.ShoalStub(ch).Generate(pb.GenerateRequest(text=prompt, sampling=sampling), timeout=300):
+            tokens += m.token_ids
+            if on_token is not None:
+                on_token(tokens)
+    return tokens
+
+
+STREAM_TOKENS = 900  # the tiny model's 1,024 positions, less the prompt
+
+
+def _block_bytes(model: str) -> int:
+    """A KV block of the tiny model (float32): keys and values of every layer."""
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * 16 * cfg["num_key_value_heads"] * head_dim * 4
+
+
+def test_a_stream_resumed_after_its_worker_died_loads_what_that_worker_published(cluster, tiny_model):
+    base, addr = cluster
+    prompt = "Count slowly, one number a line, and never stop:"  # new to both workers: no device hits
+    with LLM(model=tiny_model, num_kv_blocks=256, num_threads=1) as llm:
+        params = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
+        reference = llm.generate([prompt], params)[0].token_ids
+    state: dict = {}
+
+    def kill_midway(tokens: list[int]) -> None:
+        if "victim" not in state and len(tokens) >= 300:
+            state["victim"] = next(w.worker for w in load(addr) if w.num_running)
+            state["streamed"] = len(tokens)
+            kill_process(state["victim"], APP)
+
+    prompt_tokens = httpx.post(f"{base}/tokenize", json={"prompt": prompt}).json()["count"]
+    with httpx.Client(base_url=base, timeout=60) as client:
+        before = _cluster_loads(client)
+        got = _stream(addr, prompt, kill_midway)
+        assert got == reference and "victim" in state
+        # The dead worker had computed the prompt and at least the tokens the client had: all but its last
+        # block or two (their publish may have been on its way) came from the cluster tier.
+        want = (prompt_tokens + state["streamed"]) // 16 - 2
+
+        def survivors_blocks() -> float:
+            after = _cluster_loads(client)
+            gained = [v - before.get(w, 0.0) for w, v in after.items() if w != state["victim"]]
+            return max(gained, default=0.0) / _block_bytes(tiny_model)
+
+        loaded_blocks = _settled(survivors_blocks, lambda v: v >= want)
+    assert loaded_blocks >= want, (loaded_blocks, want, state)
+    wait_for_workers(addr, 2, 180, gone=state["victim"])  # Serve replaced it: the other tests see two

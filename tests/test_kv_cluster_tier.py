@@ -79,6 +79,13 @@ def test_a_turn_on_another_engine_loads_the_first_turns_blocks(tiny_model, refer
     assert tiers["cluster"].used_blocks >= computed // BLOCK
 
 
+def test_the_blocks_of_a_chunked_prefill_are_published_too(tiny_model, reference):
+    """Steps that only prefill a chunk sample nothing: their blocks are published all the same."""
+    out_1, out_2, tiers = _two_turns(tiny_model, GREEDY, max_num_batched_tokens=32)
+    assert (out_1, out_2) == reference["greedy"]
+    assert tiers["cluster"].hit_tokens == (len(TURN_1) + len(out_1) - 1) // BLOCK * BLOCK
+
+
 def test_two_salts_never_share_a_cluster_block(tiny_model):
     a, b = _engine(tiny_model), _engine(tiny_model)
     try:

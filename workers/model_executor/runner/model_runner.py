@@ -249,10 +249,10 @@ class ModelRunner:
         if not sched.scheduled:  # the connector's moves alone (LLMEngine._flush_kv_moves)
             return ModelRunnerOutput([], [], [], kv_output)
         seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
+        if self.kv_connector is not None:  # the forward wrote the step's blocks, prefill chunks' too
+            self.kv_connector.wait_for_save()
         if not seqs:
             return ModelRunnerOutput([], [], [], kv_output)
-        if self.kv_connector is not None:
-            self.kv_connector.wait_for_save()
         if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
             self.fault_plan.before_sampling(seqs)
         with step_range("sample"):

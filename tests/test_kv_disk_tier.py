@@ -116,6 +116,37 @@ def test_engines_sharing_a_path_keep_to_their_own_slots(tiny_model, reference, t
     assert out == reference["again"] and tiers["disk"].hit_tokens == 2 * BLOCK
 
 
+def test_an_engine_reads_the_blocks_another_slot_holds_and_leaves_its_files_alone(tiny_model, reference, tmp_path):
+    """A pod's restarted workers take whichever slots come free: each reads every slot's files."""
+    a = _engine(tiny_model, tmp_path)  # slot0
+    try:
+        _run(a, [FIRST], GREEDY)
+        a.runner.kv_connector.disk_storage.flush()  # FIRST's file is on disk
+        b = _engine(tiny_model, tmp_path)  # slot1, while a holds slot0
+        out, tiers = run_once(b, [AGAIN])
+    finally:
+        a.shutdown()
+    assert out == reference["again"] and tiers["disk"].hit_tokens == 2 * BLOCK
+    # b wrote none of the blocks it found in a's slot (only its new ones), and deleted none of a's files.
+    assert {os.path.basename(os.path.dirname(p)) for p in _files(tmp_path)} == {"slot0", "slot1"}
+    assert len([p for p in _files(tmp_path) if os.path.basename(os.path.dirname(p)) == "slot0"]) == 1
+
+
+def test_a_file_of_another_slot_that_went_is_computed_instead(tiny_model, reference, tmp_path):
+    a = _engine(tiny_model, tmp_path)
+    try:
+        _run(a, [FIRST], GREEDY)
+        a.runner.kv_connector.disk_storage.flush()
+        b = _engine(tiny_model, tmp_path)  # reads slot0's header now
+        (a_file,) = _files(tmp_path)
+        os.unlink(a_file)  # its owner evicted it
+        out, tiers = run_once(b, [AGAIN])
+    finally:
+        a.shutdown()
+    assert out == reference["again"]
+    assert tiers["disk"].failed_blocks >= 1 and tiers["disk"].hit_tokens == 2 * BLOCK  # offered, then computed
+
+
 def test_disk_settings_are_checked(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="must be an absolute path"):
         LLMEngine(model=tiny_model, kv_offload_disk_path="relative/kv")

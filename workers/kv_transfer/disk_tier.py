@@ -13,12 +13,16 @@ instead.
 
 The folder holds one subfolder per engine fingerprint (keys.py) and storage
 dtype, so engines with other weights or settings never read each other's
-files; one worker writes each (two sharing one would delete each other's
-files as they evict). The
-scheduler side's DiskTierIndex knows which key lies in which file (read
-from the headers at start, then kept as files are written and deleted), and
-evicts whole files, least recently used first, past --kv-offload-disk-bytes.
-The worker side's DiskTierStorage writes, reads and deletes them.
+files. Inside it each engine writes a slot of its own (two sharing one
+would delete each other's files as they evict), but reads every slot: a
+pod's workers, restarted, take whichever slots come free, and each finds
+the blocks all of them wrote. A file in another slot is never written or
+deleted here; its owner may delete it, and a load of it then fails, and is
+computed. The scheduler side's DiskTierIndex knows which key lies in which
+file (read from the headers at start, then kept as its own files are
+written and deleted), and evicts its own files, least recently used first,
+past --kv-offload-disk-bytes. The worker side's DiskTierStorage writes,
+reads and deletes them.
 """
 
 from __future__ import annotations
@@ -118,7 +122,10 @@ class DiskTierIndex:
         self.used_bytes = 0
         self.pinned: set[str] = set()  # files this step's loads read: never deleted in the same step
         self.num_evicted_blocks = 0
+        # key -> (absolute path, index): blocks in other slots' files, as their headers said at start
+        self.foreign: dict[bytes, tuple[str, int]] = {}
         self._scan(str(dtype))
+        self._scan_other_slots(str(dtype))
 
     def _scan(self, dtype: str) -> None:
         """The files a previous engine with this fingerprint left in the slot, oldest first."""
@@ -139,6 +146,23 @@ class DiskTierIndex:
         for _, name, keys in sorted(found):
             self._add(name, keys, os.path.getsize(os.path.join(self.folder, name)))
 
+    def _scan_other_slots(self, dtype: str) -> None:
+        """The files of the other slots beside this one (read, never written or deleted here)."""
+        parent = os.path.dirname(self.folder)
+        for slot in sorted(os.listdir(parent)):
+            folder = os.path.join(parent, slot)
+            if folder == self.folder or not os.path.isdir(folder):
+                continue
+            for name in sorted(os.listdir(folder)):
+                path = os.path.join(folder, name)
+                got = read_header(path) if name.endswith(SUFFIX) else None
+                meta = got[0] if got is not None else None
+                if meta is None or meta.get("block_bytes") != self.block_bytes or meta.get("dtype") != dtype:
+                    continue
+                for i, key in enumerate(bytes.fromhex(k) for k in meta["keys"]):
+                    if key not in self.where:
+                        self.foreign.setdefault(key, (path, i))
+
     def _add(self, name: str, keys: list[bytes], size: int) -> None:
         self.files[name] = DiskFile(keys, size)
         for i, key in enumerate(keys):
@@ -146,22 +170,30 @@ class DiskTierIndex:
         self.used_bytes += size
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.where
+        return key in self.where or key in self.foreign
 
     def __len__(self) -> int:
-        return len(self.where)
+        return len(self.where)  # this slot's: the others' count in their engines'
+
+    def locate(self, key: bytes) -> tuple[str, int]:
+        """(file name, or another slot's file's absolute path; the block's index in it)."""
+        return self.where.get(key) or self.foreign[key]
+
+    def owns(self, name: str) -> bool:
+        return name in self.files
 
     def pin(self, key: bytes) -> tuple[str, int]:
-        name, i = self.where[key]
-        self.files.move_to_end(name)
-        self.pinned.add(name)
+        name, i = self.locate(key)
+        if name in self.files:
+            self.files.move_to_end(name)
+            self.pinned.add(name)
         return name, i
 
     def unpin_all(self) -> None:
         self.pinned.clear()
 
     def path(self, name: str) -> str:
-        return os.path.join(self.folder, name)
+        return os.path.join(self.folder, name)  # another slot's absolute path stays as it is
 
     def release(self) -> None:
         """Let go of the slot (the engine is shutting down)."""
@@ -185,7 +217,12 @@ class DiskTierIndex:
         return name, deleted
 
     def forget(self, name: str) -> int:
-        """The file is gone (evicted, or its contents proved bad); returns its blocks."""
+        """The file is gone (evicted, or its contents proved bad); returns its
+        blocks (0 for another slot's file, whose entries go, and the file stays)."""
+        if os.path.isabs(name):
+            for key in [k for k, (path, _) in self.foreign.items() if path == name]:
+                del self.foreign[key]
+            return 0
         f = self.files.pop(name, None)
         if f is None:
             return 0

@@ -314,9 +314,10 @@ class OffloadingConnector(KVConnectorBase):
             self.host.discard(key)
             self.tiers["host"].failed_blocks += 1
         if self.disk is not None and key in self.disk:
-            name = self.disk.where[key][0]
+            name = self.disk.locate(key)[0]
+            if self.disk.owns(name):  # another slot's file is its owner's to delete
+                self._meta.disk_deletes.append(self.disk.path(name))
             self.disk.forget(name)  # a file with one bad block is not trusted for the others
-            self._meta.disk_deletes.append(self.disk.path(name))
             self.tiers["disk"].failed_blocks += 1
 
     def stats(self) -> dict:

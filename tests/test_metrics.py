@@ -147,6 +147,9 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
     assert sum(w["num_prompt_tokens"] for w in status["workers"]) == prompt
     rs = status["router_stats"]
     assert rs["num_requests_running"] == 0 and 0 < rs["ttft_p50_s"] <= rs["ttft_p99_s"]
+    # The KV tiers' panel: each worker's host tier, looked up past the device hits as /metrics says.
+    assert sum(w["kv_tiers"]["host"]["query_tokens"] for w in status["workers"]) == queried
+    assert all(w["kv_tiers"]["host"]["total_blocks"] > 0 for w in status["workers"])
 
 
 def test_token_buckets_are_vllms_1_2_5_series():

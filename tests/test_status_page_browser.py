@@ -91,10 +91,9 @@ def test_status_page_in_a_real_browser(tiny_model):
 
     artifacts = os.environ.get("SHOAL_TEST_ARTIFACTS", "test-artifacts")
     os.makedirs(artifacts, exist_ok=True)
-    with local_cluster_app(APP, model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256, api_key=KEY) as (
-        base,
-        addr,
-    ):
+    # A host KV tier on each worker, so the tiers' panel has rows.
+    options = dict(model=tiny_model, num_workers=2, num_threads=1, num_kv_blocks=256, kv_offload_host_bytes=1 << 20)
+    with local_cluster_app(APP, api_key=KEY, **options) as (base, addr):
         _workers(base, 2, 120)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
@@ -124,6 +123,8 @@ def test_status_page_in_a_real_browser(tiny_model):
             page.wait_for_function("document.querySelectorAll('tr.worker-row').length === 2", timeout=30_000)
             rows = _rows(page)
             assert len(rows) == 2 and all(total == 256 for total in rows.values()), rows
+            page.wait_for_function("document.querySelectorAll('tr.tier-row[data-tier=host]').length === 2")
+            assert page.is_visible("#tiers-section")
             assert page.inner_text("#shape-workers") == "2/2" and "kv" in page.inner_text("#shape-routing")
 
             # Under load the charts take points and the token rate goes above zero.

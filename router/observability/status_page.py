@@ -92,6 +92,8 @@ class StatusPage:
                         "lora_on_device": sorted(n for n, (_, where) in s.loras.items() if where == LORA_ON_DEVICE),
                         "running_lora_adapters": list(s.running_lora_adapters),
                         "waiting_lora_adapters": list(s.waiting_lora_adapters),
+                        # each KV tier's counters (host, disk, cluster: kv_transfer/offloading.py TierStats)
+                        "kv_tiers": s.kv_tiers,
                     }
                     for s in loads
                 ],

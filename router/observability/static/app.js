@@ -106,6 +106,7 @@
     $("workers-warning").hidden = workers.length >= configured;
     $("workers-warning").textContent = workers.length + " of " + configured + " workers answering";
     renderWorkers(workers);
+    renderTiers(workers);
 
     const rs = st.router_stats || {};
     const total = (f) => workers.reduce((a, w) => a + (num(w[f]) || 0), 0);
@@ -153,6 +154,28 @@
       rows[0].append(el("td", { colspan: 8 }, "no worker is answering"));
     }
     $("workers").replaceChildren(...rows);
+  }
+
+  function renderTiers(workers) {
+    const rows = [];
+    for (const w of workers) {
+      const tiers = w.kv_tiers && typeof w.kv_tiers === "object" ? w.kv_tiers : {};
+      for (const name of Object.keys(tiers).sort()) {
+        const t = tiers[name] || {};
+        const used = num(t.used_blocks) || 0, total = num(t.total_blocks) || 0, query = num(t.query_tokens) || 0;
+        const tr = el("tr", { class: "tier-row", "data-worker": w.worker, "data-tier": name });
+        tr.append(el("td", { class: "name" }, w.worker), el("td", { class: "tier" }, name),
+          el("td", { class: "num hits" }, fmt(num(t.hit_tokens), 0)),
+          el("td", { class: "num share" }, query ? fmtPct((num(t.hit_tokens) || 0) / query) : "–"),
+          el("td", { class: "num loaded" }, fmt(num(t.loaded_blocks), 0)),
+          el("td", { class: "num saved" }, fmt(num(t.saved_blocks), 0)),
+          el("td", { class: "num failed" }, fmt(num(t.failed_blocks), 0)),
+          el("td", { class: "num used" }, used + " / " + total + (total ? " (" + fmtPct(used / total) + ")" : "")));
+        rows.push(tr);
+      }
+    }
+    $("tiers-section").hidden = !rows.length;  // no tier on any worker: no panel
+    $("tiers").replaceChildren(...rows);
   }
 
   // textContent only: names come from the cluster and are never parsed as HTML.

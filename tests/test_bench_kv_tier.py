@@ -1,5 +1,6 @@
 """`shoal bench kv-tier` end to end on a tiny model: the tiers serve what the
-pool lost, with the same replies, and a restarted engine finds its blocks."""
+pool lost, with the same replies, a restarted engine finds its blocks, and
+engines taking turns in round-robin find each other's in the cluster tier."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ def test_bench_kv_tier_runs_and_reports(tiny_model, tmp_path, capsys):
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert report["same_replies"] and len({r["replies_sha256"] for r in runs.values()}) == 1
-    assert set(runs) == {"tiers off", "host tier", "disk tier"}
+    rr = "2 engines round-robin"
+    assert set(runs) == {"tiers off", "host tier", "disk tier", f"{rr}, tiers off", f"{rr}, cluster tier"}
     # The pool alone loses the conversations between their turns; each tier gives back what it lost.
     for name in ("host tier", "disk tier"):
         assert runs[name]["hit_share_of_ideal"] > max(0.9, runs["tiers off"]["hit_share_of_ideal"]), name
         assert runs[name]["tiers"][name.split()[0]]["hit_tokens"] > 0
+    # Round-robin: a turn lands where the last one did not; the cluster tier has the other engine's blocks.
+    cluster = runs[f"{rr}, cluster tier"]
+    assert cluster["hit_share_of_ideal"] > max(0.9, runs[f"{rr}, tiers off"]["hit_share_of_ideal"])
+    assert cluster["tiers"]["cluster"]["hit_tokens"] > 0
     assert report["restart"]["hit_share"] > 0.9
     costs = report["costs"]
     assert costs["prefill_ms_per_token"] > 0 and costs["host_ms_per_block"] > 0 and costs["disk_ms_per_block"] > 0

@@ -9,6 +9,7 @@ and computes only what was not yet published."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,20 +35,45 @@ TURNS = [
 MAX_TOKENS = 24
 
 
+class Cluster:
+    """The module's cluster; restart() stops it and starts it again with the same options (disk path included)."""
+
+    def __init__(self, model: str, disk: str):
+        self.options = dict(
+            model=model,
+            num_workers=2,
+            num_threads=1,
+            num_kv_blocks=256,
+            routing="round-robin",
+            kv_cluster_tier="object-store",
+            kv_cluster_bytes=64 << 20,
+            kv_offload_disk_path=disk,
+        )
+        self.stack = contextlib.ExitStack()
+
+    def start(self) -> tuple[str, str]:
+        self.base, self.addr = self.stack.enter_context(local_cluster_app(APP, **self.options))
+        wait_for_workers(self.addr, 2, 120)
+        return self.base, self.addr
+
+    def restart(self) -> tuple[str, str]:
+        self.stack.close()  # Serve stops the workers gracefully: their disk writes are done
+        return self.start()
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    with local_cluster_app(
-        APP,
-        model=tiny_model,
-        num_workers=2,
-        num_threads=1,
-        num_kv_blocks=256,
-        routing="round-robin",
-        kv_cluster_tier="object-store",
-        kv_cluster_bytes=64 << 20,
-    ) as (base, addr):
-        wait_for_workers(addr, 2, 120)
-        yield base, addr
+def restartable(tiny_model, tmp_path_factory):
+    c = Cluster(tiny_model, str(tmp_path_factory.mktemp("kv-disk")))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stack.close()
+
+
+@pytest.fixture
+def cluster(restartable):
+    return restartable.base, restartable.addr
 
 
 def _complete(client: httpx.Client, prompt: str) -> tuple[str, int]:
@@ -156,3 +182,22 @@ def test_a_stream_resumed_after_its_worker_died_loads_what_that_worker_published
         loaded_blocks = _settled(survivors_blocks, lambda v: v >= want)
     assert loaded_blocks >= want, (loaded_blocks, want, state)
     wait_for_workers(addr, 2, 180, gone=state["victim"])  # Serve replaced it: the other tests see two
+
+
+def _tier_loads(client: httpx.Client, tier: str) -> float:
+    text = client.get("/metrics").text
+    series = re.findall(rf'^shoal:kv_offload_load_bytes_total\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$', text, re.M)
+    return sum(float(v) for v in series)
+
+
+def test_after_a_restart_an_old_conversation_hits_on_disk(restartable):
+    """Last in the module: it restarts the cluster."""
+    prompt = "An old conversation, kept on disk by whichever worker served it. Go on:"
+    with httpx.Client(base_url=restartable.base, timeout=120) as client:
+        text, _ = _complete(client, prompt)
+    base, _ = restartable.restart()
+    with httpx.Client(base_url=base, timeout=120) as client:
+        _, cached = _complete(client, prompt + text + " And then?")
+        loaded = _settled(lambda: _tier_loads(client, "disk"), lambda v: v > 0)
+    # The first request after the restart: its pool and the cluster tier are empty, the disk is not.
+    assert cached > 0 and loaded > 0, (cached, loaded)

@@ -162,8 +162,12 @@ class WorkerLoad(EngineStats):
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     # KV tiers (--kv-offload-*): each tier's counters (hit_tokens, query_tokens, loaded_blocks,
-    # saved_blocks, evicted_blocks, failed_blocks, used_blocks, total_blocks, bytes_per_block), by tier.
-    kv_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    # saved_blocks, evicted_blocks, failed_blocks, used_blocks, total_blocks, bytes_per_block,
+    # load_us, and load_buckets: a list, its loads counted by time taken), by tier.
+    kv_tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # What a prefilled token costs there, measured over its steps (0.0: not yet): against
+    # a tier's load_us per block, what the router's kv policy weighs a tier's hit by.
+    prefill_us_per_token: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkerLoad:

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Upper bounds (seconds) of the buckets a KV tier's loads are counted in by the
+# time each took (one request's blocks from one tier): WorkerLoad.kv_tiers'
+# load_buckets, and the router's shoal:kv_offload_load_seconds histogram.
+KV_LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
 
 @dataclass(slots=True)
 class EngineStats:

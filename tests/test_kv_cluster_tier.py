@@ -77,6 +77,8 @@ def test_a_turn_on_another_engine_loads_the_first_turns_blocks(tiny_model, refer
     assert tiers["cluster"].loaded_blocks == computed // BLOCK and tiers["cluster"].failed_blocks == 0
     # The store holds what either engine published: turn 1's blocks and turn 2's new ones.
     assert tiers["cluster"].used_blocks >= computed // BLOCK
+    # The fetch was timed, from its start to its blocks' arrival: one load.
+    assert tiers["cluster"].load_us > 0 and sum(tiers["cluster"].load_buckets) == 1
 
 
 def test_the_blocks_of_a_chunked_prefill_are_published_too(tiny_model, reference):

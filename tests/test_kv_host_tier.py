@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from shoal.proto.block_hash import chain_hashes
 from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.kv_transfer.base import KVLoadError
@@ -91,6 +92,31 @@ def test_blocks_from_the_host_tier_give_the_tokens_a_prefill_gives(tiny_model, r
     assert host.saved_blocks > 0
     assert host.hit_tokens == HOST_HITS
     assert host.loaded_blocks == HOST_HITS // BLOCK
+    # Each load was timed: what a block costs (load_us / loaded_blocks), and the loads by time taken.
+    assert host.load_us > 0 and 1 <= sum(host.load_buckets) <= host.loaded_blocks
+
+
+def test_the_tiers_report_the_chain_hashes_they_hold_for_the_router(tiny_model):
+    """offloaded_hashes: the router's keys (block_hash.chain_hashes) of what
+    the host tier holds and the device no longer does, latest first; gone
+    from the report once the tier drops them too."""
+    engine = _engine(tiny_model, host_blocks=64)
+    try:
+        _run(engine, WORKLOAD[:5], GREEDY)  # SHARED, used first, is evicted to the host tier by the rest
+        shared = chain_hashes(SHARED, BLOCK)
+        assert not set(shared) & set(engine.block_manager.pool.cached_hashes_mru(1000))
+        offloaded = engine.kv_connector.offloaded_hashes(1000)
+        assert set(shared) <= set(offloaded)
+        assert engine.kv_connector.offloaded_hashes(2) == offloaded[:2]
+        assert engine.prefill_us_per_token > 0  # measured on its prompts' steps: what a fetch is weighed against
+    finally:
+        engine.shutdown()
+    small = _engine(tiny_model, host_blocks=4)
+    try:
+        _run(small, WORKLOAD[:5], GREEDY)
+        assert len(small.kv_connector.offloaded_hashes(1000)) == 4  # the tier holds 4: the rest were dropped
+    finally:
+        small.shutdown()
 
 
 def test_without_a_tier_the_evicted_prefix_is_prefilled_again(tiny_model):

@@ -112,6 +112,10 @@ def test_counters_histograms_and_gauges_follow_the_requests_served(tiny_model):
     assert queried == prompt - cached > 0
     assert _total(m, "shoal:external_prefix_cache_hits_total") == 0
     assert _total(m, "shoal:kv_offload_usage_perc", tier="host") == 0
+    # ...so the load-time histogram of each worker's host tier counts no load, in every bucket.
+    assert _total(m, "shoal:kv_offload_load_seconds_count", tier="host") == 0
+    assert _total(m, "shoal:kv_offload_load_seconds_bucket", tier="host", le="+Inf") == 0
+    assert len({labels for n, labels in m if n == "shoal:kv_offload_load_seconds_bucket"}) == 2 * 11
     for h in (
         "time_to_first_token_seconds",
         "e2e_request_latency_seconds",

@@ -47,6 +47,10 @@ from shoal.workers.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 KV_LOAD_WAIT_S = 0.05  # an idle engine's wait for a KV load to land, before it looks at new arrivals again
+# Steps of at least this many tokens measure what a prefilled token costs (prefill_us_per_token),
+# smoothed with this weight for the newest: fewer are decode-bound, their time mostly the weights'.
+PREFILL_SAMPLE_TOKENS = 64
+PREFILL_EWMA = 0.2
 
 
 def is_engine_fault(error: BaseException, device: torch.device) -> bool:
@@ -164,6 +168,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._rng = random.Random(args.seed)
         self.num_steps, self.step_seconds = 0, 0.0  # model steps run, and their wall time
+        # What a token of prefill costs here, measured (0.0: not yet): the router weighs a KV
+        # tier's fetch of a block against it (router/routing/policies/kv.py).
+        self.prefill_us_per_token = 0.0
         # Set by AsyncEngine under --async-scheduling: step() and abort_request() return
         # PendingOutput for requests without stop strings, whose text its output thread makes.
         self.defer_outputs = False
@@ -496,7 +503,12 @@ class LLMEngine:
             # with the same values), less the culprits.
             return [self._fail(seq, err) for seq, err in self._blame(sched, e)]
         self.num_steps += 1
-        self.step_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.step_seconds += dt
+        if (n := sched.num_batched_tokens) >= PREFILL_SAMPLE_TOKENS:
+            us = 1e6 * dt / n
+            last = self.prefill_us_per_token
+            self.prefill_us_per_token = us if not last else last + PREFILL_EWMA * (us - last)
         self.scheduler.update_from_kv_output(out.kv_connector_output)
         tokens = out.sampled_token_ids
         stop_strings, failed = [], {}

@@ -25,9 +25,10 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from shoal.proto.messages import RequestFinished, WorkerLoad
+from shoal.proto.stats import KV_LOAD_BUCKETS_S
 from shoal.router.routing import replica_stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -233,9 +234,15 @@ class _KVTierFamilies:
             tier,
         )
         self.usage = family(GaugeMetricFamily, "shoal:kv_offload_usage_perc", "The tier's usage: 1 is full.", tier)
+        self.load_time = family(
+            HistogramMetricFamily,
+            "shoal:kv_offload_load_seconds",
+            "Time each load from the tier took: one request's blocks (the cluster tier's: its fetch).",
+            tier,
+        )
         self.any = False
 
-    def add(self, lv: list[str], kv_tiers: dict[str, dict[str, int]]) -> None:
+    def add(self, lv: list[str], kv_tiers: dict[str, dict]) -> None:
         if not kv_tiers:
             return
         self.any = True
@@ -249,11 +256,17 @@ class _KVTierFamilies:
             self.evicted.add_metric(tv, t["evicted_blocks"])
             self.failed.add_metric(tv, t["failed_blocks"])
             self.usage.add_metric(tv, t["used_blocks"] / t["total_blocks"] if t["total_blocks"] else 0.0)
+            counts = t.get("load_buckets") or [0] * (len(KV_LOAD_BUCKETS_S) + 1)
+            cumulative, buckets = 0, []
+            for le, n in zip((*map(str, KV_LOAD_BUCKETS_S), "+Inf"), counts, strict=False):
+                cumulative += n
+                buckets.append((le, cumulative))
+            self.load_time.add_metric(tv, buckets, t.get("load_us", 0) / 1e6)
 
     def families(self) -> list:
         if not self.any:
             return []
-        return [self.queries, self.hits, self.load, self.store, self.evicted, self.failed, self.usage]
+        return [self.queries, self.hits, self.load, self.store, self.evicted, self.failed, self.usage, self.load_time]
 
 
 class RouterMetrics:

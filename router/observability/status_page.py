@@ -94,6 +94,8 @@ class StatusPage:
                         "waiting_lora_adapters": list(s.waiting_lora_adapters),
                         # each KV tier's counters (host, disk, cluster: kv_transfer/offloading.py TierStats)
                         "kv_tiers": s.kv_tiers,
+                        # what a prefilled token costs there, measured: a tier's fetch of a block is weighed against it
+                        "prefill_us_per_token": s.prefill_us_per_token,
                     }
                     for s in loads
                 ],

@@ -136,6 +136,12 @@ class KVConnectorBase(ABC):
         """Counters by tier (hits, bytes, evictions, occupancy)."""
         return {}
 
+    def offloaded_hashes(self, n: int) -> list[bytes]:
+        """Chain hashes (proto/block_hash.py) of up to n blocks this worker's
+        own tiers hold past its paged pool, most recent first: the router
+        scores a hit there below a device hit and above a miss."""
+        return []
+
     # ---- worker side ----------------------------------------------------
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:

@@ -25,14 +25,18 @@ arrive, and the request joins the next step.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
 import torch
 
+from shoal.proto.stats import KV_LOAD_BUCKETS_S
 from shoal.workers.core.outputs import KVConnectorOutput
 from shoal.workers.core.sequence import Sequence
 from shoal.workers.kv_transfer.base import (
@@ -53,6 +57,9 @@ OFFLOAD_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.flo
 LOOKUP_WAIT_S = 0.002  # how long a step waits for a cluster lookup before it lets the request wait a step
 _PENDING = object()  # a cluster lookup still on its way
 MAX_LOOKUPS = 4096  # lookups kept for requests not yet admitted (a bound, should any never be)
+# Chain hashes of the blocks saved to the host and disk tiers, remembered for the
+# router's load report (offloaded_hashes), the most recent this many.
+MAX_OFFLOADED_HASHES = 4096
 
 
 @dataclass(slots=True)
@@ -98,6 +105,9 @@ class TierStats:
     used_blocks: int = 0
     total_blocks: int = 0
     bytes_per_block: int = 0
+    load_us: int = 0  # time its loads took, in all: load_us / loaded_blocks is what a block costs
+    # its loads by time taken: a count per bucket of KV_LOAD_BUCKETS_S, and one past the last
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(KV_LOAD_BUCKETS_S) + 1))
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -143,12 +153,16 @@ class OffloadingConnector(KVConnectorBase):
             self._lookups: dict[str, tuple[tuple[int, int], concurrent.futures.Future]] = {}
             self._published: dict[str, int] = {}  # request_id -> its blocks the cluster holds from the start
             self._async_sources: dict[str, list[tuple[str, bytes]]] = {}  # request_id -> its loading blocks' sources
+            # tier key -> chain hash of the blocks saved to the host or disk tier, least recent first
+            self._offloaded: OrderedDict[bytes, bytes] = OrderedDict()
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
             self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype) if folder else None
             self.kv_cache: torch.Tensor | None = None
-            # request_id -> (its blocks' fetch, the paged blocks they go to)
-            self._fetches: dict[str, tuple[concurrent.futures.Future, list[int]]] = {}
+            # request_id -> (its blocks' fetch, the paged blocks they go to, when it began)
+            self._fetches: dict[str, tuple[concurrent.futures.Future, list[int], float]] = {}
+            self._fetched_at: dict[concurrent.futures.Future, float] = {}  # when each fetch came back
+            self._timings: dict[str, list[tuple[int, float]]] = {}  # tier -> loads since get_finished
             self._failed_now: set[str] = set()  # loads that failed before their fetch began
             self._saves: list[tuple[int, bytes]] = []  # the step's cluster saves, made after its forward
 
@@ -247,6 +261,7 @@ class OffloadingConnector(KVConnectorBase):
             return
         self.tiers["host"].evicted_blocks += self.host.num_evictions - before
         self._meta.saves.append((block_id, slot))
+        self._remember_offloaded([(key, block_hash)])
         self.tiers["host"].saved_blocks += 1
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
@@ -258,7 +273,9 @@ class OffloadingConnector(KVConnectorBase):
         n = min(seq.num_computed_tokens // bs, len(block_ids))  # full blocks whose keys and values are computed
         if n == 0:
             return
-        keys = [self._key(h) for h in seq.prefix_keys(self.spec.block_size, n)[:n]]
+        hashes = seq.prefix_keys(self.spec.block_size, n)[:n]
+        keys = [self._key(h) for h in hashes]
+        self._remember_offloaded(zip(keys, hashes, strict=True))
         new = [(b, k) for b, k in zip(block_ids[:n], keys, strict=True) if k not in self.disk]
         if not new:
             return
@@ -294,7 +311,34 @@ class OffloadingConnector(KVConnectorBase):
                 self._published[seq.request_id] = end
         self.tiers["cluster"].saved_blocks += len(saves)
 
+    def _remember_offloaded(self, pairs) -> None:
+        seen = self._offloaded
+        for key, block_hash in pairs:
+            seen[key] = block_hash
+            seen.move_to_end(key)
+        while len(seen) > MAX_OFFLOADED_HASHES:
+            seen.popitem(last=False)
+
+    def offloaded_hashes(self, n: int) -> list[bytes]:
+        """The chain hashes of up to n blocks the host and disk tiers hold,
+        most recently saved first (those saved by this engine: a restarted
+        one's old files are found on lookup, not reported)."""
+        out = []
+        for key, block_hash in reversed(self._offloaded.items()):
+            if (self.host is not None and key in self.host) or (self.disk is not None and key in self.disk):
+                out.append(block_hash)
+                if len(out) >= n:
+                    break
+        return out
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for tier, loads in connector_output.kv_connector_stats.items():
+            stats = self.tiers.get(tier)
+            if stats is None:
+                continue
+            for _, seconds in loads:
+                stats.load_us += int(seconds * 1e6)
+                stats.load_buckets[bisect.bisect_left(KV_LOAD_BUCKETS_S, seconds)] += 1
         for request_id in connector_output.finished_recving:
             self._async_sources.pop(request_id, None)
         for request_id in connector_output.failed_recving:
@@ -345,11 +389,16 @@ class OffloadingConnector(KVConnectorBase):
             for name in metadata.disk_deletes:
                 self.disk_storage.delete(name)
         if metadata.loads and self.host_storage is not None:
+            t0 = time.perf_counter()
             self.host_storage.load(kv, [s for s, _ in metadata.loads], [b for _, b in metadata.loads])
+            self._timed("host", len(metadata.loads), t0)
         failed = []
+        t0 = time.perf_counter()
         for name, index, key, block_id in metadata.disk_loads:
             if self.disk_storage is None or not self.disk_storage.load(kv, name, index, key, block_id):
                 failed.append(block_id)
+        if metadata.disk_loads and not failed:
+            self._timed("disk", len(metadata.disk_loads), t0)
         for load in metadata.cluster_loads:
             self._start_cluster_load(load)
         self._saves = metadata.cluster_saves
@@ -361,7 +410,10 @@ class OffloadingConnector(KVConnectorBase):
         held for this step only), its cluster blocks' fetch on its way."""
         kv = cast(torch.Tensor, self.kv_cache)
         if load.host and self.host_storage is not None:
+            t0 = time.perf_counter()
             self.host_storage.load(kv, [s for s, _ in load.host], [b for _, b in load.host])
+            self._timed("host", len(load.host), t0)
+        t0 = time.perf_counter()
         disk_ok = all(
             self.disk_storage is not None and self.disk_storage.load(kv, name, index, key, block_id)
             for name, index, key, block_id in load.disk
@@ -369,8 +421,16 @@ class OffloadingConnector(KVConnectorBase):
         if not disk_ok or self.cluster is None:
             self._failed_now.add(load.request_id)
             return
+        if load.disk:
+            self._timed("disk", len(load.disk), t0)
+        t0 = time.perf_counter()
         fetch = self.cluster.fetch([k for k, _ in load.cluster])
-        self._fetches[load.request_id] = (fetch, [b for _, b in load.cluster])
+        # (on the fetch's thread: a dict's item set is atomic)
+        fetch.add_done_callback(lambda f: self._fetched_at.__setitem__(f, time.perf_counter()))
+        self._fetches[load.request_id] = (fetch, [b for _, b in load.cluster], t0)
+
+    def _timed(self, tier: str, blocks: int, t0: float) -> None:
+        self._timings.setdefault(tier, []).append((blocks, time.perf_counter() - t0))
 
     def wait_for_save(self) -> None:
         """The step's computed blocks, published now that its forward wrote them."""
@@ -383,17 +443,18 @@ class OffloadingConnector(KVConnectorBase):
         self.cluster.publish([k for _, k in saves], list(raw))
 
     def get_finished(self, timeout_s: float = 0.0) -> KVConnectorOutput | None:
-        if not self._fetches and not self._failed_now:
+        if not self._fetches and not self._failed_now and not self._timings:
             return None
-        if timeout_s > 0 and not self._failed_now and not any(f.done() for f, _ in self._fetches.values()):
-            futures = [f for f, _ in self._fetches.values()]
+        if timeout_s > 0 and not self._failed_now and not any(f.done() for f, _, _ in self._fetches.values()):
+            futures = [f for f, _, _ in self._fetches.values()]
             concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
-        out = KVConnectorOutput(failed_recving=self._failed_now)
-        self._failed_now = set()
-        for request_id, (fetch, block_ids) in list(self._fetches.items()):
+        out = KVConnectorOutput(failed_recving=self._failed_now, kv_connector_stats=self._timings)
+        self._failed_now, self._timings = set(), {}
+        for request_id, (fetch, block_ids, t0) in list(self._fetches.items()):
             if not fetch.done():
                 continue
             del self._fetches[request_id]
+            fetched_at = self._fetched_at.pop(fetch, None) or time.perf_counter()
             try:
                 blocks = fetch.result()
             except Exception as e:  # the store or the block's node is gone: computed instead
@@ -404,6 +465,11 @@ class OffloadingConnector(KVConnectorBase):
                 continue
             self._write_blocks(np.stack(blocks), block_ids)
             out.finished_recving.add(request_id)
+            out.kv_connector_stats.setdefault("cluster", []).append((len(block_ids), fetched_at - t0))
+        if len(self._fetched_at) > len(self._fetches):  # a callback that came after its fetch was taken
+            live = {f for f, _, _ in self._fetches.values()}
+            for f in [f for f in list(self._fetched_at) if f not in live]:
+                self._fetched_at.pop(f, None)
         return out
 
     def _write_blocks(self, raw: np.ndarray, block_ids: list[int]) -> None:

@@ -106,7 +106,7 @@
     $("workers-warning").hidden = workers.length >= configured;
     $("workers-warning").textContent = workers.length + " of " + configured + " workers answering";
     renderWorkers(workers);
-    renderTiers(workers);
+    renderTiers(workers, num(st.block_size) || 0);
 
     const rs = st.router_stats || {};
     const total = (f) => workers.reduce((a, w) => a + (num(w[f]) || 0), 0);
@@ -156,10 +156,12 @@
     $("workers").replaceChildren(...rows);
   }
 
-  function renderTiers(workers) {
+  function renderTiers(workers, blockSize) {
     const rows = [];
+    const ms = (x) => (x > 0 ? fmt(x, x < 10 ? 3 : 1) : "–");
     for (const w of workers) {
       const tiers = w.kv_tiers && typeof w.kv_tiers === "object" ? w.kv_tiers : {};
+      const prefill = (num(w.prefill_us_per_token) || 0) * blockSize / 1000;  // ms to prefill a block there
       for (const name of Object.keys(tiers).sort()) {
         const t = tiers[name] || {};
         const used = num(t.used_blocks) || 0, total = num(t.total_blocks) || 0, query = num(t.query_tokens) || 0;
@@ -170,6 +172,8 @@
           el("td", { class: "num loaded" }, fmt(num(t.loaded_blocks), 0)),
           el("td", { class: "num saved" }, fmt(num(t.saved_blocks), 0)),
           el("td", { class: "num failed" }, fmt(num(t.failed_blocks), 0)),
+          el("td", { class: "num fetch-ms" }, ms(num(t.loaded_blocks) ? (num(t.load_us) || 0) / num(t.loaded_blocks) / 1000 : 0)),
+          el("td", { class: "num prefill-ms" }, ms(prefill)),
           el("td", { class: "num used" }, used + " / " + total + (total ? " (" + fmtPct(used / total) + ")" : "")));
         rows.push(tr);
       }

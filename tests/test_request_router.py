@@ -384,7 +384,8 @@ def test_local_pool_routes_a_shared_prefix_to_its_holder_and_exports_it(tiny_mod
     assert set(chain_hashes(shared, BS)) <= set(stats["cached"])
     assert stats["num_total_blocks"] == 64 and stats["num_running"] == 0 and holder.record_routing_stats() is stats
     # One report, the deltas' WorkerLoad, as a dict: its fields and the hashes, read back whole.
-    assert set(stats) == {f.name for f in fields(WorkerLoad)} | {"cached"}
+    assert set(stats) == {f.name for f in fields(WorkerLoad)} | {"cached", "offloaded"}
+    assert stats["offloaded"] == []  # no KV tier here
     assert WorkerLoad.from_dict(stats).worker == holder.name
     for w in workers:
         asyncio.run(w.engine.shutdown())

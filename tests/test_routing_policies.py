@@ -22,11 +22,13 @@ import yaml
 
 from shoal.proto.block_hash import chain_hashes
 from shoal.proto.lora.modules import LORA_ON_DEVICE
-from shoal.proto.messages import GenerateRequest
+from shoal.proto.messages import GenerateRequest, WorkerLoad
 from shoal.proto.sampling_params import SamplingParams
 from shoal.router.routing import policies
 from shoal.router.routing.policies import registry
-from shoal.router.routing.replica_stats import ReplicaFigures, ReplicaStats
+from shoal.router.routing.policies.kv import kv_rank
+from shoal.router.routing.policies.need import need_of
+from shoal.router.routing.replica_stats import DEFAULT_FETCH_RATIO, ReplicaFigures, ReplicaStats, tier_ratios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 16
@@ -170,6 +172,61 @@ def test_kv_ranks_by_prefix_held_and_load_and_says_what_the_request_takes():
     # No request (a control call) or no block size yet: the fewest requests.
     assert kv.choose(None, [fig(running=2), fig(running=1)], BS) == ([1, 0], 0, 0)
     assert kv.choose(req, [fig(running=1), holder], 0) == ([0, 1], 0, 0)
+
+
+def _tiered(running=0, held=(), offloaded=(), tier_ratio=0.1, cluster_ratio=-1.0) -> ReplicaFigures:
+    f = fig(running=running, held=held)
+    f.offloaded, f.tier_ratio, f.cluster_ratio = frozenset(offloaded), tier_ratio, cluster_ratio
+    return f
+
+
+def test_kv_scores_a_device_hit_above_a_tier_hit_above_a_miss():
+    kv, req = policies.get_policy("kv"), request()  # 10 blocks, 9 usable
+    six = req.block_hashes[:6]
+    device, host, cold = _tiered(held=six), _tiered(offloaded=six), _tiered()
+    assert kv.choose(req, [cold, host, device], BS).order == [2, 1, 0]
+    # Fetched, not prefilled: the host holder takes all its blocks anew, and prefills the 4 the tier lacks.
+    assert kv_rank([host], need_of(req, BS)) == [(0, 12, 160 - 6 * BS)]
+    # The tiers go on where the device stops: 3 on the device and the next 3 in the tier beat 3 alone.
+    split = _tiered(held=six[:3], offloaded=six[3:])
+    assert kv.choose(req, [_tiered(held=six[:3]), split], BS).order == [1, 0]
+    # A tier whose fetch costs what a prefill does saves nothing: a tie, the lower index first.
+    assert kv.choose(req, [cold, _tiered(offloaded=six, tier_ratio=1.0)], BS).order == [0, 1]
+
+
+def test_kv_weighs_a_device_hit_against_the_cluster_tier_that_everyone_reads():
+    """With a cluster tier, a prefix any replica holds is a fetch away from
+    all: the holder's edge shrinks to what a fetch costs, so load decides."""
+    kv, req = policies.get_policy("kv"), request()
+    six = req.block_hashes[:6]
+    holder, idle = _tiered(running=1, held=six), _tiered()
+    assert kv.choose(req, [holder, idle], BS).order == [0, 1]  # no cluster tier: 6 blocks outweigh a running request
+    holder.cluster_ratio = idle.cluster_ratio = 0.2
+    assert kv.choose(req, [holder, idle], BS).order == [1, 0]
+    # ...and the idle one fetches those 6 blocks rather than prefill them.
+    assert kv_rank([holder, idle], need_of(req, BS))[0] == (1, 12, 160 - 6 * BS)
+    idle.cluster_ratio = 1.0  # a cluster no faster than a prefill: the holder again
+    assert kv.choose(req, [holder, idle], BS).order == [0, 1]
+
+
+def test_a_poll_brings_the_tiers_hashes_and_costs():
+    stats = ReplicaStats()
+    stats.block_size = BS
+    hashes = request().block_hashes
+    tiers = {
+        "host": {"loaded_blocks": 10, "load_us": 1_000},  # 100 us a block
+        "cluster": {"loaded_blocks": 4, "load_us": 64_000},  # 16 ms a block: no gain over a prefill
+    }
+    load = WorkerLoad(0, 0, 200, 200, 0.0, 0, 0, 0, 0, 0, 0, 0, worker="a", time=5.0, kv_tiers=tiers)
+    load.prefill_us_per_token = 10.0  # 160 us a block prefilled
+    poll = dataclasses.asdict(load) | {"cached": [], "offloaded": hashes[:3]}
+    stats.observe_poll("a", poll)
+    f = stats.get("a")
+    assert f.offloaded == frozenset(hashes[:3])
+    assert (f.tier_ratio, f.cluster_ratio) == (100 / 160, 1.0)
+    # Not measured yet (no loads, or no prefill): the default; no cluster tier: -1.
+    assert tier_ratios({"host": {"loaded_blocks": 0, "load_us": 0}}, 10.0, BS) == (DEFAULT_FETCH_RATIO, -1.0)
+    assert tier_ratios(tiers, 0.0, BS) == (DEFAULT_FETCH_RATIO, DEFAULT_FETCH_RATIO)
 
 
 def test_least_requests_ranks_by_queue_depth_and_ignores_prefixes():

@@ -122,6 +122,7 @@ class Worker:
         loras, load.running_lora_adapters, load.waiting_lora_adapters = self.engine.engine.lora_stats()
         load.loras = self.loras.where(loras)
         load.kv_tiers = {tier: asdict(t) for tier, t in self.engine.engine.kv_tier_stats().items()}
+        load.prefill_us_per_token = self.engine.engine.prefill_us_per_token
         return load
 
     def check_health(self) -> None:
@@ -284,8 +285,8 @@ class Worker:
 
     def record_routing_stats(self) -> dict:
         """Serve's poll for the request router (each request_routing_stats_period_s):
-        the load (the deltas' WorkerLoad, as a dict: Serve wants one) and the MRU
-        cached chain hashes. Figures unchanged since the last poll return the
+        the load (the deltas' WorkerLoad, as a dict: Serve wants one), the MRU
+        cached chain hashes and those its host and disk KV tiers hold. Figures unchanged since the last poll return the
         same dict, so an idle worker sets off no broadcast."""
         load = self.stats()
         key = (
@@ -297,9 +298,12 @@ class Worker:
             tuple(load.loras.items()),
         )
         if key != self._routing_key:
-            cached = self.engine.engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
+            engine = self.engine.engine
+            cached = engine.block_manager.pool.cached_hashes_mru(self.ROUTING_HASHES)
+            # ...and those its host and disk tiers hold (kv_transfer/): a hit there is a fetch, not a prefill
+            offloaded = engine.kv_connector.offloaded_hashes(self.ROUTING_HASHES) if engine.kv_connector else []
             self._routing_key = key
-            self._routing_stats = asdict(load) | {"cached": cached}
+            self._routing_stats = asdict(load) | {"cached": cached, "offloaded": offloaded}
         return self._routing_stats
 
     # ---- LoRA adapters loaded and unloaded at run time (the router's /v1/load_lora_adapter)

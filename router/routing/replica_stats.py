@@ -10,7 +10,8 @@ unique id (the Worker's `name`, Serve's `replica_id.unique_id`). Two feeds:
   load, as old as one engine step plus the hop back;
 - the Worker's `record_routing_stats` (Serve's poll, a few times a second):
   the same WorkerLoad (as a dict) plus the cached chain hashes, most recently
-  used first; the path when idle, and the only one for the hashes.
+  used first, and those its host and disk KV tiers hold (`offloaded`); the
+  path when idle, and the only one for the hashes and the tiers' costs.
 
 The block size is the model's, the same at every replica: the pools set it
 once from WorkerInfo (`block_size`), never from a load report.
@@ -47,6 +48,9 @@ GRACE_S = 0.1
 # Hashes held per replica: a poll's (up to the worker's export, 1024) plus
 # those assumed since; past it the least recent go.
 MAX_HELD = 8192
+# What a block fetched from a KV tier is taken to cost, as a share of prefilling
+# it, until the replica has measured both (a host tier's fetch is ~1-10%).
+DEFAULT_FETCH_RATIO = 0.1
 # Request ids whose stream ended before any reservation (a client gone while
 # Serve was still routing), and replicas that left: remembered this many deep.
 MAX_REMEMBERED = 4096
@@ -77,6 +81,12 @@ class ReplicaFigures:
     # a report GRACE_S later says where it is).
     loras: dict[str, tuple[int, int]] = field(default_factory=dict)
     lora_sent: dict[str, float] = field(default_factory=dict)
+    # KV tiers (workers/kv_transfer/): the chain keys its host and disk tiers hold, as
+    # reported, and what fetching a block from them, or from the cluster tier, costs
+    # against prefilling it (0: free, 1: no gain); cluster_ratio < 0: no cluster tier.
+    offloaded: frozenset[bytes] = frozenset()
+    tier_ratio: float = DEFAULT_FETCH_RATIO
+    cluster_ratio: float = -1.0
 
 
 class ReplicaStats:
@@ -170,6 +180,8 @@ class ReplicaStats:
             load.num_waiting_tokens,
             load.loras,
         )
+        f.offloaded = frozenset(stats.get("offloaded", ()))
+        f.tier_ratio, f.cluster_ratio = tier_ratios(load.kv_tiers, load.prefill_us_per_token, self.block_size)
         cutoff = t - self.grace_s
         # Least recent first; assumed hashes sent since the poll's cutoff stay.
         held = dict.fromkeys(reversed(stats.get("cached", ())), 0.0)
@@ -318,6 +330,21 @@ class ReplicaStats:
         remembered as ended are capped at MAX_REMEMBERED)."""
         n = len(self._where) + len(self._group_of) + len(self._groups)
         return n + sum(len(f.sent) for f in list(self.replicas.values()))
+
+
+def tier_ratios(kv_tiers: dict[str, dict], prefill_us_per_token: float, block_size: int) -> tuple[float, float]:
+    """(the host and disk tiers', the cluster tier's) cost of a block fetched
+    against one prefilled, from a report's measures (DEFAULT_FETCH_RATIO for
+    a tier not measured yet; -1.0 for no cluster tier)."""
+
+    def ratio(names: tuple[str, ...]) -> float:
+        blocks = sum(kv_tiers[n].get("loaded_blocks", 0) for n in names if n in kv_tiers)
+        us = sum(kv_tiers[n].get("load_us", 0) for n in names if n in kv_tiers)
+        if not blocks or not us or prefill_us_per_token <= 0 or not block_size:
+            return DEFAULT_FETCH_RATIO
+        return min(1.0, us / blocks / (prefill_us_per_token * block_size))
+
+    return ratio(("host", "disk")), (ratio(("cluster",)) if "cluster" in kv_tiers else -1.0)
 
 
 def _remember(seen: OrderedDict, key: str) -> None:

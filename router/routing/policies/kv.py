@@ -1,7 +1,9 @@
 """`kv` (the default): ranks by an estimate of the time to this request's
 first token, in prompt tokens of prefill (lower wins):
 
-    cost = PREFILL_WEIGHT * (prompt - hit * block_size)   # its own prefill: what the cache there cannot skip
+    cost = PREFILL_WEIGHT * (prompt - hit * block_size    # its own prefill: what the cache there cannot skip,
+                             - tier * block_size * (1 - tier_ratio)         # less what its KV tiers give back,
+                             - cluster * block_size * (1 - cluster_ratio))  # and the cluster tier
          + waiting_tokens + sent_tokens                    # the prefill queued ahead of it there
          + REQUEST_TOKENS * (waiting + sent)               # and each queued request's own steps
          + RUNNING_TOKENS * running                        # decodes share every step with it
@@ -15,7 +17,14 @@ before those where it does not, where
     need       = ceil((prompt + min(max_tokens, EXPECTED_OUTPUT_TOKENS)) / block_size)
 
 `hit` is how many of the prompt's leading blocks the replica holds (the
-chain hashes it reported, plus those this process sent it since).
+chain hashes it reported, plus those this process sent it since); `tier`,
+how many more its host and disk tiers hold (reported), which it fetches
+instead of prefilling; `cluster`, how many more than that the cluster tier
+holds, taken to be the longest prefix any replica holds on device or in its
+tiers (every block computed is published there). Each ratio is what a block
+fetched costs against one prefilled, as the replica measured them
+(replica_stats.tier_ratios): a hit on the device beats one in the host tier,
+which beats one in the cluster, which beats a miss, by what each saves.
 
 `waiting_tokens` is what the replica reported still to prefill (its waiting
 requests' prompts less the prefix each found cached, and the rest of
@@ -78,7 +87,7 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
     last = usable - 1
     base = PREFILL_WEIGHT * prompt + MEM_TOKENS
     per_request, per_running, mem, saved = REQUEST_TOKENS, RUNNING_TOKENS, MEM_TOKENS, PREFILL_WEIGHT * bs
-    keys, hits = [], []
+    keys, hits, reached = [], [], []
     for f in figs:
         sent = f.sent
         cost = base + f.waiting_tokens + f.sent_tokens + per_request * (f.waiting + len(sent)) + per_running * f.running
@@ -98,6 +107,11 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
                         hi = mid - 1
                 hit = lo
             cost -= hit * saved
+        local = hit
+        if (off := f.offloaded) and hit < usable:  # its tiers go on from where its device stops
+            while local < usable and hashes[local] in off:
+                local += 1
+            cost -= (local - hit) * saved * (1.0 - f.tier_ratio)
         total = f.total_blocks
         if total:  # reported; an unreported replica is taken to be empty
             free_after = f.free_blocks - f.sent_blocks - blocks + hit
@@ -110,8 +124,15 @@ def kv_rank(figs: Sequence[ReplicaFigures], need: RequestNeed) -> list[tuple[int
             cost += lora_cost(f, lora)
         keys.append(cost)
         hits.append(hit)
+        reached.append(local)
+    if figs and max(f.cluster_ratio for f in figs) >= 0:  # a cluster tier: any holder's blocks are everyone's
+        reach = max(reached)
+        for i, f in enumerate(figs):
+            if f.cluster_ratio >= 0 and reach > reached[i]:
+                keys[i] -= (reach - reached[i]) * saved * (1.0 - f.cluster_ratio)
+                reached[i] = reach
     order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties keep the lower index
-    return [(i, blocks - hits[i], prompt - hits[i] * bs) for i in order]
+    return [(i, blocks - hits[i], prompt - reached[i] * bs) for i in order]
 
 
 POLICY = KVPolicy()  # found by registry.py

@@ -65,7 +65,14 @@ def add_parser(sub) -> None:
         "--workers",
         type=int,
         default=2,
-        help="engines (in this process) that the round-robin runs, tiers off and the cluster tier on, share (1: none)",
+        help="engines (in this process) that the multi-engine runs, tiers off and the cluster tier on, share (1: none)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("round-robin", "random"),
+        default="round-robin",
+        help="how the multi-engine runs pick a turn's engine: the next in turn, or one at random (seeded), "
+        "as a load balancer blind to prefixes does",
     )
     p.add_argument("--cluster-bytes", type=int, default=4 << 30, help="the cluster tier's bytes")
     p.add_argument("--output", default="bench_results/kv_tier.json")
@@ -94,11 +101,14 @@ def _serve(engine, requests) -> list[dict]:
 
 
 def _conversation_run(
-    args: EngineArgs, w: AgentWorkload, vocab: int, workers: int = 1
+    args: EngineArgs, w: AgentWorkload, vocab: int, workers: int = 1, routing: str = "round-robin"
 ) -> tuple[dict, list[Conversation]]:
     """The conversations, turn by turn; with several engines (workers, in
     this process: a cluster tier is the process's store), each request goes
-    to the next engine in turn, as --routing round-robin sends it."""
+    to the next engine in turn, as --routing round-robin sends it, or to one
+    drawn at random (seeded: every configuration draws the same)."""
+    import random
+
     from shoal.workers import LLMEngine
     from shoal.workers.kv_transfer.cluster_tier import reset_process_store
 
@@ -112,14 +122,18 @@ def _conversation_run(
         for engine in engines:
             _serve(engine, [(convs[0].context[:64], 2)])  # warm-up, a prompt none shares a block with past its first
             engine.block_manager.pool.num_hit_tokens = engine.block_manager.pool.num_query_tokens = 0
-        rows, seen_system = [], False
+        rows, seen_system, last_engine, moved = [], False, {}, 0
+        draw = random.Random(w.seed + 3)
         t0 = time.perf_counter()
         for k, (conv, t) in enumerate(interleaved(convs)):
             user, reply = conv.turns[t]
             prompt = conv.context + user
             ideal = conv.reused if (t or seen_system) else 0
             ideal = min(ideal // bs, (len(prompt) - 1) // bs) * bs
-            (r,) = _serve(engines[k % workers], [(prompt, reply)])
+            e = k % workers if routing == "round-robin" else draw.randrange(workers)
+            moved += t > 0 and last_engine[id(conv)] != e
+            last_engine[id(conv)] = e
+            (r,) = _serve(engines[e], [(prompt, reply)])
             seen_system = True
             conv.context = prompt + r["ids"]
             conv.reused = len(conv.context) - 1  # the reply's last token was never computed
@@ -130,7 +144,10 @@ def _conversation_run(
             for name, stats in engine.kv_tier_stats().items():
                 into = tiers.setdefault(name, {})
                 for field, value in dataclasses.asdict(stats).items():
-                    into[field] = into.get(field, 0) + value
+                    if isinstance(value, list):  # a histogram's counts
+                        into[field] = [a + b for a, b in zip(into.get(field, [0] * len(value)), value, strict=True)]
+                    else:
+                        into[field] = into.get(field, 0) + value
         replies = hashlib.sha256(repr([c.context for c in convs]).encode()).hexdigest()[:16]
     finally:
         for engine in engines:
@@ -148,6 +165,11 @@ def _conversation_run(
         "ideal_tokens": ideal,
         "hit_share_of_ideal": sum(min(r["cached"], r["ideal"]) for r in rows) / ideal if ideal else 0.0,
         "ttft_p50_later_turns_s": statistics.median(later) if later else 0.0,
+        "moved_turn_share": moved / max(1, sum(r["turn"] > 0 for r in rows)),  # on another engine than the last
+        # what a block loaded from each tier took, measured in the run (a load: one request's blocks)
+        "fetch_ms_per_block": {
+            name: t["load_us"] / t["loaded_blocks"] / 1000 for name, t in tiers.items() if t["loaded_blocks"]
+        },
         "tiers": tiers,
         "replies_sha256": replies,  # of every conversation's context at the end: the same with tiers on and off
     }, convs
@@ -266,7 +288,7 @@ def run(ns) -> int:
         }
         workers = {name: 1 for name in configs}
         if ns.workers > 1:
-            rr = f"{ns.workers} engines round-robin"
+            rr = f"{ns.workers} engines {ns.routing}"
             configs[f"{rr}, tiers off"] = configs["tiers off"]
             configs[f"{rr}, cluster tier"] = dataclasses.replace(
                 configs["tiers off"], kv_cluster_tier="object-store", kv_cluster_bytes=ns.cluster_bytes
@@ -278,7 +300,7 @@ def run(ns) -> int:
             f"  {'':{width}s} {'seconds':>8s} {'out tok/s':>10s} {'hits / ideal':>13s} {'TTFT p50, later turns':>22s}"
         )
         for name, cfg in configs.items():
-            r, convs_after[name] = _conversation_run(cfg, w, vocab, workers[name])
+            r, convs_after[name] = _conversation_run(cfg, w, vocab, workers[name], ns.routing)
             runs[name] = r
             print(
                 f"  {name:{width}s} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['hit_share_of_ideal']:12.1%} "
@@ -300,6 +322,15 @@ def run(ns) -> int:
                 f"{GOALS['ttft_p50_speedup']:.0f}x), throughput {r['throughput_speedup']:.2f}x (goal "
                 f"{GOALS['throughput_speedup']:.0f}x), hits {r['hit_share_of_ideal']:.1%} of the ideal"
                 + (f" (goal {GOALS['cluster_hit_share']:.0%})" if name.endswith("cluster tier") else "")
+            )
+        for name, r in runs.items():
+            if workers[name] > 1:
+                print(f"  {name}: {r['moved_turn_share']:.0%} of the later turns went to another engine than the last")
+        fetched = {tier: ms for r in runs.values() for tier, ms in r["fetch_ms_per_block"].items()}
+        if fetched:
+            print(
+                "  a block loaded in the runs took "
+                + ", ".join(f"{ms:.3f} ms from the {tier} tier" for tier, ms in fetched.items())
             )
         report["runs"] = runs
         restart = _restart_run(configs["disk tier"], convs_after["disk tier"], w, vocab)

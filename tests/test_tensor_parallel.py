@@ -125,6 +125,35 @@ def test_k2_guided_sampling_equals_k1(ray_cluster, tp_models):
         assert got == ref and all(re.fullmatch(so.regex, t) for t in got), (name, got)
 
 
+def test_k2_host_tier_gives_back_what_the_pool_lost_with_the_same_tokens(ray_cluster, tp_models):
+    """The host KV tier under tensor parallelism: every rank saves its heads'
+    slice of an evicted block, and loads it back, in the same step."""
+    path = tp_models["4 heads, 2 KV, untied"]
+    prompts = tp_prompts(500, n=8, seed=3)
+    shared = prompts[1][:40]  # the prefix every odd prompt shares: 5 blocks of 8
+    # Sent one at a time, the shared prefix first and last: the prompts between evict it from 24 blocks.
+    order = [shared + [7, 8, 9]] + [p for i, p in enumerate(prompts) if i % 2 == 0] + [shared + [10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(**tier) -> tuple[list[list[int]], int, dict]:
+        with LLM(path, tensor_parallel_size=2, **ENGINE, **tier) as llm:
+            pool = llm.engine.block_manager.pool
+            outs = [llm.generate([p], params)[0].token_ids for p in order[:-1]]
+            before = pool.num_hit_tokens
+            outs.append(llm.generate([order[-1]], params)[0].token_ids)
+            return outs, pool.num_hit_tokens - before, llm.engine.kv_tier_stats()
+
+    off, off_cached, _ = run()
+    on, on_cached, tiers = run(kv_offload_host_bytes=1 << 20)
+    assert on == off
+    # The last prompt's prefix: what the pool kept of it (device hits), the rest from the tier.
+    assert on_cached == off_cached < len(shared)
+    assert tiers["host"].hit_tokens == len(shared) - off_cached
+    # The bytes are all ranks' together: each holds its slice (1 of 2 KV heads) of every slot.
+    per_rank_block = 2 * 2 * 8 * 1 * 16 * 4  # K and V, 2 layers, 8 tokens, 1 head of 16 dims, float32
+    assert tiers["host"].total_blocks == (1 << 20) // (2 * per_rank_block)
+
+
 def test_k2_holds_twice_the_blocks_in_the_same_bytes(ray_cluster, tp_models):
     path = tp_models["4 heads, 2 KV, untied"]
     budget = dict(kv_cache_memory_bytes=1 << 20, block_size=16)

@@ -170,7 +170,7 @@ class EngineArgs:
     kv_offload_host_bytes: int = cli_field(
         0,
         "host memory that keeps KV blocks evicted from the paged cache, so a prefix that comes back "
-        "is copied in instead of prefilled again (0: no host tier)",
+        "is copied in instead of prefilled again, all tensor-parallel ranks together (0: no host tier)",
     )
     kv_offload_disk_path: str | None = cli_field(
         None,

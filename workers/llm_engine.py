@@ -695,8 +695,16 @@ def _check_kv_connector_args(args: EngineArgs) -> None:
         raise ValueError(f"kv_offload_host_bytes must be an integer >= 0; got {args.kv_offload_host_bytes!r}")
     if args.load_format == "simulated":
         raise ValueError("load_format 'simulated' has no KV cache: a KV connector needs a real model")
-    if args.tensor_parallel_size > 1:
-        raise ValueError("KV tiers (--kv-connector, --kv-offload-*, --kv-cluster-tier) run on one rank for now")
+    # A rank's disk write or cluster fetch can fail or land apart from the others', and a
+    # load that one rank lacks would have the ranks read different blocks: those tiers keep to
+    # one rank for now. The host tier's moves are the same on every rank, made before its forward.
+    if args.tensor_parallel_size > 1 and (args.kv_offload_disk_path or args.kv_cluster_tier):
+        raise ValueError(
+            "kv_offload_disk_path and kv_cluster_tier run on one rank for now "
+            f"(tensor_parallel_size {args.tensor_parallel_size}); the host tier runs on any"
+        )
+    if args.tensor_parallel_size > 1 and args.kv_connector not in (None, "offloading"):
+        raise ValueError(f"kv_connector {args.kv_connector!r} runs on one rank for now; 'offloading' on any")
     if type(args.kv_offload_disk_bytes) is not int or args.kv_offload_disk_bytes < 0:
         raise ValueError(f"kv_offload_disk_bytes must be an integer >= 0; got {args.kv_offload_disk_bytes!r}")
     if args.kv_offload_disk_path is not None and not os.path.isabs(args.kv_offload_disk_path):

@@ -37,6 +37,8 @@ class StepInput:
     finished: list[int] = field(default_factory=list)  # forget these (ended or preempted)
     lora_slots: dict = field(default_factory=dict)  # slot -> LoRARequest (SchedulerOutput.lora_slots)
     lora_adapters: dict = field(default_factory=dict)  # slot -> LoRAAdapter, for the slots this step changes
+    # The KV connector's moves (SchedulerOutput.kv_connector_metadata): every rank makes them on its slice.
+    kv_connector_metadata: object | None = None
 
 
 @dataclass(slots=True)
@@ -53,7 +55,11 @@ class StepInputEncoder:
         self.sent: dict[int, _Sent] = {}
 
     def encode(self, sched: SchedulerOutput) -> StepInput:
-        step = StepInput([(seq.arrival_order, n) for seq, n in sched.scheduled], lora_slots=sched.lora_slots)
+        step = StepInput(
+            [(seq.arrival_order, n) for seq, n in sched.scheduled],
+            lora_slots=sched.lora_slots,
+            kv_connector_metadata=sched.kv_connector_metadata,
+        )
         # Preempted sequences lost their blocks; finished ones are gone.
         gone = {seq.arrival_order for seq in sched.preempted}
         gone |= {sid for sid, s in self.sent.items() if s.seq.status is SequenceStatus.FINISHED}

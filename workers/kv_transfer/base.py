@@ -58,6 +58,7 @@ class KVCacheSpec:
     # The engine's (keys.py): what a block's contents depend on beyond its tokens. Only the
     # scheduler side keys blocks; a worker side is told slots and keys, and gets b"".
     fingerprint: bytes = b""
+    num_ranks: int = 1  # tensor-parallel ranks, each holding its heads' slice of every block
 
 
 class KVLoadError(RuntimeError):

@@ -44,7 +44,7 @@ def kv_cache_spec(cfg, block_size: int, kv_dtype: torch.dtype, tp_size: int, fin
     from shoal.workers.model_executor.layers.parallel_state import num_local_kv_heads
 
     heads = num_local_kv_heads(cfg.num_key_value_heads, tp_size)
-    return KVCacheSpec(cfg.num_hidden_layers, block_size, heads, cfg.head_dim, kv_dtype, fingerprint)
+    return KVCacheSpec(cfg.num_hidden_layers, block_size, heads, cfg.head_dim, kv_dtype, fingerprint, tp_size)
 
 
 def make_connector(args, role: KVConnectorRole, spec: KVCacheSpec) -> KVConnectorBase | None:

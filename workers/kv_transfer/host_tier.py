@@ -28,8 +28,10 @@ def block_shape(spec: KVCacheSpec) -> tuple[int, ...]:
 
 
 def num_host_slots(spec: KVCacheSpec, host_bytes: int, dtype: torch.dtype) -> int:
+    """Slots of host_bytes, the bytes of all ranks together (as vLLM's
+    --kv-offloading-size): each rank keeps its slice of every slot."""
     per_block = torch.Size(block_shape(spec)).numel() * torch.empty(0, dtype=dtype).element_size()
-    return host_bytes // per_block
+    return host_bytes // (per_block * spec.num_ranks)
 
 
 class HostTierIndex:

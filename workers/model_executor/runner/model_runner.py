@@ -266,14 +266,24 @@ class ModelRunner:
                 self.kv_connector.start_load_kv(metadata)
 
     def execute_model(
-        self, scheduled: list, lora_slots: dict | None = None, lora_adapters: dict | None = None
+        self,
+        scheduled: list,
+        lora_slots: dict | None = None,
+        lora_adapters: dict | None = None,
+        kv_connector_metadata: object | None = None,
     ) -> tuple[list, torch.Tensor | None]:
         """The forward pass alone (tensor-parallel ranks other than 0): the
         sequences due a token and their logits (None on those ranks).
         lora_slots: the adapters the step's slots must hold (rank 0's SchedulerOutput.lora_slots);
-        lora_adapters: the held adapters of the slots the step changes, sent by rank 0."""
+        lora_adapters: the held adapters of the slots the step changes, sent by rank 0;
+        kv_connector_metadata: the KV connector's moves, made on this rank's slice before the forward."""
         if self.lora_manager is not None and lora_slots:
             self.lora_manager.set_active(lora_slots, lora_adapters)
+        self._move_kv(kv_connector_metadata)
+        if self.kv_connector is not None:
+            self.kv_connector.get_finished()  # rank 0 reports the step's loads; drop this rank's record
+        if not scheduled:  # the connector's moves alone
+            return [], None
         seqs, logits, _ = self._run(scheduled, sample=False)
         return seqs, logits
 

@@ -265,7 +265,7 @@ class RankWorker:
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:
                 scheduled = decoder.decode(step)
-                runner.execute_model(scheduled, step.lora_slots, step.lora_adapters)
+                runner.execute_model(scheduled, step.lora_slots, step.lora_adapters, step.kv_connector_metadata)
                 decoder.advance(scheduled)
         except BaseException as e:  # rank 0 gone (the usual end of a replica), or this rank failed
             first_line = (str(e).splitlines() or [""])[0]

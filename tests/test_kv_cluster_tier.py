@@ -81,6 +81,14 @@ def test_a_turn_on_another_engine_loads_the_first_turns_blocks(tiny_model, refer
     assert tiers["cluster"].load_us > 0 and sum(tiers["cluster"].load_buckets) == 1
 
 
+def test_blocks_stored_in_fp8_cross_engines_too(tiny_model):
+    """--kv-offload-dtype fp8: a quarter of the bytes in the store, loaded back (rounded) all the same."""
+    out_1, _, tiers = _two_turns(tiny_model, GREEDY, kv_offload_dtype="fp8")
+    computed = len(TURN_1) + len(out_1) - 1
+    assert tiers["cluster"].hit_tokens == computed // BLOCK * BLOCK and tiers["cluster"].failed_blocks == 0
+    assert tiers["cluster"].bytes_per_block * 4 == 2 * 2 * BLOCK * 2 * 16 * 4  # the tiny model's float32 block
+
+
 def test_the_blocks_of_a_chunked_prefill_are_published_too(tiny_model, reference):
     """Steps that only prefill a chunk sample nothing: their blocks are published all the same."""
     out_1, out_2, tiers = _two_turns(tiny_model, GREEDY, max_num_batched_tokens=32)

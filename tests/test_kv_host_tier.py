@@ -15,7 +15,9 @@ from shoal.proto.block_hash import chain_hashes
 from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLMEngine, SamplingParams
 from shoal.workers.kv_transfer.base import KVLoadError
-from shoal.workers.kv_transfer.host_tier import HostTierIndex
+from shoal.workers.kv_transfer.disk_tier import DiskTierStorage
+from shoal.workers.kv_transfer.factory import kv_cache_spec
+from shoal.workers.kv_transfer.host_tier import HostTierIndex, HostTierStorage, block_shape, num_host_slots
 from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint
 
 BLOCK = 16
@@ -42,6 +44,12 @@ HOST_HITS = (2 + 4) * BLOCK
 def _block_bytes(engine: LLMEngine) -> int:
     cfg = engine.model_config
     return 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+def _engine_config(model: str):
+    from shoal.workers.model_executor.loader.model_loader import load_model_files
+
+    return load_model_files(model).config
 
 
 def _engine(model: str, host_blocks: int = 0, **kw) -> LLMEngine:
@@ -171,6 +179,48 @@ def test_a_load_that_fails_is_computed_again(tiny_model, reference, monkeypatch)
     assert len(failed) == 2 and out == reference["greedy"]
     # The 2 that failed were offered, then computed; the last prompt found them in the pool.
     assert host.hit_tokens == HOST_HITS
+
+
+NARROW = [("bfloat16", torch.bfloat16, 2), ("fp8", torch.float8_e4m3fn, 4)]
+
+
+@pytest.mark.parametrize("name, dtype, ratio", NARROW)
+def test_a_narrower_storage_dtype_holds_more_blocks(tiny_model, name, dtype, ratio):
+    engine = _engine(tiny_model, host_blocks=64, kv_offload_dtype=name)
+    try:
+        outs = _run(engine, WORKLOAD, GREEDY)
+        host = engine.kv_tier_stats()["host"]
+    finally:
+        engine.shutdown()
+    assert [len(o) for o in outs] == [GREEDY.max_tokens] * len(WORKLOAD)
+    # The same bytes hold 2 or 4 times the float32 blocks, and the evicted prefix comes back from them.
+    assert host.total_blocks == 64 * ratio and host.hit_tokens == HOST_HITS
+
+
+@pytest.mark.parametrize("name, dtype, ratio", NARROW)
+def test_every_tier_gives_back_the_values_rounded_to_its_storage_dtype(tiny_model, tmp_path, name, dtype, ratio):
+    """What a load writes into the paged cache is the saved block rounded to
+    the storage dtype (fp8: saturated at +-448, as an unscaled cast is) and
+    nothing else, from host memory and from a file alike."""
+    spec = kv_cache_spec(_engine_config(tiny_model), BLOCK, torch.float32, 1)
+    assert num_host_slots(spec, 1 << 20, dtype) == ratio * num_host_slots(spec, 1 << 20, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn((2, spec.num_layers, 6, BLOCK, spec.num_kv_heads, spec.head_dim), generator=gen) * 100
+    kv[0, 0, 1, 0, 0, 0] = 1000.0  # past fp8's range
+    expected = kv[:, :, [1, 3]].to(dtype).to(torch.float32)
+    host = HostTierStorage(spec, 4, dtype)
+    host.save(kv, [1, 3], [0, 2])
+    disk = DiskTierStorage(block_shape(spec), dtype)
+    keys = [bytes([i]) * 32 for i in range(2)]
+    disk.save(kv, str(tmp_path / "blocks.kv"), [1, 3], keys)
+    disk.flush()
+    kv[:, :, [1, 3]] = 0.0
+    host.load(kv, [0, 2], [4, 5])
+    assert torch.equal(kv[:, :, [4, 5]], expected)
+    assert all(disk.load(kv, str(tmp_path / "blocks.kv"), i, keys[i], b) for i, b in enumerate([1, 3]))
+    disk.shutdown()
+    assert torch.equal(kv[:, :, [1, 3]], expected)
+    assert (expected[0, 0, 0, 0, 0, 0].item() == 448.0) == (name == "fp8")
 
 
 def test_index_evicts_the_least_recently_used_unpinned_slot():

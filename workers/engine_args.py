@@ -196,9 +196,10 @@ class EngineArgs:
     )
     kv_offload_dtype: str = cli_field(
         "auto",
-        "the host tier's storage: auto = the KV cache's dtype (loads give back the very values); "
-        "bfloat16 or float16 hold twice a float32 cache's blocks in the same bytes, rounded",
-        choices=("auto", "bfloat16", "float16"),
+        "the KV tiers' storage: auto = the KV cache's dtype (loads give back the very values); "
+        "bfloat16 or float16 hold twice a float32 cache's blocks in the same bytes, rounded; fp8 (e4m3, "
+        "unscaled: values past +-448 saturate) four times",
+        choices=("auto", "bfloat16", "float16", "fp8"),
     )
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
     attention_backend: str = cli_field(

@@ -50,6 +50,9 @@ SUFFIX = ".kv"
 MAX_SLOTS = 64  # engines of one fingerprint sharing a disk path (a pod's workers)
 
 
+_BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # dtypes numpy lacks, as integers
+
+
 def tier_folder(root: str, fingerprint: bytes, dtype: torch.dtype) -> str:
     """Where engines of this fingerprint, storing blocks in dtype, keep their slots."""
     return os.path.join(root, f"{fingerprint.hex()[:32]}-{str(dtype).removeprefix('torch.')}")
@@ -329,8 +332,8 @@ class DiskTierStorage:
         with self._lock:
             keys, data = self._pending[path]  # set before the op was queued; popped only here
         # Each block's bytes as they lie in the contiguous copy, with no copy of their own (numpy has no
-        # bfloat16: its bits as int16).
-        flat = data.view(torch.int16) if self.dtype == torch.bfloat16 else data
+        # bfloat16 or fp8: their bits as integers of their width).
+        flat = data.view(_BITS.get(self.dtype, self.dtype))
         raw = [flat[i].numpy().data.cast("B") for i in range(len(keys))]
         folder, base = os.path.split(path)
         tmp = os.path.join(folder, f".{base}.tmp")

@@ -53,7 +53,8 @@ from shoal.workers.kv_transfer.keys import tier_key
 
 logger = logging.getLogger(__name__)
 
-OFFLOAD_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp8: OCP e4m3, cast as vLLM's fp8 KV cache is with its default scale of 1 (saturating at +-448).
+OFFLOAD_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn}
 LOOKUP_WAIT_S = 0.002  # how long a step waits for a cluster lookup before it lets the request wait a step
 _PENDING = object()  # a cluster lookup still on its way
 MAX_LOOKUPS = 4096  # lookups kept for requests not yet admitted (a bound, should any never be)

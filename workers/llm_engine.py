@@ -467,7 +467,8 @@ class LLMEngine:
         return self._delta(req, [], None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        # (ended requests whose blocks a connector still sends: steps poll for the end of that)
+        return bool(self.requests or self.scheduler.sending)
 
     # ---- the loop -------------------------------------------------------
 
@@ -477,7 +478,7 @@ class LLMEngine:
         on one request (its staging, sampling or detokenizing raised) ends
         that request alone, with an error delta, and the rest go on; any
         other failure raises, and the engine is dead."""
-        if self.scheduler.loading:
+        if self.scheduler.loading or self.scheduler.sending:
             self._poll_kv_loads()
         with step_range("schedule"):
             sched = self.scheduler.schedule()

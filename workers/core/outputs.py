@@ -16,12 +16,13 @@ class KVConnectorOutput:
 
     finished_recving: set[str] = field(default_factory=set)  # requests whose asynchronous loads are in place
     failed_recving: set[str] = field(default_factory=set)  # ...whose loads failed: their blocks are computed
+    finished_sending: set[str] = field(default_factory=set)  # ended requests whose blocks may now be freed
     # Each load made since, by tier: (blocks, seconds) (the connector's counters and costs).
     kv_connector_stats: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_recving or self.failed_recving or self.kv_connector_stats)
+        return not (self.finished_recving or self.failed_recving or self.finished_sending or self.kv_connector_stats)
 
 
 @dataclass(slots=True)

@@ -125,6 +125,9 @@ class Scheduler:
         # blocks past their prefix hits a connector loads across steps; they hold their blocks
         # and no step's budget. One that ends meanwhile keeps its blocks until the load is done.
         self.loading: dict[str, tuple[Sequence, int]] = {}
+        # request_id -> seq: ended sequences whose blocks a connector still reads (its
+        # request_finished said free later), freed when get_finished names them.
+        self.sending: dict[str, Sequence] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -161,8 +164,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """End seq (stop, length or abort) and free its blocks at once."""
+        free_later = False
         if self.connector is not None and reason != "error":  # a failed request's blocks are not trusted
-            self.connector.request_finished(seq, seq.block_table)
+            free_later, seq.kv_transfer_params = self.connector.request_finished(seq, seq.block_table)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
@@ -170,6 +174,8 @@ class Scheduler:
             heapq.heapify(self.waiting)
         if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
             pass  # its blocks are being written: update_from_kv_output frees them once the load is done
+        elif free_later and seq.block_table:
+            self.sending[seq.request_id] = seq  # being read: update_from_kv_output frees them once sent
         else:
             self._free(seq)
         if (members := self.groups.get(seq.parent_request_id)) is not None:
@@ -363,6 +369,9 @@ class Scheduler:
             return
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
+        for request_id in kv_output.finished_sending:
+            if (sent := self.sending.pop(request_id, None)) is not None:
+                self._free(sent)
         for request_id in kv_output.finished_recving | kv_output.failed_recving:
             entry = self.loading.pop(request_id, None)
             if entry is None:

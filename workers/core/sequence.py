@@ -80,6 +80,8 @@ class Sequence:
     lora_slot: int | None = None
     # The request as it came, whole: a field the router adds reaches the scheduler here, unspelled.
     request: GenerateRequest | None = None
+    # What a KV connector's request_finished said of its blocks for whoever receives them (vLLM's name).
+    kv_transfer_params: dict | None = None
 
     @classmethod
     def from_request(cls, request: GenerateRequest, arrival_order: int) -> Sequence:

@@ -78,11 +78,13 @@ class KVConnectorBase(ABC):
     get_num_new_matched_tokens, update_state_after_alloc,
     build_connector_meta, on_block_evicted, request_finished, discard.
     Worker side, called by each rank's ModelRunner: register_kv_caches,
-    start_load_kv (before the forward), wait_for_save (after it),
-    get_finished (loads that span steps). vLLM's per-layer hooks
-    (wait_for_layer_load, save_kv_layer) and its take_events come with the
-    first connector that needs them: on the CPU a block's copy is one
-    contiguous move across layers, made before the forward."""
+    start_load_kv (before the forward), wait_for_layer_load and
+    save_kv_layer (around each attention layer, only when a connector
+    overrides them: the fused CPU decode step and CUDA graphs, which skip
+    the layers' Python, are then off), wait_for_save (after the forward),
+    get_finished (loads and sends that span steps). The offloading connector
+    moves a block in one contiguous copy across layers before the forward,
+    so it needs no per-layer hook."""
 
     def __init__(self, role: KVConnectorRole, spec: KVCacheSpec, options: Any):
         self.role = role
@@ -118,11 +120,14 @@ class KVConnectorBase(ABC):
         block_hash, are overwritten by a later step unless saved now."""
         return None
 
-    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
-        """seq ended (finished, aborted or failed), its blocks about to be
-        freed: a connector that wants their contents copies them now. (vLLM
-        may keep the blocks for a send in flight; shoal frees them at once.)"""
-        return None
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """seq ended (finished or aborted), its blocks about to be freed: a
+        connector that wants their contents copies them now. Returns (free
+        later, params): True keeps the blocks until the worker side's
+        get_finished names the request in finished_sending (a send in
+        flight reads them); params, if any, are kept on the sequence
+        (kv_transfer_params) for whoever receives the blocks."""
+        return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """What the worker side finished (its get_finished), before the
@@ -148,6 +153,27 @@ class KVConnectorBase(ABC):
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         """The rank's paged cache: [2, layers, blocks, block_size, kv_heads, head_dim]."""
         return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before attention layer layer_name reads its cache (its keys and
+        values are written first): block until that layer's part of the
+        step's loads is in place (a layer-by-layer transport)."""
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any) -> None:
+        """After attention layer layer_name ran: its (key, value) caches
+        [blocks, block_size, kv_heads, head_dim] hold the step's new keys and
+        values at attn_metadata.slot_mapping; start saving them."""
+        return None
+
+    @property
+    def uses_layer_hooks(self) -> bool:
+        """Whether this class overrides the per-layer hooks (the runner then calls them, layer by layer)."""
+        cls = type(self)
+        return (
+            cls.wait_for_layer_load is not KVConnectorBase.wait_for_layer_load
+            or cls.save_kv_layer is not KVConnectorBase.save_kv_layer
+        )
 
     @abstractmethod
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:

@@ -265,11 +265,16 @@ class OffloadingConnector(KVConnectorBase):
         self._remember_offloaded([(key, block_hash)])
         self.tiers["host"].saved_blocks += 1
 
-    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._lookups.pop(seq.request_id, None)
         self._published.pop(seq.request_id, None)
-        if self.disk is None:
-            return
+        if self.disk is not None:
+            self._save_to_disk(seq, block_ids)
+        return False, None  # a disk save copies its blocks out before the pool hands them out again
+
+    def _save_to_disk(self, seq: Sequence, block_ids: list[int]) -> None:
+        """The full blocks seq computed that the disk tier lacks, as one new file."""
+        assert self.disk is not None
         bs = self.spec.block_size
         n = min(seq.num_computed_tokens // bs, len(block_ids))  # full blocks whose keys and values are computed
         if n == 0:

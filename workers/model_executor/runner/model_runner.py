@@ -153,9 +153,11 @@ class ModelRunner:
         shape = (2, cfg.num_hidden_layers, total, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         impl = self.attn_backend.impl_cls()  # one for all layers
+        names = {id(m): name for name, m in self.model.named_modules()}
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.impl = impl
+            attn.layer_name = names.get(id(attn), f"layers.{i}")
         if self.device.type == "cpu":
             # The heap now holds weights and cache; what loading left free goes back (memory/cpu_memory.py).
             release_free_heap()
@@ -303,7 +305,8 @@ class ModelRunner:
         graph_size = None
         # Any step of one-token rows fits a graph: a one-token prompt chunk not
         # due a token only leaves its logits row unread (logits_indices pads on).
-        if self.graphs is not None and len(decodes) == len(rows):
+        hooks = self.kv_connector if self.kv_connector is not None and self.kv_connector.uses_layer_hooks else None
+        if self.graphs is not None and len(decodes) == len(rows) and hooks is None:
             graph_size = self.graphs.padded_size(len(rows))
 
         with step_range("prepare_inputs"):
@@ -336,10 +339,10 @@ class ModelRunner:
             if graph_size is not None:
                 graphs = cast(DecodeGraphs, self.graphs)  # graph_size is set only with graphs
                 logits = graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
-            elif self.cpu_decode_step is not None and meta.decode_only:
+            elif self.cpu_decode_step is not None and meta.decode_only and hooks is None:
                 logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
-            else:
-                with set_forward_context(meta), lora_context(t.get("lora_slots")):
+            else:  # (a connector's per-layer hooks run in the layers' Python: no graph, no fused step)
+                with set_forward_context(meta, hooks), lora_context(t.get("lora_slots")):
                     logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
         return due, logits, metadata
 

@@ -13,14 +13,21 @@ _local = threading.local()
 
 
 @contextmanager
-def set_forward_context(metadata: Any):
-    """metadata: the attention backend's own, for this step."""
-    prev = getattr(_local, "meta", None)
-    _local.meta = metadata
+def set_forward_context(metadata: Any, kv_connector: Any = None):
+    """metadata: the attention backend's own, for this step; kv_connector: a
+    KV connector whose per-layer hooks each attention layer calls (None: no
+    hooks, the usual case)."""
+    prev = getattr(_local, "meta", None), getattr(_local, "kv_connector", None)
+    _local.meta, _local.kv_connector = metadata, kv_connector
     try:
         yield
     finally:
-        _local.meta = prev
+        _local.meta, _local.kv_connector = prev
+
+
+def get_kv_connector() -> Any:
+    """The step's KV connector with per-layer hooks, or None."""
+    return getattr(_local, "kv_connector", None)
 
 
 def get_forward_context() -> Any:

@@ -9,7 +9,7 @@ from torch import nn
 
 from shoal.workers.model_executor.layers.attention.backends.abstract import AttentionImpl
 from shoal.workers.model_executor.layers.attention.backends.torch_sdpa import TorchSDPAImpl
-from shoal.workers.model_executor.layers.attention.forward_context import get_forward_context
+from shoal.workers.model_executor.layers.attention.forward_context import get_forward_context, get_kv_connector
 from shoal.workers.model_executor.layers.attention.kv_cache import is_fp8, quantize_fp8
 
 
@@ -58,9 +58,16 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.impl: AttentionImpl = TorchSDPAImpl()  # the reference, until the model runner binds its backend's
+        self.layer_name = ""  # its module path in the model, set with its cache (a KV connector's hooks name it)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]."""
         meta = get_forward_context()
+        connector = get_kv_connector()
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_name)
         write_to_paged_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self.impl.forward(self, q, k, v, meta).view(q.shape[0], -1)
+        out = self.impl.forward(self, q, k, v, meta).view(q.shape[0], -1)
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, (self.k_cache, self.v_cache), meta)
+        return out

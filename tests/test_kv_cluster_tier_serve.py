@@ -48,6 +48,7 @@ class Cluster:
             kv_cluster_tier="object-store",
             kv_cluster_bytes=64 << 20,
             kv_offload_disk_path=disk,
+            enable_kv_cache_events=True,
         )
         self.stack = contextlib.ExitStack()
 
@@ -102,6 +103,35 @@ def _cluster_loads(client: httpx.Client) -> dict[str, float]:
     text = client.get("/metrics").text
     series = re.findall(r'^shoal:kv_offload_load_bytes_total\{([^}]*tier="cluster"[^}]*)\} (\S+)$', text, re.M)
     return {re.search(r'worker="([^"]*)"', labels).group(1): float(v) for labels, v in series}
+
+
+def _worker_names(client: httpx.Client) -> set[str]:
+    return set(re.findall(r'^shoal:num_requests_running\{[^}]*worker="([^"]+)"', client.get("/metrics").text, re.M))
+
+
+def test_a_router_subscribes_to_each_workers_kv_events(cluster):
+    """Worker.kv_events through Serve, as a router calls it: a Subscribe
+    naming the replica reaches that one, and its stream brings the blocks
+    each request stored there, named by the router's chain keys."""
+    from ray import serve
+
+    from shoal.proto.kv_events import BlockStored
+    from shoal.proto.messages import Subscribe
+
+    base, _ = cluster
+    with httpx.Client(base_url=base, timeout=120) as client:
+        for i in range(2):  # round-robin: one on each worker
+            _complete(client, f"Request {i}: " + "a long enough prompt to fill a block or two " * 4)
+        names = _settled(lambda: _worker_names(client), lambda v: len(v) == 2)
+    assert len(names) == 2
+    handle = serve.get_deployment_handle("Worker", app_name=APP)
+    for name in names:
+        stream = handle.options(stream=True).kv_events.remote(Subscribe("test", name), 0)
+        batches = next(iter(stream))  # what it holds from its start: the requests' blocks at least
+        stream.cancel()
+        stored = [e for b in batches for e in b.events if isinstance(e, BlockStored) and e.medium == "device"]
+        assert stored and all(e.block_size == 16 and len(e.token_ids) == 16 * len(e.block_hashes) for e in stored)
+        assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
 
 
 def test_round_robin_turns_load_the_other_workers_blocks_with_one_engines_replies(cluster, tiny_model):

@@ -201,6 +201,11 @@ class EngineArgs:
         "unscaled: values past +-448 saturate) four times",
         choices=("auto", "bfloat16", "float16", "fp8"),
     )
+    enable_kv_cache_events: bool = cli_field(
+        False,
+        "keep a stream of KV cache events (blocks stored in and removed from the cache and its host and "
+        "disk tiers, vLLM's BlockStored / BlockRemoved) that a router or indexer can subscribe to",
+    )
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
     attention_backend: str = cli_field(
         "auto",

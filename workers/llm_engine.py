@@ -28,6 +28,7 @@ from shoal.proto.request_checks import RequestLimits, check_request, check_reque
 from shoal.proto.sampling_params import SamplingParams
 from shoal.proto.stats import EngineStats
 from shoal.workers.core.block_manager import BlockManager
+from shoal.workers.core.kv_event_log import KVEventLog
 from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import RequestOutput
 from shoal.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -125,6 +126,10 @@ class LLMEngine:
         try:
             num_blocks = self.model_executor.determine_num_available_blocks()
             self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+            # KV events (--enable-kv-cache-events): each step's, numbered, for subscribers (Worker.kv_events).
+            self.kv_events: KVEventLog | None = None
+            if args.enable_kv_cache_events:
+                self.kv_events, self.block_manager.pool.events = KVEventLog(), []
             # The KV connector's scheduler side (kv_transfer/); each rank makes its worker side.
             self.kv_connector = self._make_kv_connector(cfg) if connector_name(args) is not None else None
             self.scheduler = Scheduler(
@@ -478,6 +483,15 @@ class LLMEngine:
         on one request (its staging, sampling or detokenizing raised) ends
         that request alone, with an error delta, and the rest go on; any
         other failure raises, and the engine is dead."""
+        outputs = self._step()
+        if self.kv_events is not None:  # the step's changes to the cache and its tiers, in order
+            events, self.block_manager.pool.events = self.block_manager.pool.events, []
+            if self.kv_connector is not None:
+                events += self.kv_connector.take_events()
+            self.kv_events.append(events)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.scheduler.loading or self.scheduler.sending:
             self._poll_kv_loads()
         with step_range("schedule"):

@@ -24,6 +24,7 @@ from shoal.proto.errors import (
     RequestFailedError,
     RequestMoved,
 )
+from shoal.proto.kv_events import KVEventBatch
 from shoal.proto.lora.modules import parse_lora_modules
 from shoal.proto.lora.registry import LoRARegistry, serve_app_registry
 from shoal.proto.messages import (
@@ -237,6 +238,26 @@ class Worker:
             if self._outboxes.get(sub.router) is box:
                 del self._outboxes[sub.router]
 
+    async def kv_events(self, sub: Subscribe, after: int = 0) -> AsyncIterator[list[KVEventBatch]]:
+        """The engine's KV events (--enable-kv-cache-events) after batch
+        number `after`, then as they come: a list of batches (one per engine
+        step that changed the cache or its tiers) each time there are new
+        ones, until the subscriber goes. `sub` names this replica, as a
+        delta stream's does (Serve may hand the call any replica: another's
+        ends at once). A subscriber that fell too far behind gets an
+        AllBlocksCleared first (core/kv_event_log.py)."""
+        if sub.replica != self.name:
+            return
+        log = self.engine.engine.kv_events
+        if log is None:
+            raise ValueError(f"worker {self.name}: KV cache events are off (--enable-kv-cache-events)")
+        while True:
+            batches = log.since(after)
+            if batches:
+                after = batches[-1].seq
+                yield batches
+            await asyncio.sleep(self.KV_EVENTS_POLL_S)
+
     def _delta(self, out: RequestOutput) -> GenerateDelta:
         finished = None
         if out.finished:
@@ -263,6 +284,8 @@ class Worker:
 
     # Up to this many cached chain hashes go into each routing-stats report.
     ROUTING_HASHES = 1024
+    # How often a KV-event subscription looks for new events (an engine step is ~10-100 ms).
+    KV_EVENTS_POLL_S = 0.02
     # The load rides on the deltas of a step at most this often (each router
     # with a stream here so sees it at least as often, a step later): it
     # doubles a delta's pickled size, and a router needs it ~100 ms fresh.

@@ -4,6 +4,7 @@ blocks); its progress is the scheduler's."""
 
 from __future__ import annotations
 
+from shoal.proto.kv_events import BlockStored
 from shoal.proto.utils import cdiv
 from shoal.workers.core.block_pool import BlockPool
 from shoal.workers.core.sequence import Sequence
@@ -109,11 +110,40 @@ class BlockManager:
             if external_pending:
                 num_full = min(num_full, (num_computed - num_external_tokens) // bs)
             if num_full > seq.num_registered_blocks:
-                hashes = seq.prefix_keys(self.block_size, num_full)
-                for i in range(seq.num_registered_blocks, num_full):
-                    self.pool.cache_block(seq.block_table[i], hashes[i])
+                self._register(seq, num_full)
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         return True
+
+    def _register(self, seq: Sequence, num_full: int) -> None:
+        """seq's blocks from its first unregistered one up to num_full into the
+        prefix index; with KV events on, those it is the first to hold as one
+        BlockStored."""
+        hashes = seq.prefix_keys(self.block_size, num_full)
+        start, new = seq.num_registered_blocks, []
+        for i in range(start, num_full):
+            if self.pool.cache_block(seq.block_table[i], hashes[i]):
+                new.append(i)
+        if self.pool.events is not None and new:
+            bs, lora = self.block_size, getattr(seq.lora_request, "lora_int_id", None)
+            # (a run whose middle another sequence holds already: an event per contiguous part)
+            runs: list[list[int]] = []
+            for i in new:
+                if runs and runs[-1][-1] == i - 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                first, last = run[0], run[-1] + 1
+                self.pool.events.append(
+                    BlockStored(
+                        hashes[first:last],
+                        hashes[first - 1] if first else None,
+                        seq.token_ids[first * bs : last * bs],
+                        bs,
+                        lora,
+                        "device",
+                    )
+                )
 
     def commit_external(self, seq: Sequence, num_external_tokens: int) -> None:
         """A connector's asynchronous load into seq's blocks past its
@@ -121,9 +151,7 @@ class BlockManager:
         seq.num_computed_tokens += num_external_tokens
         num_full = seq.num_computed_tokens // self.block_size
         if self.pool.enable_caching and num_full > seq.num_registered_blocks:
-            hashes = seq.prefix_keys(self.block_size, num_full)
-            for i in range(seq.num_registered_blocks, num_full):
-                self.pool.cache_block(seq.block_table[i], hashes[i])
+            self._register(seq, num_full)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:

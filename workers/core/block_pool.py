@@ -7,6 +7,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shoal.proto.kv_events import BlockRemoved
+
 
 @dataclass(slots=True)
 class KVBlock:
@@ -43,6 +45,9 @@ class BlockPool:
         # Called with (block_id, block_hash) as a cached block is handed out afresh, before
         # anything overwrites it: a KV connector saves it to a slower tier (kv_transfer/).
         self.on_evict: Callable[[int, bytes], None] | None = None
+        # KV events (--enable-kv-cache-events; None: off): what the step changed in the index,
+        # taken by the engine after each step (BlockManager adds the BlockStored).
+        self.events: list | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,6 +66,8 @@ class BlockPool:
                     del self.cached[block.block_hash]
                     if self.on_evict is not None:
                         self.on_evict(block_id, block.block_hash)
+                    if self.events is not None:
+                        self.events.append(BlockRemoved([block.block_hash], "device"))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block_id)
@@ -80,17 +87,19 @@ class BlockPool:
                     self.in_use_cached[block_id] = None
             block.ref_cnt += 1
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Record a just-filled block in the prefix index (first one wins)."""
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Record a just-filled block in the prefix index (first one wins:
+        True when this block is the one the index now names)."""
         if not self.enable_caching:
-            return
+            return False
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self.cached.setdefault(block_hash, block_id)
+        first = self.cached.setdefault(block_hash, block_id) == block_id
         if block.ref_cnt:
             self.in_use_cached[block_id] = None
+        return first
 
     def uncache_block(self, block_id: int) -> None:
         """Take a block out of the prefix index: its contents were never written."""
@@ -99,6 +108,8 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) == block_id:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.append(BlockRemoved([block.block_hash], "device"))
         block.block_hash = None
         self.in_use_cached.pop(block_id, None)
 

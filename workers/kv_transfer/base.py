@@ -142,6 +142,12 @@ class KVConnectorBase(ABC):
         """Counters by tier (hits, bytes, evictions, occupancy)."""
         return {}
 
+    def take_events(self) -> list:
+        """KV events (proto/kv_events.py) of the tiers since last taken, in
+        order, with --enable-kv-cache-events; the engine logs them after the
+        paged cache's own, each step."""
+        return []
+
     def offloaded_hashes(self, n: int) -> list[bytes]:
         """Chain hashes (proto/block_hash.py) of up to n blocks this worker's
         own tiers hold past its paged pool, most recent first: the router

@@ -125,6 +125,7 @@ class DiskTierIndex:
         self.used_bytes = 0
         self.pinned: set[str] = set()  # files this step's loads read: never deleted in the same step
         self.num_evicted_blocks = 0
+        self.evicted: list[bytes] = []  # keys of files evicted since the owner last took them (and cleared this)
         # key -> (absolute path, index): blocks in other slots' files, as their headers said at start
         self.foreign: dict[bytes, tuple[str, int]] = {}
         self._scan(str(dtype))
@@ -215,6 +216,7 @@ class DiskTierIndex:
             if victim is None:
                 break
             deleted.append(victim)
+            self.evicted += self.files[victim].keys
             self.num_evicted_blocks += self.forget(victim)
         self._add(name, keys, size)
         return name, deleted

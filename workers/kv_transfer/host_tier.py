@@ -44,6 +44,7 @@ class HostTierIndex:
         self.free = list(range(num_slots - 1, -1, -1))
         self.pinned: set[int] = set()
         self.num_evictions = 0
+        self.evicted: list[bytes] = []  # keys evicted since the owner last took them (and cleared this)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.slots
@@ -79,6 +80,7 @@ class HostTierIndex:
                 return None
             slot = self.slots.pop(victim)
             self.num_evictions += 1
+            self.evicted.append(victim)
         self.slots[key] = slot
         return slot
 

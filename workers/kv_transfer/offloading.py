@@ -36,6 +36,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from shoal.proto.kv_events import BlockRemoved, BlockStored
 from shoal.proto.stats import KV_LOAD_BUCKETS_S
 from shoal.workers.core.outputs import KVConnectorOutput
 from shoal.workers.core.sequence import Sequence
@@ -156,6 +157,8 @@ class OffloadingConnector(KVConnectorBase):
             self._async_sources: dict[str, list[tuple[str, bytes]]] = {}  # request_id -> its loading blocks' sources
             # tier key -> chain hash of the blocks saved to the host or disk tier, least recent first
             self._offloaded: OrderedDict[bytes, bytes] = OrderedDict()
+            # KV events of the tiers (--enable-kv-cache-events; None: off), taken by the engine each step
+            self._events: list | None = [] if getattr(options, "enable_kv_cache_events", False) else None
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
             self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype) if folder else None
@@ -262,6 +265,8 @@ class OffloadingConnector(KVConnectorBase):
             return
         self.tiers["host"].evicted_blocks += self.host.num_evictions - before
         self._meta.saves.append((block_id, slot))
+        self._stored("host", [block_hash])
+        self._removed("host", self.host)
         self._remember_offloaded([(key, block_hash)])
         self.tiers["host"].saved_blocks += 1
 
@@ -287,6 +292,9 @@ class OffloadingConnector(KVConnectorBase):
             return
         before = self.disk.num_evicted_blocks
         name, deleted = self.disk.add([k for _, k in new], self.dtype)
+        stored = {k for _, k in new}
+        self._stored("disk", [h for h, k in zip(hashes, keys, strict=True) if k in stored])
+        self._removed("disk", self.disk)
         self._meta.disk_saves.append((self.disk.path(name), [b for b, _ in new], [k for _, k in new]))
         self._meta.disk_deletes += [self.disk.path(d) for d in deleted]
         stats = self.tiers["disk"]
@@ -362,13 +370,41 @@ class OffloadingConnector(KVConnectorBase):
     def _discard_key(self, key: bytes) -> None:
         if self.host is not None and key in self.host:
             self.host.discard(key)
+            self.host.evicted.append(key)
+            self._removed("host", self.host)
             self.tiers["host"].failed_blocks += 1
         if self.disk is not None and key in self.disk:
             name = self.disk.locate(key)[0]
             if self.disk.owns(name):  # another slot's file is its owner's to delete
                 self._meta.disk_deletes.append(self.disk.path(name))
+                self.disk.evicted += self.disk.files[name].keys
+            else:
+                self.disk.evicted.append(key)
             self.disk.forget(name)  # a file with one bad block is not trusted for the others
+            self._removed("disk", self.disk)
             self.tiers["disk"].failed_blocks += 1
+
+    # ---- KV events (--enable-kv-cache-events) -----------------------------
+
+    def _stored(self, medium: str, hashes: list[bytes]) -> None:
+        if self._events is not None and hashes:  # (a tier sees keys, not tokens: hashes alone)
+            self._events.append(BlockStored(hashes, None, [], self.spec.block_size, None, medium))
+
+    def _removed(self, medium: str, index: HostTierIndex | DiskTierIndex) -> None:
+        """The keys the index evicted or dropped since last asked: BlockRemoved,
+        for those whose chain hash is known here."""
+        keys, index.evicted = index.evicted, []
+        if self._events is not None and keys:
+            hashes = [h for k in keys if (h := self._offloaded.get(k)) is not None]
+            if hashes:
+                self._events.append(BlockRemoved(hashes, medium))
+
+    def take_events(self) -> list:
+        """The tiers' events since last taken, in order (vLLM's name)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def stats(self) -> dict:
         if self.host is not None:

@@ -11,6 +11,7 @@ salted, the same in every process). `medium` is the tier that holds it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MEDIA = ("device", "host", "disk")
 
@@ -20,8 +21,8 @@ class BlockStored:
     """Full blocks now held in `medium`, in chain order: block_hashes[0]'s
     parent is parent_block_hash (None: the first block of a prompt)."""
 
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[Any]  # of bytes (the prefix-cache keys), or of int (--kv-events-block-hash dynamo)
+    parent_block_hash: bytes | int | None
     token_ids: list[int]  # the blocks' tokens, block_size each ([] where the tier did not see them)
     block_size: int
     lora_id: int | None
@@ -32,7 +33,7 @@ class BlockStored:
 class BlockRemoved:
     """Blocks `medium` no longer holds (evicted, or found bad)."""
 
-    block_hashes: list[bytes]
+    block_hashes: list[Any]  # as BlockStored's
     medium: str
 
 

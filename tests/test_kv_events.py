@@ -99,3 +99,44 @@ def test_a_subscriber_reads_from_where_it_left_off_and_one_too_far_behind_starts
     assert [x.seq for x in behind] == [1, 2, 3]
     assert behind[0].events == [AllBlocksCleared()] and behind[2].events == [c]
     assert log.since(3) == [] and [x.events for x in log.since(2)] == [[c]]
+
+
+def test_dynamos_block_hash_matches_its_published_test_vector():
+    import numpy as np
+
+    from shoal.proto.dynamo_hash import compute_block_hash, local_block_hashes, sequence_hashes
+
+    # lib/kv-router's protocols tests: compute_block_hash(b"test data") is LocalBlockHash(13226331709069118873).
+    assert compute_block_hash(b"test data") == 13226331709069118873
+    tokens = list(range(40))
+    local = local_block_hashes(tokens, 16)  # two full blocks; the 8 tokens past them make none
+    assert local == [compute_block_hash(np.arange(i * 16, (i + 1) * 16, dtype="<u4").tobytes()) for i in range(2)]
+    seq = sequence_hashes(local)
+    assert seq[0] == local[0]
+    assert seq[1] == compute_block_hash(np.array([seq[0], local[1]], dtype="<u8").tobytes())
+    assert sequence_hashes(local[1:], parent=seq[0]) == seq[1:]  # the chain goes on from where it was
+
+
+def test_events_can_name_blocks_as_dynamo_does(tiny_model):
+    from shoal.proto.dynamo_hash import local_block_hashes, sequence_hashes
+
+    engine = _engine(tiny_model, kv_events_block_hash="dynamo")
+    try:
+        first = _prompt(1, 80)
+        out = _run(engine, first, "first")
+        engine.add_request(GenerateRequest("salted", _prompt(9, 40), PARAMS, cache_salt="tenant-a"))
+        while "salted" in engine.requests:
+            engine.step()
+        for i in range(2, 5):  # evict the first prompt's blocks
+            _run(engine, _prompt(i, 80), f"p{i}")
+        stored = _events(engine, BlockStored, "device")
+        removed = [h for e in _events(engine, BlockRemoved, "device") for h in e.block_hashes]
+    finally:
+        engine.shutdown()
+    tokens = first + out
+    names = sequence_hashes(local_block_hashes(tokens, BLOCK))[: (len(tokens) - 1) // BLOCK]
+    assert len(names) == 5 and stored[0].block_hashes == names  # its prefill stored all 5 at once
+    assert stored[0].parent_block_hash is None and stored[0].token_ids == tokens[: 5 * BLOCK]
+    assert set(names) <= set(removed)  # the same names when they go
+    # A salted request's blocks are not in Dynamo's hash: no event names them.
+    assert len(stored) == 1 + 3  # the first prompt's run, and each later prompt's

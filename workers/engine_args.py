@@ -206,6 +206,13 @@ class EngineArgs:
         "keep a stream of KV cache events (blocks stored in and removed from the cache and its host and "
         "disk tiers, vLLM's BlockStored / BlockRemoved) that a router or indexer can subscribe to",
     )
+    kv_events_block_hash: str = cli_field(
+        "shoal",
+        "how KV events name blocks: shoal = the prefix-cache keys (SHA-256, as shoal's router computes "
+        "them); dynamo = NVIDIA Dynamo's sequence hashes (XXH3-64, seed 1337; needs the xxhash package), "
+        "for a Dynamo or llm-d router, of the paged cache's blocks without LoRA or cache_salt",
+        choices=("shoal", "dynamo"),
+    )
     num_threads: int | None = cli_field(None, "torch CPU threads (default: the cores, shared among ranks and workers)")
     attention_backend: str = cli_field(
         "auto",

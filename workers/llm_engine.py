@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from shoal.proto.block_hash import adopt_chain, check_cache_salt, lora_extra
+from shoal.proto.dynamo_hash import check_available as check_dynamo_hashes
 from shoal.proto.errors import EngineFaultError, InvalidRequestError, LoRAAdapterError
 from shoal.proto.logprobs import TokenLogprob
 from shoal.proto.lora.modules import LORA_IN_HOST, LORA_ON_DEVICE, LORA_ON_DISK, parse_lora_modules
@@ -108,6 +109,10 @@ class LLMEngine:
             _check_lora_args(args)
         if connector_name(args) is not None:
             _check_kv_connector_args(args)
+        if args.kv_events_block_hash not in ("shoal", "dynamo"):
+            raise ValueError(f"kv_events_block_hash must be 'shoal' or 'dynamo'; got {args.kv_events_block_hash!r}")
+        if args.enable_kv_cache_events and args.kv_events_block_hash == "dynamo":
+            check_dynamo_hashes()
         loaded = load_model_files(args.model)  # config and tokenizer now; rank 0 reads the weights as it builds
         cfg = loaded.config
         self.model_name, self.model_config, self.tokenizer = loaded.name, cfg, loaded.tokenizer
@@ -130,6 +135,8 @@ class LLMEngine:
             self.kv_events: KVEventLog | None = None
             if args.enable_kv_cache_events:
                 self.kv_events, self.block_manager.pool.events = KVEventLog(), []
+                if args.kv_events_block_hash == "dynamo":
+                    self.block_manager.pool.dynamo = {}
             # The KV connector's scheduler side (kv_transfer/); each rank makes its worker side.
             self.kv_connector = self._make_kv_connector(cfg) if connector_name(args) is not None else None
             self.scheduler = Scheduler(

@@ -4,6 +4,9 @@ blocks); its progress is the scheduler's."""
 
 from __future__ import annotations
 
+from typing import cast
+
+from shoal.proto.dynamo_hash import local_block_hashes, sequence_hashes
 from shoal.proto.kv_events import BlockStored
 from shoal.proto.utils import cdiv
 from shoal.workers.core.block_pool import BlockPool
@@ -124,26 +127,41 @@ class BlockManager:
             if self.pool.cache_block(seq.block_table[i], hashes[i]):
                 new.append(i)
         if self.pool.events is not None and new:
-            bs, lora = self.block_size, getattr(seq.lora_request, "lora_int_id", None)
-            # (a run whose middle another sequence holds already: an event per contiguous part)
-            runs: list[list[int]] = []
+            self._stored_events(seq, hashes, new)
+
+    def _stored_events(self, seq: Sequence, hashes: list[bytes], new: list[int]) -> None:
+        """BlockStored for the blocks at indices `new` of seq, which it registered first."""
+        bs, lora = self.block_size, getattr(seq.lora_request, "lora_int_id", None)
+        names: list = hashes
+        if self.pool.dynamo is not None:  # --kv-events-block-hash dynamo
+            if seq.cache_salt is not None or seq.block_hash_extra:  # not in Dynamo's default hash: no event
+                return
+            done, end = len(seq.dynamo_hashes), new[-1] + 1
+            if end > done:
+                local = local_block_hashes(seq.token_ids[done * bs : end * bs], bs)
+                seq.dynamo_hashes += sequence_hashes(local, seq.dynamo_hashes[-1] if done else None)
+            names = seq.dynamo_hashes
             for i in new:
-                if runs and runs[-1][-1] == i - 1:
-                    runs[-1].append(i)
-                else:
-                    runs.append([i])
-            for run in runs:
-                first, last = run[0], run[-1] + 1
-                self.pool.events.append(
-                    BlockStored(
-                        hashes[first:last],
-                        hashes[first - 1] if first else None,
-                        seq.token_ids[first * bs : last * bs],
-                        bs,
-                        lora,
-                        "device",
-                    )
+                self.pool.dynamo[hashes[i]] = names[i]
+        # (a run whose middle another sequence holds already: an event per contiguous part)
+        runs: list[list[int]] = []
+        for i in new:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1] + 1
+            cast(list, self.pool.events).append(
+                BlockStored(
+                    names[first:last],
+                    names[first - 1] if first else None,
+                    seq.token_ids[first * bs : last * bs],
+                    bs,
+                    lora,
+                    "device",
                 )
+            )
 
     def commit_external(self, seq: Sequence, num_external_tokens: int) -> None:
         """A connector's asynchronous load into seq's blocks past its

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from shoal.proto.kv_events import BlockRemoved
 
@@ -48,6 +49,9 @@ class BlockPool:
         # KV events (--enable-kv-cache-events; None: off): what the step changed in the index,
         # taken by the engine after each step (BlockManager adds the BlockStored).
         self.events: list | None = None
+        # --kv-events-block-hash dynamo: each cached block's key -> its Dynamo sequence hash, the
+        # name its events carry (None: events name blocks by their keys).
+        self.dynamo: dict[bytes, int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,7 +71,7 @@ class BlockPool:
                     if self.on_evict is not None:
                         self.on_evict(block_id, block.block_hash)
                     if self.events is not None:
-                        self.events.append(BlockRemoved([block.block_hash], "device"))
+                        self._removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block_id)
@@ -109,9 +113,16 @@ class BlockPool:
         if self.cached.get(block.block_hash) == block_id:
             del self.cached[block.block_hash]
             if self.events is not None:
-                self.events.append(BlockRemoved([block.block_hash], "device"))
+                self._removed(block.block_hash)
         block.block_hash = None
         self.in_use_cached.pop(block_id, None)
+
+    def _removed(self, block_hash: bytes) -> None:
+        """A BlockRemoved event for the block keyed block_hash (under its Dynamo name, if it has one)."""
+        if self.dynamo is None:
+            cast(list, self.events).append(BlockRemoved([block_hash], "device"))
+        elif (name := self.dynamo.pop(block_hash, None)) is not None:
+            cast(list, self.events).append(BlockRemoved([name], "device"))
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; list tail blocks first so the

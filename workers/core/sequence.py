@@ -82,6 +82,8 @@ class Sequence:
     request: GenerateRequest | None = None
     # What a KV connector's request_finished said of its blocks for whoever receives them (vLLM's name).
     kv_transfer_params: dict | None = None
+    # Its full blocks' sequence hashes in NVIDIA Dynamo's format (--kv-events-block-hash dynamo), as far as made.
+    dynamo_hashes: list[int] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: GenerateRequest, arrival_order: int) -> Sequence:

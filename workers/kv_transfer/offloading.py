@@ -158,7 +158,9 @@ class OffloadingConnector(KVConnectorBase):
             # tier key -> chain hash of the blocks saved to the host or disk tier, least recent first
             self._offloaded: OrderedDict[bytes, bytes] = OrderedDict()
             # KV events of the tiers (--enable-kv-cache-events; None: off), taken by the engine each step
-            self._events: list | None = [] if getattr(options, "enable_kv_cache_events", False) else None
+            # (Dynamo's names cover the paged cache's blocks alone: a tier sees keys, not tokens)
+            events = getattr(options, "enable_kv_cache_events", False)
+            self._events: list | None = [] if events and options.kv_events_block_hash == "shoal" else None
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
             self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype) if folder else None

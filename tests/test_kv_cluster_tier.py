@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_kv_host_tier import BLOCK, GREEDY, POOL_BLOCKS, SEEDED, SHARED, _prompt, _run
+from test_kv_host_tier import BLOCK, GREEDY, POOL_BLOCKS, SEEDED, SHARED, _prompt, _run, run_together
 
 from shoal.proto.messages import GenerateRequest
 from shoal.workers import LLMEngine, SamplingParams
@@ -94,6 +94,24 @@ def test_the_blocks_of_a_chunked_prefill_are_published_too(tiny_model, reference
     out_1, out_2, tiers = _two_turns(tiny_model, GREEDY, max_num_batched_tokens=32)
     assert (out_1, out_2) == reference["greedy"]
     assert tiers["cluster"].hit_tokens == (len(TURN_1) + len(out_1) - 1) // BLOCK * BLOCK
+
+
+def test_two_requests_fetching_the_same_blocks_at_once_both_land(tiny_model, reference):
+    """Concurrent loads of one block from the cluster: each request waits
+    for its own fetch into its own blocks; both give the reference tokens."""
+    a, b = _engine(tiny_model), _engine(tiny_model)
+    try:
+        (out_1,) = _run(a, [TURN_1], GREEDY)
+        a.shutdown()
+        prompt = _turn_2(out_1)
+        outs = run_together(b, {"twin-a": prompt, "twin-b": prompt}, GREEDY)
+        cluster = b.kv_tier_stats()["cluster"]
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert outs["twin-a"] == outs["twin-b"] == reference["greedy"][1]
+    computed = len(TURN_1) + len(out_1) - 1
+    assert cluster.failed_blocks == 0 and cluster.hit_tokens >= computed // BLOCK * BLOCK
 
 
 def test_two_salts_never_share_a_cluster_block(tiny_model):

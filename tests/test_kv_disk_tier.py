@@ -147,6 +147,18 @@ def test_a_file_of_another_slot_that_went_is_computed_instead(tiny_model, refere
     assert tiers["disk"].failed_blocks >= 1 and tiers["disk"].hit_tokens == 2 * BLOCK  # offered, then computed
 
 
+def test_two_salts_never_share_a_disk_block(tiny_model, tmp_path):
+    engine = _engine(tiny_model, tmp_path)
+    try:
+        _run(engine, [FIRST, *WORKLOAD[1:5]], GREEDY, salt="tenant-a")  # FIRST on disk, gone from the pool
+        _run(engine, [AGAIN], GREEDY, salt="tenant-b")
+        assert engine.kv_tier_stats()["disk"].hit_tokens == 0
+        _run(engine, [AGAIN], GREEDY, salt="tenant-a")
+        assert engine.kv_tier_stats()["disk"].hit_tokens == 2 * BLOCK
+    finally:
+        engine.shutdown()
+
+
 def test_disk_settings_are_checked(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="must be an absolute path"):
         LLMEngine(model=tiny_model, kv_offload_disk_path="relative/kv")

@@ -74,6 +74,17 @@ def _run(engine: LLMEngine, prompts, params: SamplingParams, salt: str | None = 
     return outs
 
 
+def run_together(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    """The prompts (by request id) added at once, run to their ends: each one's tokens."""
+    for rid, ids in prompts.items():
+        engine.add_request(GenerateRequest(rid, list(ids), params))
+    outs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            outs[d.request_id] += d.new_token_ids
+    return outs
+
+
 def run_once(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tuple[list[list[int]], dict]:
     """_run, then the engine's tier counters, and the engine shut down (its writes done)."""
     try:
@@ -158,6 +169,48 @@ def test_two_salts_never_share_a_tier_block(tiny_model):
         assert engine.kv_tier_stats()["host"].hit_tokens == 6 * BLOCK
     finally:
         engine.shutdown()
+
+
+def test_an_adapters_blocks_come_back_under_it_alone(tiny_model, tmp_path):
+    """LoRA: blocks computed under an adapter are keyed under it in the tier
+    too; they come back, with the tokens a prefill gives, for that adapter
+    and never for the base model."""
+    from test_lora_adapter import make_adapter
+
+    from shoal.workers import LLM
+    from shoal.workers.lora import LoRARequest
+
+    lora = LoRARequest("alpha", 1, make_adapter(tiny_model, str(tmp_path / "alpha"), 4, seed=10))
+    host = 64 * 2 * 2 * BLOCK * 2 * 16 * 4
+
+    def run(host_bytes: int, prompts, loras) -> tuple[list[list[int]], dict]:
+        kw = dict(num_kv_blocks=POOL_BLOCKS, num_threads=1, enable_lora=True, max_loras=1)
+        with LLM(tiny_model, kv_offload_host_bytes=host_bytes, **kw) as llm:
+            outs = [llm.generate([p], GREEDY, lora_request=r)[0].token_ids for p, r in zip(prompts, loras, strict=True)]
+            return outs, llm.engine.kv_tier_stats()
+
+    ref, _ = run(0, WORKLOAD, [lora] * len(WORKLOAD))
+    out, tiers = run(host, WORKLOAD, [lora] * len(WORKLOAD))
+    assert out == ref and tiers["host"].hit_tokens == HOST_HITS
+    # SHARED's blocks, evicted under the adapter: the base model's request finds none; the adapter's does.
+    _, tiers = run(host, [*WORKLOAD[:5], WORKLOAD[6], WORKLOAD[6]], [lora] * 5 + [None, lora])
+    # All 6 of SHARED's blocks for the adapter's request, the most it can take: so none for the base's.
+    assert tiers["host"].hit_tokens == 6 * BLOCK
+
+
+def test_two_requests_loading_one_block_at_once_both_get_it(tiny_model, reference):
+    """Concurrent loads of one block: two requests admitted in the same step
+    whose prefix the host tier holds. The first loads it; the second finds
+    those fresh blocks in the index (their load comes before the forward)."""
+    engine = _engine(tiny_model, host_blocks=64)
+    try:
+        _run(engine, WORKLOAD[:5], GREEDY)  # SHARED is in the tier only, now
+        outs = run_together(engine, {"twin-a": WORKLOAD[6], "twin-b": WORKLOAD[6]}, GREEDY)
+        host = engine.kv_tier_stats()["host"]
+    finally:
+        engine.shutdown()
+    assert outs["twin-a"] == outs["twin-b"] == reference["greedy"][6]
+    assert host.loaded_blocks == 6  # once: the twin's are device hits on the loaded blocks
 
 
 def test_a_load_that_fails_is_computed_again(tiny_model, reference, monkeypatch):

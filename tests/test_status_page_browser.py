@@ -125,6 +125,9 @@ def test_status_page_in_a_real_browser(tiny_model):
             assert len(rows) == 2 and all(total == 256 for total in rows.values()), rows
             page.wait_for_function("document.querySelectorAll('tr.tier-row[data-tier=host]').length === 2")
             assert page.is_visible("#tiers-section")
+            # Each tier row has what a block fetched from it costs beside what a prefill of one does.
+            cells = "rows => rows.every(r => r.querySelector('td.fetch-ms') && r.querySelector('td.prefill-ms'))"
+            assert page.eval_on_selector_all("tr.tier-row", cells)
             assert page.inner_text("#shape-workers") == "2/2" and "kv" in page.inner_text("#shape-routing")
 
             # Under load the charts take points and the token rate goes above zero.

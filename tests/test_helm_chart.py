@@ -876,7 +876,7 @@ def test_schema_and_values_list_every_shoal_serve_option():
     assert all(v is None for v in values["shoal"].values())  # shoal's own defaults, never pinned here
 
 
-def test_the_kv_disk_tier_is_an_emptydir_on_the_worker_pods_alone():
+def test_the_kv_disk_tier_is_an_emptydir_or_a_claim_on_the_worker_pods_alone():
     values = load_values("values-cpu-demo.yaml")
     values["kvDisk"] = {"enabled": True, "mountPath": "/var/lib/shoal/kv", "sizeLimit": "20Gi"}
     docs = render(values)
@@ -894,6 +894,13 @@ def test_the_kv_disk_tier_is_an_emptydir_on_the_worker_pods_alone():
     assert config["applications"][0]["args"]["kv_offload_disk_path"] == "/var/lib/shoal/kv"
     off = yaml.safe_load(rayservice(render(load_values("values-cpu-demo.yaml")))["spec"]["serveConfigV2"])
     assert "kv_offload_disk_path" not in off["applications"][0]["args"]
+
+    # A claim instead: the same mount, the blocks on a volume that outlives the pods.
+    values["kvDisk"] = {"enabled": True, "mountPath": "/var/lib/shoal/kv", "claimName": "shoal-kv"}
+    for name, group in groups(rayservice(render(values))).items():
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        if name not in ("head", "routers"):
+            assert volumes["kv-disk"] == {"name": "kv-disk", "persistentVolumeClaim": {"claimName": "shoal-kv"}}, name
 
 
 @pytest.mark.slow

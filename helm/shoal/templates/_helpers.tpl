@@ -225,16 +225,22 @@ objects), /dev/shm in memory (Ray's object store) and the image user's home
 {{- end }}
 
 {{/*
-The KV cache's disk tier (kvDisk): an emptyDir on the worker pods alone.
+The KV cache's disk tier (kvDisk), on the worker pods alone: an emptyDir, or
+the PersistentVolumeClaim kvDisk.claimName (its blocks then outlive the pods).
 */}}
 {{- define "shoal.kvDiskVolume" -}}
 {{- if .Values.kvDisk.enabled }}
 - name: kv-disk
+  {{- if .Values.kvDisk.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.kvDisk.claimName }}
+  {{- else }}
   emptyDir:
     {{- with .Values.kvDisk.sizeLimit }}
     sizeLimit: {{ . }}
     {{- else }} {}
     {{- end }}
+  {{- end }}
 {{- end }}
 {{- end }}
 

@@ -5,6 +5,8 @@ where it left off (the Serve stream: tests/test_kv_cluster_tier_serve.py)."""
 
 from __future__ import annotations
 
+from test_kv_host_tier import run_together
+
 from shoal.proto.block_hash import chain_hashes
 from shoal.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shoal.proto.messages import GenerateRequest
@@ -24,12 +26,7 @@ def _engine(model: str, **kw) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, prompt: list[int], rid: str) -> list[int]:
-    engine.add_request(GenerateRequest(rid, list(prompt), PARAMS))
-    tokens: list[int] = []
-    while rid in engine.requests:
-        for d in engine.step():
-            tokens += d.new_token_ids
-    return tokens
+    return run_together(engine, {rid: prompt}, PARAMS)[rid]
 
 
 def _events(engine: LLMEngine, kind=None, medium=None) -> list:

@@ -153,8 +153,9 @@ class EngineArgs:
     )
     async_scheduling: bool = cli_field(
         False,
-        "AsyncEngine (the workers): a second thread detokenizes and delivers each step's deltas while "
-        "the engine-core thread runs the next step (requests with stop strings are detokenized in the step)",
+        "schedule and stage each step while the one before computes (on a thread of its own; one rank, no KV "
+        "connector), and in AsyncEngine (the workers) detokenize and deliver each step's deltas on a second "
+        "thread (requests with stop strings are detokenized in the step)",
     )
     # The alias also gives --no-prefix-caching, the flag's older spelling.
     enable_prefix_caching: bool = cli_field(

@@ -43,8 +43,9 @@ from shoal.workers.model_executor.loader.detokenizer import IncrementalDetokeniz
 from shoal.workers.model_executor.loader.model_loader import load_model_files
 from shoal.workers.model_executor.platforms.cpu.openmp import release_thread_team
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats
-from shoal.workers.model_executor.runner.interface import Runner
+from shoal.workers.model_executor.runner.interface import PreparingRunner, Runner
 from shoal.workers.profiling import step_range
+from shoal.workers.step_pipeline import InFlight, StepPipeline
 from shoal.workers.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,19 @@ KV_LOAD_WAIT_S = 0.05  # an idle engine's wait for a KV load to land, before it 
 # smoothed with this weight for the newest: fewer are decode-bound, their time mostly the weights'.
 PREFILL_SAMPLE_TOKENS = 64
 PREFILL_EWMA = 0.2
+
+
+def _ahead_safe(seq: Sequence) -> bool:
+    """Whether seq's next step may be staged before its pending token is
+    known (async scheduling): not where sampling reads its tokens (a grammar,
+    the penalties)."""
+    p = seq.params
+    return (
+        seq.structured_output_request is None
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+    )
 
 
 def is_engine_fault(error: BaseException, device: torch.device) -> bool:
@@ -186,6 +200,16 @@ class LLMEngine:
         # Set by AsyncEngine under --async-scheduling: step() and abort_request() return
         # PendingOutput for requests without stop strings, whose text its output thread makes.
         self.defer_outputs = False
+        # --async-scheduling: each step computes on a thread of its own while the next is scheduled
+        # (step_pipeline.py). One rank only: the other ranks' inputs are sent from the sequences.
+        self.pipeline: StepPipeline | None = None
+        if args.async_scheduling:
+            if args.tensor_parallel_size > 1 or self.kv_connector is not None:
+                logger.info(
+                    "async scheduling: steps are scheduled one after another (tensor parallelism or a KV connector)"
+                )
+            else:
+                self.pipeline = StepPipeline(cast(PreparingRunner, self.runner))
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished_requests = 0
         # The steps may run on another thread (AsyncEngine's engine core): this one's
         # OpenMP team, made by loading and warm-up, must not outlive its work (openmp.py).
@@ -208,7 +232,7 @@ class LLMEngine:
             return
         meta = self.kv_connector.build_connector_meta(None)
         if not meta.is_empty:
-            out = self.model_executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
+            out = self._execute(SchedulerOutput(kv_connector_metadata=meta))
             self.scheduler.update_from_kv_output(out.kv_connector_output)
 
     def _poll_kv_loads(self) -> None:
@@ -219,9 +243,7 @@ class LLMEngine:
         sched = self.scheduler
         idle = not sched.running and not sched.waiting
         meta = cast(KVConnectorBase, self.kv_connector).build_connector_meta(None)
-        out = self.model_executor.execute_model(
-            SchedulerOutput(kv_connector_metadata=meta, kv_wait_s=KV_LOAD_WAIT_S if idle else 0.0)
-        )
+        out = self._execute(SchedulerOutput(kv_connector_metadata=meta, kv_wait_s=KV_LOAD_WAIT_S if idle else 0.0))
         sched.update_from_kv_output(out.kv_connector_output)
 
     def kv_tier_stats(self) -> dict:
@@ -479,8 +501,10 @@ class LLMEngine:
         return self._delta(req, [], None)
 
     def has_unfinished_requests(self) -> bool:
-        # (ended requests whose blocks a connector still sends: steps poll for the end of that)
-        return bool(self.requests or self.scheduler.sending)
+        # (ended requests whose blocks a connector still sends: steps poll for the end of that;
+        # a step in flight: a step takes its output)
+        pipeline = self.pipeline
+        return bool(self.requests or self.scheduler.sending or (pipeline is not None and pipeline.inflight))
 
     # ---- the loop -------------------------------------------------------
 
@@ -498,7 +522,15 @@ class LLMEngine:
             self.kv_events.append(events)
         return outputs
 
+    def _execute(self, sched: SchedulerOutput):
+        """Every rank's part of a step, waited for: on the compute thread under async scheduling."""
+        if self.pipeline is not None:
+            return self.pipeline.call(self.model_executor.execute_model, sched)
+        return self.model_executor.execute_model(sched)
+
     def _step(self) -> list[RequestOutput]:
+        if self.pipeline is not None and self.pipeline.inflight is not None:
+            return self._step_ahead()
         if self.scheduler.loading or self.scheduler.sending:
             self._poll_kv_loads()
         with step_range("schedule"):
@@ -506,16 +538,17 @@ class LLMEngine:
         if sched.is_empty:
             meta = sched.kv_connector_metadata
             if meta is not None and not getattr(meta, "is_empty", True):
-                out = self.model_executor.execute_model(sched)  # moves gathered with nothing to run
+                out = self._execute(sched)  # moves gathered with nothing to run
                 self.scheduler.update_from_kv_output(out.kv_connector_output)
             return []
-        if self.structured_output is not None:
-            with step_range("grammar_bitmask"):
-                sched.grammar_bitmask = self.structured_output.grammar_bitmask(sched.seqs_due_token)
+        self._grammar_bitmask(sched)
+        if self.pipeline is not None and sched.kv_connector_metadata is None:
+            self._launch(sched, None, None)
+            return self._step_ahead()
         t0 = time.perf_counter()
         try:
             with step_range("execute_model"):
-                out = self.model_executor.execute_model(sched)
+                out = self._execute(sched)
         except KVLoadError as e:
             self._recompute_unloaded(sched, e)
             return []
@@ -524,19 +557,74 @@ class LLMEngine:
             # step computes the same tokens again (their KV slots rewritten
             # with the same values), less the culprits.
             return [self._fail(seq, err) for seq, err in self._blame(sched, e)]
+        self._account(sched, time.perf_counter() - t0)
+        self.scheduler.update_from_kv_output(out.kv_connector_output)
+        return self._finish_step(sched, out)
+
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> None:
+        if self.structured_output is not None:
+            with step_range("grammar_bitmask"):
+                sched.grammar_bitmask = self.structured_output.grammar_bitmask(sched.seqs_due_token)
+
+    # ---- async scheduling: the next step scheduled while this one computes --------------
+
+    def _launch(self, sched: SchedulerOutput, prep, previous) -> None:
+        """Start computing sched (prepared already, or now) on the compute
+        thread, and count it as done (Scheduler.advance_ahead)."""
+        pipeline = cast(StepPipeline, self.pipeline)
+        if prep is None:
+            prep = pipeline.runner.prepare(sched)
+        ahead_ok = all(_ahead_safe(seq) for seq in sched.seqs_due_token)  # before advance_ahead moves them
+        pipeline.launch(sched, prep, previous, ahead_ok)
+        self.scheduler.advance_ahead(sched)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """A step is computing: schedule and stage the next one meanwhile,
+        unless some sequence of it needs its token first (a grammar, a
+        penalty counting its tokens); then take its output, launch the next,
+        and make the deltas while that one computes."""
+        pipeline = cast(StepPipeline, self.pipeline)
+        cur = cast(InFlight, pipeline.inflight)
+        nxt = prep = None
+        if cur.ahead_ok:
+            with step_range("schedule"):
+                nxt = self.scheduler.schedule()
+            if nxt.is_empty:
+                nxt = None
+            else:
+                self._grammar_bitmask(nxt)  # its constrained rows are new ones: no placeholder is theirs
+                prep = pipeline.runner.prepare(nxt)
+        try:
+            out, dt = pipeline.wait()
+        except Exception as e:
+            # Nothing is counted done: the sequences are as scheduled (the next schedule
+            # computes the same tokens again), less the culprits. The next step, staged or
+            # not, is dropped; what it allocated is counted from the sequences again.
+            self.scheduler.undo_ahead(cur.sched)
+            running = [(s, n) for s, n in cur.sched.scheduled if s.status is SequenceStatus.RUNNING]
+            return [self._fail(seq, err) for seq, err in self._blame(SchedulerOutput(running), e)]
+        self._account(cur.sched, dt)
+        if nxt is not None:
+            self._launch(nxt, prep, out)
+        return self._finish_step(cur.sched, out, ahead=True)
+
+    def _account(self, sched: SchedulerOutput, dt: float) -> None:
         self.num_steps += 1
-        dt = time.perf_counter() - t0
         self.step_seconds += dt
         if (n := sched.num_batched_tokens) >= PREFILL_SAMPLE_TOKENS:
             us = 1e6 * dt / n
             last = self.prefill_us_per_token
             self.prefill_us_per_token = us if not last else last + PREFILL_EWMA * (us - last)
-        self.scheduler.update_from_kv_output(out.kv_connector_output)
+
+    def _finish_step(self, sched: SchedulerOutput, out, ahead: bool = False) -> list[RequestOutput]:
+        """The step's tokens into its sequences, and a delta for each (ahead:
+        it was counted by advance_ahead; a request that ended since has no delta)."""
         tokens = out.sampled_token_ids
+        live = [seq.status is not SequenceStatus.FINISHED for seq in out.seqs]
         stop_strings, failed = [], {}
         with step_range("detokenize"):
-            for seq, token in zip(out.seqs, tokens):
-                if self.defer_outputs and self._deferred(self.requests[seq.request_id]):
+            for seq, token, ok in zip(out.seqs, tokens, live):
+                if not ok or (self.defer_outputs and self._deferred(self.requests[seq.request_id])):
                     stop_strings.append(None)  # no stop string to find; its text is made later
                     continue
                 try:
@@ -545,10 +633,12 @@ class LLMEngine:
                     stop_strings.append(None)
                     failed[seq.request_id] = e
         with step_range("update_from_output"):
-            finished = self.scheduler.update_from_output(sched, out, stop_strings)
+            finished = self.scheduler.update_from_output(sched, out, stop_strings, ahead)
         deltas = []
         with step_range("detokenize"):  # the outputs: one delta per token
-            for seq, token, lp in zip(out.seqs, tokens, out.logprobs):
+            for seq, token, lp, ok in zip(out.seqs, tokens, out.logprobs, live):
+                if not ok:
+                    continue
                 if seq.request_id in failed:
                     deltas.append(self._fail(seq, failed[seq.request_id]))
                     continue
@@ -557,7 +647,7 @@ class LLMEngine:
         for seq in finished:
             if seq.request_id not in failed:
                 del self.requests[seq.request_id]
-        self.num_generation_tokens += len(tokens)
+        self.num_generation_tokens += sum(live)
         self.num_finished_requests += len(finished) - sum(1 for s in finished if s.request_id in failed)
         if finished:
             self._flush_kv_moves()
@@ -598,7 +688,7 @@ class LLMEngine:
             # With the group's LoRA slots: a slot fill that fails is then pinned on its adapter's requests.
             slots = {s.lora_slot: s.lora_request for s, _ in group if s.lora_slot is not None}
             try:
-                self.model_executor.execute_model(SchedulerOutput(group, lora_slots=slots))
+                self._execute(SchedulerOutput(group, lora_slots=slots))
             except Exception as e:
                 if is_engine_fault(e, self.device):
                     raise
@@ -636,7 +726,7 @@ class LLMEngine:
             "error",
             seq.num_prompt_tokens,
             seq.num_cached_tokens,
-            seq.num_output_tokens,
+            seq.num_sampled_tokens,
             seq.timings,
             error=message,
         )
@@ -648,7 +738,7 @@ class LLMEngine:
         detok = self.requests[seq.request_id].detok
         if detok is None:
             return None
-        return detok.add(token, seq.num_output_tokens + 1 >= seq.params.min_tokens)
+        return detok.add(token, seq.num_sampled_tokens + 1 >= seq.params.min_tokens)
 
     @staticmethod
     def _deferred(req: _Request) -> bool:
@@ -667,7 +757,7 @@ class LLMEngine:
             seq.finish_reason,
             seq.num_prompt_tokens,
             seq.num_cached_tokens,
-            seq.num_output_tokens,
+            seq.num_sampled_tokens,
             seq.timings,
             lp,
             stop_reason=seq.stop_reason,
@@ -697,6 +787,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.shutdown()
         if getattr(self, "structured_output", None) is not None:
             self.structured_output.shutdown()
         if getattr(self, "kv_connector", None) is not None:

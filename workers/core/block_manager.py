@@ -112,6 +112,9 @@ class BlockManager:
             num_full = (num_computed + num_new_tokens) // bs
             if external_pending:
                 num_full = min(num_full, (num_computed - num_external_tokens) // bs)
+            # A block holding a placeholder (async scheduling's token in flight) has no key yet:
+            # it enters the index with a later allocation, once its token is in place.
+            num_full = min(num_full, (seq.num_tokens - seq.num_output_placeholders) // bs)
             if num_full > seq.num_registered_blocks:
                 self._register(seq, num_full)
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)

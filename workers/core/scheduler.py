@@ -14,7 +14,7 @@ from shoal.workers.core.block_manager import BlockManager
 from shoal.workers.core.kv_connector import SchedulerConnector
 from shoal.workers.core.lora_slots import LoRASlotTable
 from shoal.workers.core.outputs import KVConnectorOutput, ModelRunnerOutput
-from shoal.workers.core.sequence import Sequence, SequenceStatus
+from shoal.workers.core.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.timings.finished = time.time()
+        seq.drop_placeholders()  # a step in flight computes a token it will never have
 
     def _free(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -219,6 +220,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_output_placeholders and self._ends_by_length(seq):
+                continue  # the step in flight gives it its last token
             left = seq.num_tokens - seq.num_computed_tokens
             n = min(left, budget, threshold) if threshold and left > 1 else min(left, budget)
             while not bm.allocate_slots(seq, n):
@@ -407,24 +410,64 @@ class Scheduler:
                 return False, m, ready
         return bool(members) and members[0] is not seq, None, 0
 
+    # ---- async scheduling: the next step scheduled while this one computes ----
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether seq's tokens so far, placeholders counted, reach a length cap."""
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
+    @staticmethod
+    def advance_ahead(sched: SchedulerOutput) -> None:
+        """A step is computing: count its tokens computed now, and give each
+        sequence due a token a placeholder for it, so that the next step can
+        be scheduled at once (vLLM's async scheduling). update_from_output(ahead=True)
+        puts the sampled tokens in their places."""
+        for seq, n in sched.scheduled:
+            due = SchedulerOutput.due_token(seq, n)
+            seq.num_computed_tokens += n
+            if due:
+                seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+                seq.num_output_placeholders += 1
+
+    @staticmethod
+    def undo_ahead(sched: SchedulerOutput) -> None:
+        """The step advance_ahead counted failed: its sequences are as
+        scheduled again (the next step computes the same tokens). Only the
+        step's own placeholders are there: the next was not launched."""
+        for seq, n in sched.scheduled:
+            if seq.status is SequenceStatus.RUNNING:  # (one preempted since holds no tokens computed)
+                seq.num_computed_tokens -= n
+            if seq.num_output_placeholders:
+                seq.drop_placeholders()
+
     def update_from_output(
         self,
         scheduler_output: SchedulerOutput,
         model_runner_output: ModelRunnerOutput,
         stop_strings: list[str | None] | None = None,
+        ahead: bool = False,
     ) -> list[Sequence]:
         """Advance the sequences by the step that ran: the scheduled tokens
         are computed, each sampled token is appended, and a sequence that
         reached a stop finishes. stop_strings[i]: the stop string that the
-        engine's detokenizer found in row i's text, if any. Returns the
-        sequences that finished, in order."""
-        for seq, n in scheduler_output.scheduled:
-            seq.num_computed_tokens += n
+        engine's detokenizer found in row i's text, if any. ahead: the step
+        was counted by advance_ahead, so its tokens replace their
+        placeholders, and a sequence that ended since (aborted, or ended by
+        the step before) has no row. Returns the sequences that finished, in order."""
+        if not ahead:
+            for seq, n in scheduler_output.scheduled:
+                seq.num_computed_tokens += n
         now = time.time()
         out = model_runner_output
         finished = []
         for seq, token, stop_string in zip(out.seqs, out.sampled_token_ids, stop_strings or [None] * len(out.seqs)):
-            seq.token_ids.append(token)
+            if ahead:
+                if seq.status is SequenceStatus.FINISHED:
+                    continue
+                seq.token_ids[len(seq.token_ids) - seq.num_output_placeholders] = token
+                seq.num_output_placeholders -= 1
+            else:
+                seq.token_ids.append(token)
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
             grammar_done = False
@@ -449,7 +492,7 @@ class Scheduler:
         grammar that nothing more can follow (whatever min_tokens says: no
         token is left to sample); then the length caps."""
         p = seq.params
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        num_output = seq.num_sampled_tokens  # (a step in flight may hold a placeholder past token)
         if num_output >= p.min_tokens:
             if token in p.stop_token_ids:
                 return "stop", token
@@ -459,6 +502,6 @@ class Scheduler:
                 return "stop", stop_string
         if grammar_done:
             return "stop", None
-        if num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if num_output >= p.max_tokens or seq.num_prompt_tokens + num_output >= self.max_model_len:
             return "length", None
         return None, None

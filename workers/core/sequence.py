@@ -13,6 +13,11 @@ from shoal.proto.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from shoal.proto.messages import GenerateRequest
 
+# Async scheduling: the next step is scheduled while this one computes, so a sequence due a
+# token holds this in its place until the token is sampled (vLLM's output placeholders). Never
+# a real id: a step that ran with one unreplaced fails in the embedding rather than run on.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -84,6 +89,8 @@ class Sequence:
     kv_transfer_params: dict | None = None
     # Its full blocks' sequence hashes in NVIDIA Dynamo's format (--kv-events-block-hash dynamo), as far as made.
     dynamo_hashes: list[int] = field(default_factory=list)
+    # Trailing token_ids that are PLACEHOLDER_TOKEN_ID: tokens of steps in flight (async scheduling).
+    num_output_placeholders: int = 0
 
     @classmethod
     def from_request(cls, request: GenerateRequest, arrival_order: int) -> Sequence:
@@ -109,7 +116,19 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens, counting those of steps in flight (what the next draw's index is)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far (not counting placeholders): what a delta reports."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_output_placeholders
+
+    def drop_placeholders(self) -> None:
+        """Forget the tokens of steps in flight (it finished: they are not its)."""
+        if self.num_output_placeholders:
+            del self.token_ids[-self.num_output_placeholders :]
+            self.num_output_placeholders = 0
 
     @property
     def output_token_ids(self) -> list[int]:

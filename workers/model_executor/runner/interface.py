@@ -3,7 +3,7 @@ SimulatedRunner stands in for it with a cost model's step time."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
@@ -27,6 +27,19 @@ class Runner(Protocol):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and sample its tokens."""
+        ...
+
+
+@runtime_checkable
+class PreparingRunner(Runner, Protocol):
+    """A runner that stages a step apart from computing it: prepare reads the
+    sequences, run_prepared touches none of them, so the engine may schedule
+    the next step meanwhile (async scheduling, workers/step_pipeline.py)."""
+
+    def prepare(self, sched: SchedulerOutput) -> Any: ...
+
+    def run_prepared(self, prep: Any, previous: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        """Compute and sample; previous: the step before's output, whose tokens fill prep's placeholders."""
         ...
 
 

@@ -15,8 +15,8 @@ step (platforms/cpu/decode_step.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from shoal.workers.model_executor.platforms.interface import DecodeStep
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
 from shoal.workers.model_executor.runner.staging_buffer import StagedBatch, StagingBuffer
 from shoal.workers.model_executor.sampling.builder import stage_sampling_metadata
+from shoal.workers.model_executor.sampling.metadata import SamplingMetadata
 from shoal.workers.model_executor.sampling.sampler import Sampler
 from shoal.workers.profiling import step_range
 
@@ -68,6 +69,23 @@ class _Row:
     @property
     def seq_len(self) -> int:
         return self.seq.num_computed_tokens + self.num_new
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step staged from its sequences (ModelRunner.prepare), to compute
+    and sample (run_prepared), perhaps on another thread."""
+
+    sched: SchedulerOutput
+    due: list = field(default_factory=list)  # the sequences due a token, in the rows' order
+    tensors: dict = field(default_factory=dict)  # the staged inputs, uploaded
+    batch: StagedBatch | None = None
+    attn_metadata: Any = None  # the backend's; None where a CUDA graph replays
+    sampling: SamplingMetadata | None = None  # of the due rows
+    graph_size: int | None = None
+    hooks: object | None = None  # a KV connector's per-layer hooks
+    placeholder_rows: list[int] = field(default_factory=list)  # flat inputs the step before's tokens fill
+    placeholder_seqs: list = field(default_factory=list)  # ...and whose tokens they are
 
 
 class ModelRunner:
@@ -243,14 +261,32 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step: the sequences due a token and what was sampled for
         them, in order."""
+        return self.run_prepared(self.prepare(sched))
+
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """Stage the step's inputs from its sequences as they are now: the
+        engine may change them (schedule the next step) while run_prepared
+        computes this one on another thread (async scheduling)."""
+        if not sched.scheduled:  # the connector's moves alone (LLMEngine._flush_kv_moves)
+            return PreparedStep(sched)
+        return self._prepare(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask, sched=sched)
+
+    def run_prepared(self, prep: PreparedStep, previous: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        """Compute a prepared step and sample its tokens. previous: the step
+        before's output, whose tokens stand where this step's inputs hold
+        placeholders (it was prepared while that one computed)."""
+        sched = prep.sched
         if self.lora_manager is not None:
             with step_range("lora_slots"):
                 self.lora_manager.set_active(sched.lora_slots)
         self._move_kv(sched.kv_connector_metadata)
         kv_output = self.kv_connector.get_finished(sched.kv_wait_s) if self.kv_connector is not None else None
-        if not sched.scheduled:  # the connector's moves alone (LLMEngine._flush_kv_moves)
+        if not sched.scheduled:
             return ModelRunnerOutput([], [], [], kv_output)
-        seqs, logits, metadata = self._run(sched.scheduled, sample=True, grammar_bitmask=sched.grammar_bitmask)
+        if prep.placeholder_seqs:
+            self._fill_placeholders(prep, previous)
+        logits = self._forward(prep)
+        seqs = prep.due
         if self.kv_connector is not None:  # the forward wrote the step's blocks, prefill chunks' too
             self.kv_connector.wait_for_save()
         if not seqs:
@@ -258,8 +294,20 @@ class ModelRunner:
         if self.fault_plan is not None:  # tests only (workers/fault_injection.py)
             self.fault_plan.before_sampling(seqs)
         with step_range("sample"):
-            out = self.sampler(logits, metadata)
+            out = self.sampler(logits, cast(SamplingMetadata, prep.sampling))  # set where a row is due
         return ModelRunnerOutput(seqs, out.sampled_token_ids, out.logprobs, kv_output)
+
+    @staticmethod
+    @torch.inference_mode()
+    def _fill_placeholders(prep: PreparedStep, previous: ModelRunnerOutput | None) -> None:
+        if previous is None:
+            raise RuntimeError("a step prepared with placeholders ran without the step before's tokens")
+        sampled = {id(seq): token for seq, token in zip(previous.seqs, previous.sampled_token_ids)}
+        tokens = [sampled[id(seq)] for seq in prep.placeholder_seqs]
+        ids = prep.tensors["input_ids"]
+        ids[torch.as_tensor(prep.placeholder_rows, device=ids.device)] = torch.tensor(tokens, dtype=ids.dtype).to(
+            ids.device, non_blocking=True
+        )
 
     def _move_kv(self, metadata) -> None:
         """The connector's moves for the step, before its forward writes or reads any block."""
@@ -289,12 +337,16 @@ class ModelRunner:
         seqs, logits, _ = self._run(scheduled, sample=False)
         return seqs, logits
 
-    @torch.inference_mode()
     def _run(self, scheduled: list, sample: bool, grammar_bitmask=None):
         """scheduled: (sequence, new tokens) pairs; a sequence is anything
         with token_ids, num_computed_tokens and block_table (a rank's
         mirror will do when sample is False). grammar_bitmask: the
         constrained rows' token masks (SchedulerOutput.grammar_bitmask)."""
+        prep = self._prepare(scheduled, sample, grammar_bitmask)
+        return prep.due, self._forward(prep), prep.sampling
+
+    @torch.inference_mode()
+    def _prepare(self, scheduled: list, sample: bool, grammar_bitmask=None, sched=None) -> PreparedStep:
         # Decodes first, longest context first, so the torch backend can
         # batch them in a few groups of similar length.
         decodes = sorted((_Row(s, n) for s, n in scheduled if n == 1), key=lambda r: -r.seq.num_computed_tokens)
@@ -324,6 +376,7 @@ class ModelRunner:
                 )
             t = batch.upload()  # the step's one host-to-device copy
             metadata = pending.resolve(t, self.device) if pending is not None else None
+            meta = None
             if graph_size is None:
                 common = self._common_metadata(
                     t,
@@ -334,17 +387,39 @@ class ModelRunner:
                     block_tables_cpu=[r.seq.block_table for r in rows],
                 )
                 meta = self.attn_metadata_builder.build(common)
+            placeholder_rows, placeholder_seqs = self._placeholders(rows)
+        return PreparedStep(sched, due, t, batch, meta, metadata, graph_size, hooks, placeholder_rows, placeholder_seqs)
 
+    @staticmethod
+    def _placeholders(rows: list[_Row]) -> tuple[list[int], list]:
+        """The flat inputs that are a token of the step in flight (async
+        scheduling: filled at run time from its output), and their sequences.
+        Only a sequence's last token can be one: its row is a decode."""
+        flat_rows, seqs, offset = [], [], 0
+        for r in rows:
+            seq = r.seq
+            if getattr(seq, "num_output_placeholders", 0):
+                if seq.num_output_placeholders != 1 or r.seq_len != len(seq.token_ids):
+                    raise RuntimeError(f"request {seq.request_id}: a step may read one placeholder, its last token")
+                flat_rows.append(offset + r.num_new - 1)
+                seqs.append(seq)
+            offset += r.num_new
+        return flat_rows, seqs
+
+    @torch.inference_mode()
+    def _forward(self, prep: PreparedStep) -> torch.Tensor:
+        t, meta = prep.tensors, prep.attn_metadata
         with step_range("forward"):
-            if graph_size is not None:
+            if prep.graph_size is not None:
                 graphs = cast(DecodeGraphs, self.graphs)  # graph_size is set only with graphs
-                logits = graphs.replay(graph_size, batch, self._forward_decode)[: len(due)]
-            elif self.cpu_decode_step is not None and meta.decode_only and hooks is None:
-                logits = self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
-            else:  # (a connector's per-layer hooks run in the layers' Python: no graph, no fused step)
-                with set_forward_context(meta, hooks), lora_context(t.get("lora_slots")):
-                    logits = self.model(t["input_ids"], t["positions"], t["logits_indices"])
-        return due, logits, metadata
+                return graphs.replay(prep.graph_size, cast(StagedBatch, prep.batch), self._forward_decode)[
+                    : len(prep.due)
+                ]
+            if self.cpu_decode_step is not None and meta.decode_only and prep.hooks is None:
+                return self.cpu_decode_step.forward(t["input_ids"], t["positions"], t["logits_indices"], meta)
+            # (a connector's per-layer hooks run in the layers' Python: no graph, no fused step)
+            with set_forward_context(meta, prep.hooks), lora_context(t.get("lora_slots")):
+                return self.model(t["input_ids"], t["positions"], t["logits_indices"])
 
     @staticmethod
     def _lora_token_slots(rows: list[_Row]) -> list[int]:

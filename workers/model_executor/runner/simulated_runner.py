@@ -167,6 +167,14 @@ def stand_in_token(key: int, index: int, vocab_size: int, banned: Iterable[int] 
     return token
 
 
+@dataclass(slots=True)
+class SimulatedStep:
+    """A prepared step: its tokens, and how long it takes."""
+
+    out: ModelRunnerOutput
+    step_s: float
+
+
 class SimulatedRunner:
     """ModelRunner's step interface over a stand-in model; see the module doc."""
 
@@ -201,6 +209,11 @@ class SimulatedRunner:
         """The step's stand-in tokens, after the cost model's step time
         (counted from the call, so this bookkeeping is inside it)."""
         t0 = time.perf_counter()
+        return self.run_prepared(self.prepare(sched), started=t0)
+
+    def prepare(self, sched: SchedulerOutput) -> SimulatedStep:
+        """The step's tokens, from its sequences as they are now (a stand-in
+        token needs no token before it, so a placeholder is never read)."""
         step_s = self.cost.step_seconds(StepShape.of(sched.scheduled))
         seqs = sched.seqs_due_token
         tokens, logprobs = [], []
@@ -215,12 +228,19 @@ class SimulatedRunner:
         if len(self._prompt_keys) > 4 * len(seqs) + 1024:  # forget finished requests
             live = {(s.request_id, s.arrival_order) for s in seqs}
             self._prompt_keys = {k: v for k, v in self._prompt_keys.items() if k in live}
+        return SimulatedStep(ModelRunnerOutput(seqs, tokens, logprobs), step_s)
+
+    def run_prepared(
+        self, prep: SimulatedStep, previous: ModelRunnerOutput | None = None, started: float | None = None
+    ) -> ModelRunnerOutput:
+        """The step's time passes (from `started`, else now), then its tokens."""
+        t0 = time.perf_counter() if started is None else started
         self.num_steps += 1
-        self.simulated_seconds += step_s
-        left = t0 + step_s - time.perf_counter()
+        self.simulated_seconds += prep.step_s
+        left = t0 + prep.step_s - time.perf_counter()
         if left > 0:
             self.sleep(left)
-        return ModelRunnerOutput(seqs, tokens, logprobs)
+        return prep.out
 
     def _prompt_key(self, seq: Sequence) -> int:
         """A greedy request's tokens follow from its prompt, as a model's would."""

@@ -6,8 +6,10 @@ torch.tensor(..., device="cuda") each is its own pageable copy and sync;
 here they are packed into one pinned host buffer, copied with one
 non-blocking transfer, and handed out as views of the device buffer.
 
-The pinned buffer is reused from step to step. That is safe because every
-step ends by fetching its sampled tokens, which waits for the copy.
+The pinned buffers are reused: two, in turn. A step's copy is done once
+its sampled tokens are fetched; under async scheduling the next step is
+staged while this one computes, so it writes the other buffer, and the
+one after is staged only once this step's tokens are back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class StagingBuffer:
         self.pinned = device.type == "cuda"
         self._host = self._new_host(initial_bytes)
         self._dev = torch.empty(initial_bytes, dtype=torch.uint8, device=device) if self.pinned else None
+        self._other: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the second pair, made on first use
         self.num_uploads = 0  # host-to-device copies made: one per step (tests count them)
 
     def _new_host(self, nbytes: int) -> torch.Tensor:
@@ -39,6 +42,13 @@ class StagingBuffer:
 
     def begin(self) -> StagedBatch:
         return StagedBatch(self)
+
+    def _swap(self) -> None:
+        """Take the other pair of buffers (a step's are left alone while it computes)."""
+        if self._other is None:
+            n = self._host.numel()
+            self._other = (self._new_host(n), torch.empty(n, dtype=torch.uint8, device=self.device))
+        (self._host, self._dev), self._other = self._other, (self._host, self._dev)
 
     def _reserve(self, nbytes: int) -> None:
         if self._host.numel() < nbytes:
@@ -92,6 +102,7 @@ class StagedBatch:
         buf = self._buffer
         offsets, end = self._layout()
         if buf.pinned:
+            buf._swap()
             buf._reserve(end)
             host = buf._host
         else:

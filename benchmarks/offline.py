@@ -13,7 +13,8 @@ each request with its own max_new_tokens, its cache and batch sizes set per
 workload in CB_SETTINGS and printed beside its result) and plain batched
 generate in batches of 16. --peers vllm adds vLLM's CPU build (vllm_peer.py:
 installed into its own environment on first use, fed the same token ids),
-a row for each --vllm-dtype.
+a row for each --vllm-dtype, and shoal again, unquantized, at each of those
+dtypes its own run did not use.
 With --tensor-parallel-size K > 1, shoal also runs at K = 1 on the same
 cores, and the table gives both step times.
 """
@@ -413,8 +414,23 @@ class Bench:
             report["shoal_vs_cb"] = results[CB]["seconds"] / next(iter(results.values()))["seconds"]
         return report
 
+    def same_precision_args(self, first: dict) -> list[tuple[str, EngineArgs]]:
+        """--peers vllm: shoal again, unquantized, at each precision vLLM runs in
+        (those its own run did not use), so each system is shown at its best
+        precision and at the same one, side by side."""
+        args = self.args
+        if "vllm" not in self.peers or args.tensor_parallel_size > 1:
+            return []
+        own = str(args.resolved_dtype(args.resolved_device())).removeprefix("torch.")
+        return [
+            (f"shoal {dtype}", dataclasses.replace(args, quantization="none", dtype=dtype))
+            for dtype in self.vllm_dtypes
+            if (first["quantization"], own) != ("none", dtype)
+        ]
+
     def run_shoals(self, work) -> dict[str, dict]:
-        """Shoal's results, its run at --tensor-parallel-size first (and with K > 1 its run at K = 1)."""
+        """Shoal's results, its run at --tensor-parallel-size first (and with K > 1 its run at K = 1;
+        with --peers vllm its runs at vLLM's precisions)."""
         args, tp = self.args, self.args.tensor_parallel_size
         results = {}
         if tp > 1:
@@ -429,6 +445,9 @@ class Bench:
         )
         if "expert_load" in s:
             print_expert_load(s)
+        for label, same in self.same_precision_args(s):
+            results[label] = r = run_shoal(same, work)
+            print(f"{label}: {r['seconds']:.1f} s, {r['step_ms']:.1f} ms/step", flush=True)
         if tp > 1:
             results["shoal K=1"] = one
             s["same_tokens_as_k1"] = s["outputs"] == one["outputs"]

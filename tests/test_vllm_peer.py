@@ -189,6 +189,9 @@ def test_bench_offline_prints_vllm_beside_shoal(tiny_model, tmp_path, monkeypatc
     results = json.loads(out.read_text())["workloads"]["default"]["results"]
     bf16, f32 = results["vLLM CPU bfloat16"], results["vLLM CPU float32"]
     assert (bf16["compute_dtype"], f32["compute_dtype"]) == ("bfloat16", "float32")
+    # shoal at its own precision (the tiny model's float32) and again at vLLM's other one, beside it
+    assert list(results)[:2] == ["shoal", "shoal bfloat16"] and "shoal float32" not in results
+    assert results["shoal bfloat16"]["quantization"] == "none" and results["shoal bfloat16"]["seconds"] > 0
     assert bf16["output_tok_s"] > 0 and f32["seconds"] > 0 and f32["version"] == "0.0.fake"
     # each dtype in its own driver, on the tiny model's own folder, the workload's token ids
     calls = _records(record)

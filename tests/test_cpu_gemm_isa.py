@@ -45,7 +45,9 @@ def test_small_m_linear_matches_float64_reference(kernel, isa, wdtype, K):
     for N in (1, 3, 4, 5, 131):
         w = torch.randn(N, K, generator=gen).to(wdtype)
         b = torch.randn(N, generator=gen)
-        for M in (1, 2, 3, 4, 49):
+        # M: the dot-product tiles' rows (1-4, 49), then the outer-product tiles' 16-row
+        # panels whole and with 1 and 15 rows left over, up to matmul.MAX_KERNEL_ROWS.
+        for M in (1, 2, 3, 4, 49, 16, 17, 31, 130, 256):
             x = torch.randn(M, K, generator=gen)
             ref = F.linear(x.double(), w.double(), b.double()).float()
             torch.testing.assert_close(

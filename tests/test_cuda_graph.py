@@ -67,7 +67,7 @@ def test_staged_views_keep_their_layout_in_another_buffer():
     assert got["table"].tolist() == [[1, 2], [3, 4]] and got["ids"].dtype == torch.long
 
 
-def _generate(tiny_model: str, padded: bool, budget: int = 64):
+def _generate(tiny_model: str, padded: bool, budget: int = 64, **engine):
     llm = LLM(
         tiny_model,
         dtype="float32",
@@ -75,6 +75,7 @@ def _generate(tiny_model: str, padded: bool, budget: int = 64):
         max_num_batched_tokens=budget,
         num_kv_blocks=48,
         max_num_seqs=4,
+        **engine,
     )
     if padded:
         stats = llm.engine.runner.capture_cudagraphs()
@@ -100,6 +101,27 @@ def test_decode_steps_padded_to_buckets_give_the_plain_steps_tokens(tiny_model, 
     assert runner.pad_block == 48 and runner.kv_cache.shape[2] == 49
 
 
+def test_decode_steps_staged_ahead_replay_to_the_plain_steps_tokens(tiny_model):
+    """Async scheduling stages a step while the one before computes: its
+    placeholders are filled in the staged buffer the graph's static inputs
+    are copied from, so padded replays give the same tokens."""
+    plain, _ = _generate(tiny_model, padded=False)
+    ahead, runner = _generate(tiny_model, padded=True, async_scheduling=True)
+    assert runner.graphs.num_replays > 0
+    assert ahead == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replaying a captured graph needs CUDA")
+def test_steps_scheduled_ahead_on_a_gpu_give_the_eager_steps_tokens(tiny_model):
+    """On a GPU: steps staged ahead (async scheduling: the pinned staging buffers
+    in turn, placeholders filled on the device) and replayed as graphs."""
+    eager, _ = _generate_cuda(tiny_model, enforce_eager=True)
+    ahead, runner = _generate_cuda(tiny_model, enforce_eager=False, async_scheduling=True)
+    assert runner.graphs is not None and runner.graphs.num_replays > 0
+    assert ahead == eager
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replaying a captured graph needs CUDA")
 def test_a_replayed_graph_equals_the_eager_step(tiny_model):
@@ -109,10 +131,16 @@ def test_a_replayed_graph_equals_the_eager_step(tiny_model):
     assert graphed == eager
 
 
-def _generate_cuda(tiny_model: str, enforce_eager: bool):
+def _generate_cuda(tiny_model: str, enforce_eager: bool, **engine):
     # A fixed cache: sized from free memory, the first engine's would leave the second none.
     with LLM(
-        tiny_model, device="cuda", dtype="float32", max_num_seqs=6, num_kv_blocks=64, enforce_eager=enforce_eager
+        tiny_model,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=6,
+        num_kv_blocks=64,
+        enforce_eager=enforce_eager,
+        **engine,
     ) as llm:
         rng = random.Random(7)
         prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 30, 5, 41, 9)]

@@ -12,11 +12,15 @@ to INT8 W8A8 (layers/quantization/int8.py), on the tiny random Llama.
   positions (measured 86%).
 - The torch path (no compiled kernels) and the kernels give the same tokens
   and log-probabilities to float rounding (the same integers, scaled).
+- Greedy tokens equal transformers' at the same precision: its model with
+  each decoder linear layer replaced by a W8A8 written in this file (not
+  shoal's), compared as the bfloat16 path is, near-ties reported.
 """
 
 from __future__ import annotations
 
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -107,3 +111,75 @@ def test_torch_path_matches_kernels(tiny_model, reference):
 
 def test_config():
     assert Int8Config.from_config({}).get_name() == "int8"
+
+
+# ---- greedy tokens against transformers at the same precision ----------------------
+
+
+class W8A8Linear(torch.nn.Module):
+    """transformers' nn.Linear as vLLM's W8A8 int8 defines it, written here
+    apart from shoal's code: the weight quantized once per output channel,
+    each call's input per token (symmetric, s = max|row| / 127 in float32,
+    round half to even), the integer sums exact in float64, then scaled."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        s = w.abs().amax(1) / 127
+        self.q_w = torch.round(w / torch.where(s == 0, torch.ones_like(s), s)[:, None]).clamp(-127, 127).double()
+        self.s_w = s.double()
+        self.bias = None if linear.bias is None else linear.bias.detach().double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        s = rows.abs().amax(1) / 127
+        q = torch.round(rows / torch.where(s == 0, torch.ones_like(s), s)[:, None]).clamp(-127, 127)
+        y = ((q.double() @ self.q_w.T).float() * s[:, None]).double() * self.s_w
+        if self.bias is not None:
+            y = y + self.bias
+        return y.float().reshape(*x.shape[:-1], -1)
+
+
+@pytest.fixture(scope="module")
+def hf_w8a8(tiny_model):
+    """transformers' float model with every decoder layer's linear layers W8A8 (the LM head stays float, as shoal's)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    for layer in hf.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, W8A8Linear(child))
+    return hf
+
+
+# Measured 2026-12-07: every prompt of every setting token for token (against float, 1 to 4 of 16).
+# A token may differ only where transformers' top two logits are within REL_TIE of its top logit:
+# the float parts of the two models round differently, and a row's quantization can round the other way.
+REL_TIE = 1e-3
+
+
+@pytest.mark.parametrize("setting", ["plain", "preempt", "chunked", "prefix"])
+def test_int8_greedy_matches_transformers_w8a8(tiny_model, hf_w8a8, setting):
+    from reference import hf_greedy
+    from regimes import MAX_NEW, SETTINGS, prompts_for
+
+    from shoal.benchmarks.tp import first_difference
+
+    with LLM(tiny_model, quantization="int8", **SETTINGS[setting]) as llm:
+        prompts = prompts_for(setting, hf_w8a8.config.vocab_size)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+        refs = hf_greedy(hf_w8a8, prompts, MAX_NEW, llm.engine.eos_token_ids)
+    ties = []
+    for prompt, out, ref in zip(prompts, outs, refs):
+        if (diff := first_difference(hf_w8a8, prompt, out.token_ids, ref)) is None:
+            continue
+        i, gap = diff
+        with torch.no_grad():
+            top = hf_w8a8(torch.tensor([prompt + ref[:i]])).logits[0, -1].max().item()
+        assert gap <= REL_TIE * abs(top), f"token {i} differs ({out.token_ids[i:]} vs {ref[i:]}): top-2 gap {gap:.3g}"
+        ties.append(f"near-tie at token {i}: top-2 gap {gap:.3g} of {top:.3g}")
+    for note in ties:
+        warnings.warn(f"int8/{setting}: {note}", stacklevel=1)
+    assert len(ties) <= len(prompts) // 4, ties

@@ -226,3 +226,46 @@ def test_a_step_ahead_that_fails_fails_its_culprit_alone(tiny_model, monkeypatch
     assert not ref_errors and set(errors) == {"poison"} and "injected sampling fault" in errors["poison"]
     assert got.pop("poison", []) == []
     assert got == ref
+
+
+def test_a_request_whose_staging_raises_fails_alone_with_steps_ahead(tiny_model, monkeypatch):
+    """Staging happens off the compute thread when steps run ahead: a request
+    whose inputs cannot be staged (here, its sampling settings) still fails
+    alone, as it does one step at a time, and the others keep their tokens."""
+    from shoal.workers.model_executor.runner import model_runner
+
+    real = model_runner.stage_sampling_metadata
+
+    def stage(seqs, *args, **kwargs):
+        if any(s.request_id == "bad" for s in seqs):
+            raise ValueError("injected staging fault")
+        return real(seqs, *args, **kwargs)
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reqs = [(f"r{i}", [30 + (i * 11 + j) % 300 for j in range(4 + 5 * i)]) for i in range(5)]
+
+    def run(on: bool, bad: bool):
+        engine = LLMEngine(model=tiny_model, num_kv_blocks=128, num_threads=1, async_scheduling=on)
+        for rid, prompt in reqs:
+            engine.add_request(GenerateRequest(rid, prompt, params))
+        got, errors, steps = {}, {}, 0
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.new_token_ids)
+                if d.error is not None:
+                    errors[d.request_id] = d.error
+            steps += 1
+            if steps == 2 and bad:  # joins while a step runs ahead of the others
+                engine.add_request(GenerateRequest("bad", [41, 42, 43], params))
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks and not engine.requests
+        engine.shutdown()
+        return got, errors
+
+    ref, _ = run(False, False)
+    monkeypatch.setattr(model_runner, "stage_sampling_metadata", stage)
+    for on in (False, True):
+        got, errors = run(on, True)
+        assert set(errors) == {"bad"} and "injected staging fault" in errors["bad"], on
+        assert got.pop("bad", []) == []
+        assert got == ref, on

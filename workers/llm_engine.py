@@ -542,8 +542,7 @@ class LLMEngine:
                 self.scheduler.update_from_kv_output(out.kv_connector_output)
             return []
         self._grammar_bitmask(sched)
-        if self.pipeline is not None and sched.kv_connector_metadata is None:
-            self._launch(sched, None, None)
+        if self.pipeline is not None and self._launch(sched, None, None):
             return self._step_ahead()
         t0 = time.perf_counter()
         try:
@@ -568,15 +567,26 @@ class LLMEngine:
 
     # ---- async scheduling: the next step scheduled while this one computes --------------
 
-    def _launch(self, sched: SchedulerOutput, prep, previous) -> None:
+    def _launch(self, sched: SchedulerOutput, prep, previous) -> bool:
         """Start computing sched (prepared already, or now) on the compute
-        thread, and count it as done (Scheduler.advance_ahead)."""
+        thread, and count it as done (Scheduler.advance_ahead). False,
+        changing nothing, where staging it raised: the step then runs one
+        at a time, where a request's own failure is pinned on it (_blame)."""
         pipeline = cast(StepPipeline, self.pipeline)
-        if prep is None:
-            prep = pipeline.runner.prepare(sched)
+        if prep is None and (prep := self._prepare(sched)) is None:
+            return False
         ahead_ok = all(_ahead_safe(seq) for seq in sched.seqs_due_token)  # before advance_ahead moves them
         pipeline.launch(sched, prep, previous, ahead_ok)
         self.scheduler.advance_ahead(sched)
+        return True
+
+    def _prepare(self, sched: SchedulerOutput):
+        """The step staged for the compute thread; None where staging raised."""
+        try:
+            return cast(StepPipeline, self.pipeline).runner.prepare(sched)
+        except Exception as e:
+            logger.debug("staging a step ahead failed (%s: %s): it runs one at a time", type(e).__name__, e)
+            return None
 
     def _step_ahead(self) -> list[RequestOutput]:
         """A step is computing: schedule and stage the next one meanwhile,
@@ -589,11 +599,11 @@ class LLMEngine:
         if cur.ahead_ok:
             with step_range("schedule"):
                 nxt = self.scheduler.schedule()
-            if nxt.is_empty:
-                nxt = None
-            else:
+            if not nxt.is_empty:
                 self._grammar_bitmask(nxt)  # its constrained rows are new ones: no placeholder is theirs
-                prep = pipeline.runner.prepare(nxt)
+                prep = self._prepare(nxt)
+            if prep is None:  # nothing to run, or staging raised: the next schedule has it again
+                nxt = None
         try:
             out, dt = pipeline.wait()
         except Exception as e:

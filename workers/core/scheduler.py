@@ -437,8 +437,7 @@ class Scheduler:
         for seq, n in sched.scheduled:
             if seq.status is SequenceStatus.RUNNING:  # (one preempted since holds no tokens computed)
                 seq.num_computed_tokens -= n
-            if seq.num_output_placeholders:
-                seq.drop_placeholders()
+            seq.drop_placeholders()
 
     def update_from_output(
         self,

@@ -195,34 +195,37 @@ def test_the_engine_replies_the_same_with_steps_ahead(tiny_model, num_kv_blocks)
     assert all(len(t) == n for t, _, (_, _, n), _ in runs[False].values())  # usage counts the tokens sent
 
 
+def _run_with_a_latecomer(tiny_model: str, on: bool, reqs, params, late: tuple[str, list[int]] | None, at: int):
+    """Drain an engine (async scheduling on or off) over reqs; `late` joins after
+    step `at`, while steps run ahead of the others. (tokens, errors) by request."""
+    engine = LLMEngine(model=tiny_model, num_kv_blocks=128, num_threads=1, async_scheduling=on)
+    for rid, prompt in reqs:
+        engine.add_request(GenerateRequest(rid, prompt, params))
+    got: dict[str, list] = {}
+    errors: dict[str, str] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.error is not None:
+                errors[d.request_id] = d.error
+        steps += 1
+        if steps == at and late is not None:
+            engine.add_request(GenerateRequest(late[0], late[1], params))
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks and not engine.requests
+    engine.shutdown()
+    return got, errors
+
+
 def test_a_step_ahead_that_fails_fails_its_culprit_alone(tiny_model, monkeypatch):
     poison = 7
     reqs = [(f"r{i}", [20 + (i * 7 + j) % 400 for j in range(5 + 3 * i)]) for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-    def run(on: bool, extra=()):
-        engine = LLMEngine(model=tiny_model, num_kv_blocks=128, num_threads=1, async_scheduling=on)
-        for rid, prompt in [*reqs, *extra]:
-            engine.add_request(GenerateRequest(rid, prompt, params))
-        got: dict[str, list] = {}
-        errors = {}
-        steps = 0
-        while engine.has_unfinished_requests():
-            for d in engine.step():
-                got.setdefault(d.request_id, []).extend(d.new_token_ids)
-                if d.error is not None:
-                    errors[d.request_id] = d.error
-            steps += 1
-            if steps == 3 and on:  # joins while steps run ahead: it fails in a step launched ahead of others
-                engine.add_request(GenerateRequest("poison", [poison, 21, 22], params))
-        bm = engine.block_manager
-        assert bm.num_free_blocks == bm.num_total_blocks and not engine.requests
-        engine.shutdown()
-        return got, errors
-
-    ref, ref_errors = run(False)
+    ref, ref_errors = _run_with_a_latecomer(tiny_model, False, reqs, params, None, 3)
     monkeypatch.setenv(ENV, f"request={poison}")
-    got, errors = run(True)
+    # it fails in a step launched ahead of the others
+    got, errors = _run_with_a_latecomer(tiny_model, True, reqs, params, ("poison", [poison, 21, 22]), 3)
     assert not ref_errors and set(errors) == {"poison"} and "injected sampling fault" in errors["poison"]
     assert got.pop("poison", []) == []
     assert got == ref
@@ -243,29 +246,10 @@ def test_a_request_whose_staging_raises_fails_alone_with_steps_ahead(tiny_model,
 
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     reqs = [(f"r{i}", [30 + (i * 11 + j) % 300 for j in range(4 + 5 * i)]) for i in range(5)]
-
-    def run(on: bool, bad: bool):
-        engine = LLMEngine(model=tiny_model, num_kv_blocks=128, num_threads=1, async_scheduling=on)
-        for rid, prompt in reqs:
-            engine.add_request(GenerateRequest(rid, prompt, params))
-        got, errors, steps = {}, {}, 0
-        while engine.has_unfinished_requests():
-            for d in engine.step():
-                got.setdefault(d.request_id, []).extend(d.new_token_ids)
-                if d.error is not None:
-                    errors[d.request_id] = d.error
-            steps += 1
-            if steps == 2 and bad:  # joins while a step runs ahead of the others
-                engine.add_request(GenerateRequest("bad", [41, 42, 43], params))
-        bm = engine.block_manager
-        assert bm.num_free_blocks == bm.num_total_blocks and not engine.requests
-        engine.shutdown()
-        return got, errors
-
-    ref, _ = run(False, False)
+    ref, _ = _run_with_a_latecomer(tiny_model, False, reqs, params, None, 2)
     monkeypatch.setattr(model_runner, "stage_sampling_metadata", stage)
     for on in (False, True):
-        got, errors = run(on, True)
+        got, errors = _run_with_a_latecomer(tiny_model, on, reqs, params, ("bad", [41, 42, 43]), 2)
         assert set(errors) == {"bad"} and "injected staging fault" in errors["bad"], on
         assert got.pop("bad", []) == []
         assert got == ref, on

@@ -182,6 +182,8 @@ class BlockManager:
         for i in range(seq.num_computed_tokens // self.block_size, seq.num_registered_blocks):
             self.pool.uncache_block(seq.block_table[i])
         self.pool.free(list(reversed(seq.block_table)))
+        # A new list, never a cleared one: a table is only ever extended, and the model runner's
+        # InputBatch mirrors each list object by appending what is new.
         seq.block_table = []
         seq.num_registered_blocks = 0
 

@@ -14,6 +14,8 @@ step (platforms/cpu/decode_step.py).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -25,7 +27,7 @@ from shoal.proto.sampling_params import SamplingParams
 from shoal.proto.utils import cdiv
 from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
-from shoal.workers.core.sequence import RequestTimings, Sequence
+from shoal.workers.core.sequence import PLACEHOLDER_TOKEN_ID, RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
 from shoal.workers.kv_transfer.base import KVConnectorBase
 from shoal.workers.lora.layers import lora_context
@@ -40,6 +42,7 @@ from shoal.workers.model_executor.memory.cpu_memory import release_free_heap
 from shoal.workers.model_executor.models.llama import LlamaForCausalLM
 from shoal.workers.model_executor.platforms.interface import DecodeStep
 from shoal.workers.model_executor.runner.cuda_graph import CaptureStats, DecodeGraphs, capture_sizes
+from shoal.workers.model_executor.runner.input_batch import InputBatch
 from shoal.workers.model_executor.runner.staging_buffer import StagedBatch, StagingBuffer
 from shoal.workers.model_executor.sampling.builder import stage_sampling_metadata
 from shoal.workers.model_executor.sampling.metadata import SamplingMetadata
@@ -53,22 +56,40 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 _PAD_INPUT = 0  # a padding row's token id and position
 
 
-def _lora_order(row: _Row) -> int:
+def _lora_slot(seq) -> int:
+    slot = getattr(seq, "lora_slot", None)
+    return NO_LORA if slot is None else slot
+
+
+def _longest_first(row: tuple) -> int:
+    return -row[0].num_computed_tokens
+
+
+def _lora_order(row: tuple) -> int:
     """Decodes, then prompt chunks (the graphs want decodes first), each grouped by adapter slot (a stable sort)."""
-    slot = getattr(row.seq, "lora_slot", None)
-    return (row.num_new > 1) * (1 << 20) + (NO_LORA if slot is None else slot)
+    return (row[1] != 1) * (1 << 20) + _lora_slot(row[0])
 
 
 @dataclass(slots=True)
-class _Row:
-    """One (sequence, new tokens) pair of the flat batch."""
+class _FlatBatch:
+    """One step's rows (sequence, new tokens) in the flat batch's order, a
+    list entry a row, and its flat inputs, an array entry a token."""
 
-    seq: Sequence
-    num_new: int
+    seqs: list
+    num_new: list[int]  # new tokens a row
+    seq_lens: list[int]  # its context after the step
+    lens: list[int]  # len(token_ids)
+    table_rows: np.ndarray  # its row of the runner's InputBatch
+    num_decodes: int  # rows [0, num_decodes) bring one token each
+    input_ids: np.ndarray  # int64 [tokens]
+    positions: np.ndarray
+    slots: np.ndarray
+    logits_indices: np.ndarray  # [rows due a token]
+    due_mask: list[bool]  # the step computes its last token
+    has_placeholders: bool  # some input is PLACEHOLDER_TOKEN_ID
 
-    @property
-    def seq_len(self) -> int:
-        return self.seq.num_computed_tokens + self.num_new
+    def max_blocks(self, block_size: int) -> int:
+        return cdiv(max(self.seq_lens, default=0), block_size)
 
 
 @dataclass(slots=True)
@@ -115,6 +136,7 @@ class ModelRunner:
         self.pad_block: int | None = None  # the spare block CUDA-graph padding rows write to
         self.graphs: DecodeGraphs | None = None
         self.staging = StagingBuffer(self.device)
+        self.input_batch = InputBatch(self.max_blocks_per_seq, max_num_seqs)
         self.sampler = Sampler()
         self.fault_plan = FaultPlan.from_env()  # None unless a test asks for faults
         self.attn_backend = get_attn_backend(
@@ -245,7 +267,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(capture_sizes(self.max_num_seqs), self.device)
         with torch.inference_mode():
             stats = self.graphs.capture(
-                lambda size: self._stage_varlen([], [], [], size, self.staging.begin()), self._forward_decode
+                lambda size: self._stage_varlen(self._flat_batch([]), size, self.staging.begin()), self._forward_decode
             )
         logger.info("%s", stats.describe())
         return stats
@@ -347,28 +369,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _prepare(self, scheduled: list, sample: bool, grammar_bitmask=None, sched=None) -> PreparedStep:
-        # Decodes first, longest context first, so the torch backend can
-        # batch them in a few groups of similar length.
-        decodes = sorted((_Row(s, n) for s, n in scheduled if n == 1), key=lambda r: -r.seq.num_computed_tokens)
-        rows = decodes + [_Row(s, n) for s, n in scheduled if n > 1]
-        if self.lora_manager is not None:  # rows of one adapter together: one segment each, not one a row
-            rows.sort(key=_lora_order)
-        due = [r.seq for r in rows if SchedulerOutput.due_token(r.seq, r.num_new)]
+        step = self._flat_batch(scheduled)
+        seqs, num_decodes = step.seqs, step.num_decodes
+        due = [s for s, d in zip(seqs, step.due_mask) if d]
         graph_size = None
         # Any step of one-token rows fits a graph: a one-token prompt chunk not
         # due a token only leaves its logits row unread (logits_indices pads on).
         hooks = self.kv_connector if self.kv_connector is not None and self.kv_connector.uses_layer_hooks else None
-        if self.graphs is not None and len(decodes) == len(rows) and hooks is None:
-            graph_size = self.graphs.padded_size(len(rows))
+        if self.graphs is not None and num_decodes == len(seqs) and hooks is None:
+            graph_size = self.graphs.padded_size(len(seqs))
 
         with step_range("prepare_inputs"):
-            query_lens = [r.num_new for r in rows]
-            seq_lens = [r.seq_len for r in rows]
             batch = self.staging.begin()
             if self.varlen:
-                self._stage_varlen(rows, seq_lens, query_lens, graph_size, batch)
+                self._stage_varlen(step, graph_size, batch)
             else:
-                self._stage_flat(rows, batch)
+                self._stage_flat(step, batch)
             pending = None
             if sample and due:
                 pending = stage_sampling_metadata(
@@ -380,31 +396,89 @@ class ModelRunner:
             if graph_size is None:
                 common = self._common_metadata(
                     t,
-                    max(query_lens, default=0),
-                    num_decodes=len(decodes),
-                    query_lens=query_lens,
-                    seq_lens_cpu=seq_lens,
-                    block_tables_cpu=[r.seq.block_table for r in rows],
+                    max(step.num_new, default=0),
+                    num_decodes=num_decodes,
+                    query_lens=step.num_new,
+                    seq_lens_cpu=step.seq_lens,
+                    block_tables_cpu=[s.block_table for s in seqs],
+                    block_tables_np=self.input_batch.gather(step.table_rows, step.max_blocks(self.block_size)),
                 )
                 meta = self.attn_metadata_builder.build(common)
-            placeholder_rows, placeholder_seqs = self._placeholders(rows)
+            placeholder_rows, placeholder_seqs = self._placeholders(step)
         return PreparedStep(sched, due, t, batch, meta, metadata, graph_size, hooks, placeholder_rows, placeholder_seqs)
 
+    def _flat_batch(self, scheduled: list) -> _FlatBatch:
+        """The step's rows in the flat batch's order and its flat inputs.
+        Decodes first, longest context first, so the torch backend can batch
+        them in a few groups of similar length; with adapters, rows of one
+        adapter together (one segment each, not one a row). A row's numbers
+        are gathered in Python (cheaper than numpy's calls at a few rows);
+        everything a token or a block is array work."""
+        decodes = [r for r in scheduled if r[1] == 1]
+        decodes.sort(key=_longest_first)
+        rows = decodes if len(decodes) == len(scheduled) else decodes + [r for r in scheduled if r[1] != 1]
+        if self.lora_manager is not None:
+            rows.sort(key=_lora_order)
+        seqs = [s for s, _ in rows]
+        num_new = [n for _, n in rows]
+        computed = [s.num_computed_tokens for s in seqs]
+        lens = [len(s.token_ids) for s in seqs]
+        seq_lens = [c + n for c, n in zip(computed, num_new)]
+        due_mask = [a == b for a, b in zip(seq_lens, lens)]  # SchedulerOutput.due_token
+        table_rows = self.input_batch.rows_for([s.block_table for s in seqs])
+        num_decodes, k = len(decodes), len(rows)
+        if num_decodes == k:  # one token a row: no repeats, ranges or slices
+            ids = [s.token_ids[p] for s, p in zip(seqs, computed)]
+            input_ids = np.array(ids, dtype=np.int64)
+            positions = np.array(computed, dtype=np.int64)
+            token_rows = table_rows
+            logits_rows = np.arange(k) if all(due_mask) else np.flatnonzero(due_mask)
+        else:
+            ids = [s.token_ids[p] for s, p in zip(seqs[:num_decodes], computed)]
+            for s, p, n in zip(seqs[num_decodes:], computed[num_decodes:], num_new[num_decodes:]):
+                ids += s.token_ids[p : p + n]
+            input_ids = np.array(ids, dtype=np.int64)
+            new = np.array(num_new, dtype=np.int64)
+            ends = np.cumsum(new)
+            positions = np.arange(ends[-1], dtype=np.int64) + np.repeat(np.array(computed) - (ends - new), new)
+            token_rows = np.repeat(table_rows, new)
+            logits_rows = (ends - 1)[np.array(due_mask)]
+        return _FlatBatch(
+            seqs=seqs,
+            num_new=num_new,
+            seq_lens=seq_lens,
+            lens=lens,
+            table_rows=table_rows,
+            num_decodes=num_decodes,
+            input_ids=input_ids,
+            positions=positions,
+            slots=self.input_batch.slots(token_rows, positions, self.block_size),
+            logits_indices=logits_rows,
+            due_mask=due_mask,
+            has_placeholders=PLACEHOLDER_TOKEN_ID in ids,  # a scan in C: async scheduling's steps only
+        )
+
     @staticmethod
-    def _placeholders(rows: list[_Row]) -> tuple[list[int], list]:
+    def _placeholders(step: _FlatBatch) -> tuple[list[int], list]:
         """The flat inputs that are a token of the step in flight (async
         scheduling: filled at run time from its output), and their sequences.
-        Only a sequence's last token can be one: its row is a decode."""
-        flat_rows, seqs, offset = [], [], 0
-        for r in rows:
-            seq = r.seq
-            if getattr(seq, "num_output_placeholders", 0):
-                if seq.num_output_placeholders != 1 or r.seq_len != len(seq.token_ids):
-                    raise RuntimeError(f"request {seq.request_id}: a step may read one placeholder, its last token")
-                flat_rows.append(offset + r.num_new - 1)
-                seqs.append(seq)
-            offset += r.num_new
-        return flat_rows, seqs
+        Only a sequence's last token can be one, read by a decode."""
+        if not step.has_placeholders:
+            return [], []
+        flat = np.flatnonzero(step.input_ids == PLACEHOLDER_TOKEN_ID).tolist()
+        ends = list(itertools.accumulate(step.num_new))
+        seqs = []
+        for j in flat:
+            i = bisect.bisect_right(ends, j)
+            seq = step.seqs[i]
+            if (
+                step.num_new[i] != 1
+                or step.lens[i] != step.seq_lens[i]
+                or getattr(seq, "num_output_placeholders", 0) != 1
+            ):
+                raise RuntimeError(f"request {seq.request_id}: a step may read one placeholder, its last token")
+            seqs.append(seq)
+        return flat, seqs
 
     @torch.inference_mode()
     def _forward(self, prep: PreparedStep) -> torch.Tensor:
@@ -422,13 +496,9 @@ class ModelRunner:
                 return self.model(t["input_ids"], t["positions"], t["logits_indices"])
 
     @staticmethod
-    def _lora_token_slots(rows: list[_Row]) -> list[int]:
+    def _lora_token_slots(step: _FlatBatch) -> np.ndarray:
         """Each token's adapter slot (NO_LORA: the base model), in the flat batch's order."""
-        out: list[int] = []
-        for r in rows:
-            slot = getattr(r.seq, "lora_slot", None)
-            out.extend([NO_LORA if slot is None else slot] * r.num_new)
-        return out
+        return np.repeat(np.array([_lora_slot(s) for s in step.seqs], dtype=np.int64), step.num_new)
 
     @staticmethod
     def _common_metadata(t: dict[str, torch.Tensor], max_query_len: int, **rows) -> CommonAttentionMetadata:
@@ -443,67 +513,41 @@ class ModelRunner:
             **rows,
         )
 
-    def _token_lists(self, rows: list[_Row]) -> tuple[list[int], list[int], list[int], list[int]]:
-        """input_ids, positions, slot_mapping and logits_indices of the flat batch."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for r in rows:
-            seq, start = r.seq, r.seq.num_computed_tokens
-            token_ids, table = seq.token_ids, seq.block_table
-            if r.num_new == 1:  # a decode: no slices, ranges or generators (this runs for every row of every step)
-                input_ids.append(token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                end = start + r.num_new
-                input_ids.extend(token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
-            if start + r.num_new == len(token_ids):  # SchedulerOutput.due_token
-                logits_indices.append(len(input_ids) - 1)
-        return input_ids, positions, slots, logits_indices
-
-    def _stage_flat(self, rows: list[_Row], batch: StagedBatch) -> None:
-        self._stage_flat_lists(batch, *self._token_lists(rows))
+    def _stage_flat(self, step: _FlatBatch, batch: StagedBatch) -> None:
+        self._stage_flat_lists(batch, step.input_ids, step.positions, step.slots, step.logits_indices)
         if self.lora_manager is not None:
-            batch.add("lora_slots", self._lora_token_slots(rows), torch.int32)
+            batch.add("lora_slots", self._lora_token_slots(step), torch.int32)
 
-    def _stage_varlen(
-        self, rows: list[_Row], seq_lens: list[int], query_lens: list[int], pad_to: int | None, batch: StagedBatch
-    ) -> StagedBatch:
+    def _stage_varlen(self, step: _FlatBatch, pad_to: int | None, batch: StagedBatch) -> StagedBatch:
         """The flat inputs plus block tables, sequence lengths and query
-        offsets (seq_lens, query_lens: the rows'). pad_to: a CUDA graph's
-        batch size; rows past the real ones are one-token sequences in the
-        spare block, and every block table is as wide as max_model_len
-        needs, so the layout is the graph's."""
-        input_ids, positions, slots, logits_indices = self._token_lists(rows)
+        offsets. pad_to: a CUDA graph's batch size; rows past the real ones
+        are one-token sequences in the spare block, and every block table is
+        as wide as max_model_len needs, so the layout is the graph's."""
+        input_ids, positions, slots, logits_indices = step.input_ids, step.positions, step.slots, step.logits_indices
+        seq_lens, query_lens = step.seq_lens, step.num_new
+        pad_value = self.pad_block if self.pad_block is not None else 0
+        rows = len(step.seqs)
         if pad_to is None:
-            width = cdiv(max(seq_lens), self.block_size)
-            num_rows = len(rows)
+            width = step.max_blocks(self.block_size)
+            pad = 0
         else:
-            width, num_rows = self.max_blocks_per_seq, pad_to
-            pad = pad_to - len(rows)
-            input_ids += [_PAD_INPUT] * pad
-            positions += [_PAD_INPUT] * pad
-            slots += [cast(int, self.pad_block) * self.block_size] * pad  # varlen: set with the KV cache
-            logits_indices += range(len(logits_indices), pad_to)
-            seq_lens = seq_lens + [1] * pad  # new lists: the caller's stay the rows'
-            query_lens = query_lens + [1] * pad
-        tables = np.full((num_rows, width), self.pad_block if self.pad_block is not None else 0, dtype=np.int32)
-        for i, r in enumerate(rows):
-            table = r.seq.block_table[:width]
-            tables[i, : len(table)] = table
+            width, pad = self.max_blocks_per_seq, pad_to - rows
+            fill = np.full(pad, _PAD_INPUT, dtype=np.int64)
+            input_ids, positions = np.concatenate([input_ids, fill]), np.concatenate([positions, fill])
+            # varlen: pad_block is set with the KV cache
+            slots = np.concatenate([slots, np.full(pad, cast(int, self.pad_block) * self.block_size, np.int64)])
+            logits_indices = np.concatenate([logits_indices, np.arange(len(logits_indices), pad_to)])
+            seq_lens, query_lens = seq_lens + [1] * pad, query_lens + [1] * pad  # new lists: the step's stay
+        tables = np.full((rows + pad, width), pad_value, dtype=np.int64)
+        gathered = self.input_batch.gather(step.table_rows, width)
+        held = np.arange(width) < self.input_batch.num_blocks[step.table_rows][:, None]
+        tables[:rows] = np.where(held, gathered, pad_value)
         self._stage_flat_lists(batch, input_ids, positions, slots, logits_indices)
         batch.add("block_tables", tables, torch.int32, tables.shape)
         batch.add("seq_lens", seq_lens, torch.int32)
         batch.add("query_start_loc", np.concatenate(([0], np.cumsum(query_lens))), torch.int32)
         if self.lora_manager is not None:  # padding rows: the base model
-            lora_slots = self._lora_token_slots(rows)
-            pad = 0 if pad_to is None else pad_to - len(lora_slots)
-            batch.add("lora_slots", lora_slots + [NO_LORA] * pad, torch.int32)
+            batch.add("lora_slots", np.concatenate([self._lora_token_slots(step), np.full(pad, NO_LORA)]), torch.int32)
         return batch
 
     @staticmethod

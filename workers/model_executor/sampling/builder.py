@@ -101,7 +101,7 @@ class _RowKinds:
                 self.repetition_rows.append(i)
             if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
                 self.frequency_rows.append(i)  # nothing to count before the first output token
-            if seq.num_output_tokens < p.min_tokens:
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 self.banned += [(i, t) for t in p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)]
             if p.logit_bias:
                 self.bias_rows.append(i)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -33,6 +34,9 @@ class CommonAttentionMetadata:
     query_lens: list[int] = field(default_factory=list)  # new tokens a row
     seq_lens_cpu: list[int] = field(default_factory=list)  # a row's context after the step
     block_tables_cpu: list[list[int]] = field(default_factory=list)  # a row's block ids
+    # The same as one int64 array [rows, blocks of the longest row], 0 past a table's end
+    # (the model runner's InputBatch rows): decodes take theirs with no Python work a row.
+    block_tables_np: np.ndarray | None = None
     # varlen only: [num_rows, max_blocks] padded, [num_rows], [num_rows + 1]
     block_table_tensor: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None

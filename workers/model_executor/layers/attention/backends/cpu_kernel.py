@@ -100,7 +100,9 @@ class CPUKernelMetadataBuilder:
         decode = None
         if common.num_decodes:
             lens, tables = common.seq_lens_cpu, common.block_tables_cpu
-            decode = decode_group(lens, tables, 0, common.num_decodes, self.block_size, self.device, masked=False)
+            decode = decode_group(
+                lens, tables, 0, common.num_decodes, self.block_size, self.device, False, None, common.block_tables_np
+            )
         paged, chunks = paged_prefills(common, chunks, self.block_size, self.device)
         return CPUKernelMetadata(common.slot_mapping, decode, chunks, paged)
 

@@ -120,20 +120,26 @@ def decode_group(
     device: torch.device,
     masked: bool,
     window: int | None = None,
+    tables_np: np.ndarray | None = None,
 ) -> DecodeGroup:
     """Decodes [start, end): block tables padded with 0 to the longest, and
     (masked) the mask that hides the padding. window: each row's table starts
     at the block of its window's first key, and the mask hides the keys
-    before that key too."""
+    before that key too. tables_np: the same tables as one array
+    (CommonAttentionMetadata.block_tables_np), read where it has them."""
+    firsts: list[int] = []
     if window:
         firsts = [max(0, n - window) // block_size for n in seq_lens[start:end]]
+        max_blocks = max(cdiv(n, block_size) - f for f, n in zip(firsts, seq_lens[start:end]))
     else:
-        firsts = [0] * (end - start)
-    ends = [cdiv(n, block_size) for n in seq_lens[start:end]]
-    max_blocks = max(e - f for f, e in zip(firsts, ends))
-    # Unwindowed rows keep any blocks past their end (masked).
-    rows = [t[f : f + max_blocks] for t, f in zip(tables[start:end], firsts)] if window else tables[start:end]
-    block_tables = torch.from_numpy(padded_table(rows, max_blocks)).to(device)
+        max_blocks = cdiv(max(seq_lens[start:end]), block_size)
+    if not window and tables_np is not None and tables_np.shape[1] >= max_blocks:
+        table = np.ascontiguousarray(tables_np[start:end, :max_blocks])  # no Python work a row
+    else:
+        # Unwindowed rows keep any blocks past their end (masked).
+        rows = [t[f : f + max_blocks] for t, f in zip(tables[start:end], firsts)] if window else tables[start:end]
+        table = padded_table(rows, max_blocks)
+    block_tables = torch.from_numpy(table).to(device)
     lens = torch.tensor(seq_lens[start:end], dtype=torch.long, device=device)
     mask = None
     if masked:
@@ -171,7 +177,11 @@ class TorchSDPAMetadataBuilder:
                     break
                 total += n
                 end += 1
-            groups.append(decode_group(lens, tables, start, end, self.block_size, self.device, masked=True))
+            groups.append(
+                decode_group(
+                    lens, tables, start, end, self.block_size, self.device, True, tables_np=common.block_tables_np
+                )
+            )
             start = end
         return groups
 

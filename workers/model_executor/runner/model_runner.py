@@ -401,7 +401,10 @@ class ModelRunner:
                     query_lens=step.num_new,
                     seq_lens_cpu=step.seq_lens,
                     block_tables_cpu=[s.block_table for s in seqs],
-                    block_tables_np=self.input_batch.gather(step.table_rows, step.max_blocks(self.block_size)),
+                    # (a varlen backend reads the staged block_tables instead)
+                    block_tables_np=None
+                    if self.varlen
+                    else self.input_batch.gather(step.table_rows, step.max_blocks(self.block_size)),
                 )
                 meta = self.attn_metadata_builder.build(common)
             placeholder_rows, placeholder_seqs = self._placeholders(step)

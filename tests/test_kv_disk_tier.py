@@ -190,3 +190,50 @@ def test_a_file_gives_back_its_blocks_as_stored(tmp_path, dtype):
     stored = kv.to(getattr(torch, dtype)).float()
     for src, dst in ((4, 0), (1, 2), (5, 3)):
         assert torch.equal(back[:, :, dst], stored[:, :, src])
+
+
+def test_the_writer_reuses_its_buffers_bounds_what_waits_and_outlives_a_failed_write(tmp_path, monkeypatch):
+    """A save waits once too much is unwritten; a written file's staging buffer
+    serves the next save; a write that raises leaves the writer running."""
+    import threading
+
+    import torch
+
+    from shoal.workers.kv_transfer import disk_tier
+
+    kv = torch.randn(2, 3, 6, BLOCK, 2, 8)
+    storage = disk_tier.DiskTierStorage((2, 3, BLOCK, 2, 8), torch.float32)
+    block_bytes = storage.block_bytes
+    monkeypatch.setattr(disk_tier, "MAX_PENDING_BYTES", 2 * block_bytes)  # two blocks may wait
+    real_header, gate, calls = disk_tier._header, threading.Event(), []
+
+    def held_header(*a):  # the writer stops here until the gate opens; the first call fails
+        calls.append(a)
+        gate.wait()
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real_header(*a)
+
+    monkeypatch.setattr(disk_tier, "_header", held_header)
+    keys = [[bytes([f, i]) * 16 for i in range(2)] for f in range(3)]
+    try:
+        storage.save(kv, str(tmp_path / "a.kv"), [0, 1], keys[0])  # two blocks: the bound is reached
+        third = threading.Thread(target=storage.save, args=(kv, str(tmp_path / "b.kv"), [2, 3], keys[1]))
+        third.start()
+        third.join(0.2)
+        assert third.is_alive()  # waiting for the writer, which the gate holds
+        gate.set()
+        third.join()
+        storage.flush()
+        assert storage.write_errors == 1 and not (tmp_path / "a.kv").exists()  # failed, and the writer lives on
+        assert (tmp_path / "b.kv").exists()
+        spare = list(storage._spare)
+        assert spare and storage._pending_bytes == 0
+        storage.save(kv, str(tmp_path / "c.kv"), [4, 5], keys[2])  # a buffer written out serves again
+        assert any(storage._pending[str(tmp_path / "c.kv")][2] is b for b in spare)
+        storage.flush()
+        back = torch.zeros_like(kv)
+        assert storage.load(back, str(tmp_path / "c.kv"), 1, keys[2][1], 0) and torch.equal(back[:, :, 0], kv[:, :, 5])
+    finally:
+        gate.set()
+        storage.shutdown()

@@ -238,6 +238,17 @@ class DiskTierIndex:
         return len(f.keys)
 
 
+# Staging buffers (the blocks copied out of the pool, waiting for the writer) are
+# kept for reuse, in sizes of STAGING_ROUND blocks, up to SPARE_STAGING_BYTES of
+# them: fresh memory costs a page fault every 4 KiB, which on the CPU is 5-10x
+# the copy itself. Past MAX_PENDING_BYTES not yet written, a save waits for the
+# writer rather than let memory grow.
+STAGING_ROUND = 64
+SPARE_STAGING_BYTES = 512 << 20
+MAX_PENDING_BYTES = 2 << 30
+WRITER_NICE = 10  # the writer's niceness: about a tenth of a step thread's share of a core they both want
+
+
 class DiskTierStorage:
     """The worker side: writes on its own thread, reads through mmap; told
     every file by its path (the scheduler side's index owns the folder)."""
@@ -246,8 +257,12 @@ class DiskTierStorage:
         self.block_shape = block_shape
         self.dtype = dtype
         self.block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
-        self._pending: dict[str, tuple[list[bytes], torch.Tensor]] = {}  # written soon: loads read them here
+        # path -> (keys, the blocks, their staging buffer): written soon, loads read them here
+        self._pending: dict[str, tuple[list[bytes], torch.Tensor, torch.Tensor]] = {}
+        self._pending_bytes = 0
+        self._spare: list[torch.Tensor] = []  # staging buffers written out, for the next saves
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self.write_errors = 0
         self._writer = threading.Thread(target=self._write_loop, name="shoal-kv-disk-writer", daemon=True)
@@ -257,11 +272,30 @@ class DiskTierStorage:
 
     def save(self, kv_cache: torch.Tensor, path: str, block_ids: list[int], keys: list[bytes]) -> None:
         """Copy the blocks out now (the pool may reuse them after this step); write them later."""
-        blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]
-        data = blocks.permute(2, 0, 1, 3, 4, 5).to("cpu", self.dtype).contiguous()
+        staging = self._staging(len(block_ids))
+        data = staging[: len(block_ids)]
+        if kv_cache.device.type == "cpu":  # a copy a block, into memory already touched
+            for i, b in enumerate(block_ids):
+                data[i].copy_(kv_cache[:, :, b])
+        else:
+            blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]
+            data.copy_(blocks.permute(2, 0, 1, 3, 4, 5))
         with self._lock:
-            self._pending[path] = (keys, data)
+            self._pending[path] = (keys, data, staging)
+            self._pending_bytes += data.nbytes
         self._ops.put(("write", path))
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """A buffer of at least n blocks: the smallest spare that fits, or a new one;
+        first waiting, if too much is not yet written, for the writer to catch up."""
+        with self._written:
+            self._written.wait_for(lambda: self._pending_bytes < MAX_PENDING_BYTES)
+            fits = [b for b in self._spare if b.shape[0] >= n]
+            if fits:
+                best = min(fits, key=lambda b: b.shape[0])
+                self._spare = [b for b in self._spare if b is not best]
+                return best
+        return torch.empty((-(-n // STAGING_ROUND) * STAGING_ROUND, *self.block_shape), dtype=self.dtype)
 
     def delete(self, path: str) -> None:
         self._ops.put(("delete", path))
@@ -273,10 +307,10 @@ class DiskTierStorage:
             pending = self._pending.get(path)
         block: torch.Tensor | None
         if pending is not None:
-            keys, data = pending
+            keys, data, _ = pending
             if index >= len(keys) or keys[index] != key:
                 return False
-            block = data[index]
+            block = data[index]  # its buffer is reused only by a save, on this same thread
         else:
             block = self._read(path, index, key)
         if block is None:
@@ -318,6 +352,10 @@ class DiskTierStorage:
     # ---- on the writer thread ----------------------------------------------
 
     def _write_loop(self) -> None:
+        try:  # below the step's threads: they share the cores, and a step waits for its slowest thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):  # no per-thread priority here: written at the same priority
+            pass
         while (op := self._ops.get()) is not None:
             kind, arg = op
             if kind == "flush":
@@ -328,25 +366,29 @@ class DiskTierStorage:
                 except FileNotFoundError:
                     pass
             else:
-                self._write(arg)
+                try:
+                    self._write(arg)
+                except Exception:  # never lose the writer: saves would wait on it forever
+                    self.write_errors += 1
+                    logger.exception("KV disk tier: writing %s failed", arg)
 
     def _write(self, path: str) -> None:
         with self._lock:
-            keys, data = self._pending[path]  # set before the op was queued; popped only here
+            keys, data, _ = self._pending[path]  # set before the op was queued; popped only here
         # Each block's bytes as they lie in the contiguous copy, with no copy of their own (numpy has no
         # bfloat16 or fp8: their bits as integers of their width).
-        flat = data.view(_BITS.get(self.dtype, self.dtype))
-        raw = [flat[i].numpy().data.cast("B") for i in range(len(keys))]
         folder, base = os.path.split(path)
         tmp = os.path.join(folder, f".{base}.tmp")
         try:
+            flat = data.view(_BITS.get(self.dtype, self.dtype))
+            raw = [flat[i].numpy().data.cast("B") for i in range(len(keys))]
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(_header(keys, [zlib.crc32(b) for b in raw], self.block_bytes, self.dtype))
                 for b in raw:
                     f.write(b)
             os.replace(tmp, path)
-        except OSError as e:
+        except Exception as e:  # a full disk, or worse: the blocks are not on disk, and loads will say so
             self.write_errors += 1
             logger.warning("KV disk tier: writing %s failed: %s", path, e)
             try:
@@ -354,5 +396,10 @@ class DiskTierStorage:
             except OSError:
                 pass
         finally:
-            with self._lock:
-                self._pending.pop(path, None)
+            with self._written:
+                _, data, staging = self._pending.pop(path)
+                self._pending_bytes -= data.nbytes
+                spare = sum(b.nbytes for b in self._spare)
+                if spare + staging.nbytes <= SPARE_STAGING_BYTES:
+                    self._spare.append(staging)
+                self._written.notify_all()

@@ -154,6 +154,36 @@ def test_k2_host_tier_gives_back_what_the_pool_lost_with_the_same_tokens(ray_clu
     assert tiers["host"].total_blocks == (1 << 20) // (2 * per_rank_block)
 
 
+def test_k2_disk_tier_every_rank_writes_its_slice_and_a_missing_one_is_computed(ray_cluster, tp_models, tmp_path):
+    """The disk tier under tensor parallelism: each rank writes its heads'
+    slice of a file; a restarted engine reads them back with the tokens of
+    no tier; with one rank's slices gone, both ranks compute those blocks."""
+    path = tp_models["4 heads, 2 KV, untied"]
+    prompts = tp_prompts(500, n=4, seed=5)
+    shared = prompts[1][:40]  # 5 blocks of 8
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tier = dict(kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+
+    def last_turn() -> tuple[list[int], dict]:
+        with LLM(path, tensor_parallel_size=2, **ENGINE, **tier) as llm:
+            return llm.generate([shared + [10, 11]], params)[0].token_ids, llm.engine.kv_tier_stats()
+
+    off, tiers = last_turn()  # computed (the tier is empty), then written by every rank
+    assert tiers["disk"].hit_tokens == 0 and tiers["disk"].saved_blocks > 0
+    files = [f for f in tmp_path.rglob("*") if f.is_file() and not f.name.startswith(".")]
+    slices = [f for f in files if f.name.endswith(".kv.rank1")]
+    assert slices and {f.name + ".rank1" for f in files if f.suffix == ".kv"} == {f.name for f in slices}
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+
+    on, tiers = last_turn()  # restarted: both slices of each block from disk
+    assert on == off and tiers["disk"].hit_tokens == len(shared) and tiers["disk"].failed_blocks == 0
+
+    for f in slices:  # rank 1's slices gone, rank 0's still there: the ranks must agree to compute them
+        f.unlink()
+    again, tiers = last_turn()
+    assert again == off and tiers["disk"].failed_blocks >= 1  # offered by the index, then computed
+
+
 def test_k2_holds_twice_the_blocks_in_the_same_bytes(ray_cluster, tp_models):
     path = tp_models["4 heads, 2 KV, untied"]
     budget = dict(kv_cache_memory_bytes=1 << 20, block_size=16)

@@ -181,7 +181,7 @@ class EngineArgs:
     )
     kv_offload_disk_bytes: int = cli_field(
         16 << 30,
-        "the disk tier's size: past it, the least recently used files are deleted",
+        "the disk tier's size, all tensor-parallel ranks together: past it, the least recently used files are deleted",
     )
     kv_cluster_tier: str | None = cli_field(
         None,

@@ -5,7 +5,9 @@ running sequence (tokens, computed count, block table) and are sent, per
 step, only what changed: a sequence seen for the first time (or again after
 preemption) comes whole; after that only its newly sampled tokens and newly
 allocated blocks, as in vLLM v1's NewRequestData / CachedRequestData.
-Each rank advances its mirrors' computed counts itself after the step.
+Each rank advances its mirrors' computed counts itself after the step; a
+count that rank 0 set back (a step whose KV loads failed ran no forward)
+is sent again.
 Under LoRA a sequence comes with its adapter's slot (fixed until it is
 preempted, when it comes whole again), and each step with the adapters its
 slots must hold.
@@ -39,6 +41,9 @@ class StepInput:
     lora_adapters: dict = field(default_factory=dict)  # slot -> LoRAAdapter, for the slots this step changes
     # The KV connector's moves (SchedulerOutput.kv_connector_metadata): every rank makes them on its slice.
     kv_connector_metadata: object | None = None
+    # Computed counts that are not what the mirrors made them: after a step that ran no
+    # forward (its KV loads failed), rank 0's sequences went back and the mirrors went on.
+    num_computed: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -46,6 +51,7 @@ class _Sent:
     seq: Sequence
     num_tokens: int
     num_blocks: int
+    num_computed: int  # the mirror's, once it has run the step last sent
 
 
 class StepInputEncoder:
@@ -66,14 +72,17 @@ class StepInputEncoder:
         for sid in gone:
             if self.sent.pop(sid, None) is not None:
                 step.finished.append(sid)
-        for seq, _ in sched.scheduled:
+        for seq, n in sched.scheduled:
             sid, s = seq.arrival_order, self.sent.get(seq.arrival_order)
             if s is None:
                 step.new_seqs.append(
                     NewSeqData(sid, list(seq.token_ids), list(seq.block_table), seq.num_computed_tokens, seq.lora_slot)
                 )
-                self.sent[sid] = _Sent(seq, seq.num_tokens, len(seq.block_table))
+                self.sent[sid] = _Sent(seq, seq.num_tokens, len(seq.block_table), seq.num_computed_tokens + n)
                 continue
+            if seq.num_computed_tokens != s.num_computed:
+                step.num_computed[sid] = seq.num_computed_tokens
+            s.num_computed = seq.num_computed_tokens + n
             if seq.num_tokens > s.num_tokens:
                 step.new_token_ids[sid] = seq.token_ids[s.num_tokens :]
                 s.num_tokens = seq.num_tokens
@@ -109,6 +118,8 @@ class StepInputDecoder:
             self.seqs[sid].token_ids.extend(tokens)
         for sid, blocks in step.new_block_ids.items():
             self.seqs[sid].block_table.extend(blocks)
+        for sid, num_computed in step.num_computed.items():
+            self.seqs[sid].num_computed_tokens = num_computed
         return [(self.seqs[sid], n) for sid, n in step.scheduled]
 
     def advance(self, scheduled: list[tuple[SeqMirror, int]]) -> None:

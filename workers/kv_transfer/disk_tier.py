@@ -11,6 +11,10 @@ a file that exists is whole; they are read through mmap, and a block whose
 key or checksum does not match is a failed load (KVLoadError), computed
 instead.
 
+Under tensor parallelism each rank writes its heads' slice of a file to
+<file>.rank<k> beside rank 0's (rank_path), and the ranks agree on each
+step's loads before its forward (offloading.py).
+
 The folder holds one subfolder per engine fingerprint (keys.py) and storage
 dtype, so engines with other weights or settings never read each other's
 files. Inside it each engine writes a slot of its own (two sharing one
@@ -56,6 +60,13 @@ _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # dtype
 def tier_folder(root: str, fingerprint: bytes, dtype: torch.dtype) -> str:
     """Where engines of this fingerprint, storing blocks in dtype, keep their slots."""
     return os.path.join(root, f"{fingerprint.hex()[:32]}-{str(dtype).removeprefix('torch.')}")
+
+
+def rank_path(path: str, rank: int) -> str:
+    """Where tensor-parallel rank `rank` keeps its heads' slice of the file at
+    path (the scheduler side's index names rank 0's): beside it, in the same
+    slot, and never taken for a file of the index's own (SUFFIX)."""
+    return path if rank == 0 else f"{path}.rank{rank}"
 
 
 def claim_slot(folder: str) -> tuple[str, int]:
@@ -149,6 +160,10 @@ class DiskTierIndex:
             found.append((os.path.getmtime(path), name, [bytes.fromhex(k) for k in meta["keys"]]))
         for _, name, keys in sorted(found):
             self._add(name, keys, os.path.getsize(os.path.join(self.folder, name)))
+        for name in os.listdir(self.folder):  # other ranks' slices of files gone: their blocks are lost
+            base, dot, rank = name.rpartition(".rank")
+            if dot and rank.isdigit() and base not in self.files:
+                os.unlink(os.path.join(self.folder, name))
 
     def _scan_other_slots(self, dtype: str) -> None:
         """The files of the other slots beside this one (read, never written or deleted here)."""
@@ -253,7 +268,8 @@ class DiskTierStorage:
     """The worker side: writes on its own thread, reads through mmap; told
     every file by its path (the scheduler side's index owns the folder)."""
 
-    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, rank: int = 0):
+        self.rank = rank
         self.block_shape = block_shape
         self.dtype = dtype
         self.block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
@@ -272,6 +288,7 @@ class DiskTierStorage:
 
     def save(self, kv_cache: torch.Tensor, path: str, block_ids: list[int], keys: list[bytes]) -> None:
         """Copy the blocks out now (the pool may reuse them after this step); write them later."""
+        path = rank_path(path, self.rank)
         staging = self._staging(len(block_ids))
         data = staging[: len(block_ids)]
         if kv_cache.device.type == "cpu":  # a copy a block, into memory already touched
@@ -298,11 +315,12 @@ class DiskTierStorage:
         return torch.empty((-(-n // STAGING_ROUND) * STAGING_ROUND, *self.block_shape), dtype=self.dtype)
 
     def delete(self, path: str) -> None:
-        self._ops.put(("delete", path))
+        self._ops.put(("delete", rank_path(path, self.rank)))
 
     def load(self, kv_cache: torch.Tensor, path: str, index: int, key: bytes, block_id: int) -> bool:
         """Block `index` of the file at path into the paged block; False (nothing
         written) if the file is gone, or its key or checksum does not match."""
+        path = rank_path(path, self.rank)
         with self._lock:
             pending = self._pending.get(path)
         block: torch.Tensor | None
@@ -382,6 +400,7 @@ class DiskTierStorage:
         try:
             flat = data.view(_BITS.get(self.dtype, self.dtype))
             raw = [flat[i].numpy().data.cast("B") for i in range(len(keys))]
+            os.makedirs(folder, mode=0o700, exist_ok=True)  # a rank on another node than the index's
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(_header(keys, [zlib.crc32(b) for b in raw], self.block_bytes, self.dtype))

@@ -51,6 +51,7 @@ from shoal.workers.kv_transfer.cluster_tier import ClusterTierClient, cluster_cl
 from shoal.workers.kv_transfer.disk_tier import DiskTierIndex, DiskTierStorage, tier_folder
 from shoal.workers.kv_transfer.host_tier import HostTierIndex, HostTierStorage, block_shape, num_host_slots
 from shoal.workers.kv_transfer.keys import tier_key
+from shoal.workers.model_executor.layers.parallel_state import get_tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,14 @@ MAX_LOOKUPS = 4096  # lookups kept for requests not yet admitted (a bound, shoul
 # Chain hashes of the blocks saved to the host and disk tiers, remembered for the
 # router's load report (offloaded_hashes), the most recent this many.
 MAX_OFFLOADED_HASHES = 4096
+
+
+def _loaded_on_every_rank(ok: list[bool], device: torch.device) -> list[bool]:
+    """Each load's outcome on every tensor-parallel rank together (each rank
+    calls this with the step's same loads)."""
+    failed = torch.tensor([0 if good else 1 for good in ok], dtype=torch.int32, device=device)
+    get_tp_group().all_reduce(failed)
+    return [v == 0 for v in failed.tolist()]
 
 
 @dataclass(slots=True)
@@ -137,6 +146,9 @@ class OffloadingConnector(KVConnectorBase):
         self._cluster_tag = str(self.dtype).encode() + b":"
         if role is KVConnectorRole.SCHEDULER:
             self.host = HostTierIndex(self.num_slots) if self.num_slots else None
+            # Under tensor parallelism each rank writes its heads' slice of a file (disk_tier.rank_path): the
+            # bytes are all ranks' together, as the host tier's.
+            disk_bytes //= spec.num_ranks
             self.disk = DiskTierIndex(folder, disk_bytes, self.block_bytes, self.dtype) if folder else None
             self._meta = OffloadingMetadata()
             self._sources: dict[int, list[tuple[str, bytes]]] = {}  # id(seq) -> each matched block's tier and key
@@ -163,7 +175,8 @@ class OffloadingConnector(KVConnectorBase):
             self._events: list | None = [] if events and options.kv_events_block_hash == "shoal" else None
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
-            self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype) if folder else None
+            rank = get_tp_group().rank if spec.num_ranks > 1 else 0
+            self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype, rank) if folder else None
             self.kv_cache: torch.Tensor | None = None
             # request_id -> (its blocks' fetch, the paged blocks they go to, when it began)
             self._fetches: dict[str, tuple[concurrent.futures.Future, list[int], float]] = {}
@@ -436,11 +449,14 @@ class OffloadingConnector(KVConnectorBase):
             t0 = time.perf_counter()
             self.host_storage.load(kv, [s for s, _ in metadata.loads], [b for _, b in metadata.loads])
             self._timed("host", len(metadata.loads), t0)
-        failed = []
         t0 = time.perf_counter()
-        for name, index, key, block_id in metadata.disk_loads:
-            if self.disk_storage is None or not self.disk_storage.load(kv, name, index, key, block_id):
-                failed.append(block_id)
+        ok = [
+            self.disk_storage is not None and self.disk_storage.load(kv, name, index, key, block_id)
+            for name, index, key, block_id in metadata.disk_loads
+        ]
+        if self.spec.num_ranks > 1 and ok:  # a block any rank lacks is computed by all: they must read alike
+            ok = _loaded_on_every_rank(ok, kv.device)
+        failed = [load[3] for load, good in zip(metadata.disk_loads, ok, strict=True) if not good]
         if metadata.disk_loads and not failed:
             self._timed("disk", len(metadata.disk_loads), t0)
         for load in metadata.cluster_loads:

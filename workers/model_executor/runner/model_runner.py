@@ -29,7 +29,7 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.core.sequence import PLACEHOLDER_TOKEN_ID, RequestTimings, Sequence
 from shoal.workers.fault_injection import FaultPlan
-from shoal.workers.kv_transfer.base import KVConnectorBase
+from shoal.workers.kv_transfer.base import KVConnectorBase, KVLoadError
 from shoal.workers.lora.layers import lora_context
 from shoal.workers.lora.manager import LoRAModelManager
 from shoal.workers.lora.ops import NO_LORA
@@ -351,7 +351,10 @@ class ModelRunner:
         kv_connector_metadata: the KV connector's moves, made on this rank's slice before the forward."""
         if self.lora_manager is not None and lora_slots:
             self.lora_manager.set_active(lora_slots, lora_adapters)
-        self._move_kv(kv_connector_metadata)
+        try:
+            self._move_kv(kv_connector_metadata)
+        except KVLoadError:  # every rank agreed on it (the connector's collective): rank 0 skips the forward too
+            return [], None
         if self.kv_connector is not None:
             self.kv_connector.get_finished()  # rank 0 reports the step's loads; drop this rank's record
         if not scheduled:  # the connector's moves alone

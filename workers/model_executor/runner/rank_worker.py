@@ -267,6 +267,8 @@ class RankWorker:
                 scheduled = decoder.decode(step)
                 runner.execute_model(scheduled, step.lora_slots, step.lora_adapters, step.kv_connector_metadata)
                 decoder.advance(scheduled)
+            if runner.kv_connector is not None:  # rank 0 ended the loop: the disk writes asked for are done
+                runner.kv_connector.shutdown()  # before the actor is killed
         except BaseException as e:  # rank 0 gone (the usual end of a replica), or this rank failed
             first_line = (str(e).splitlines() or [""])[0]
             logger.warning("tensor-parallel rank %d stops: %s: %s", self.rank, type(e).__name__, first_line)

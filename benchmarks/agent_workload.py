@@ -60,6 +60,23 @@ def interleaved(conversations: list[Conversation]):
                 yield c, t
 
 
+def shuffled(conversations: list[Conversation], seed: int):
+    """(conversation, turn index): each conversation's turns in order, the
+    next turn from a conversation drawn at random (seeded) among those with
+    turns left, as agents that do not take turns in step send them. (Taken
+    in turn, 2k conversations over 2 workers routed round-robin would keep
+    every conversation on one worker.)"""
+    rng = random.Random(seed)
+    left = [[c, 0] for c in conversations]
+    while left:
+        i = rng.randrange(len(left))
+        c, t = left[i]
+        yield c, t
+        left[i][1] += 1
+        if left[i][1] == len(c.turns):
+            left.pop(i)
+
+
 def unique_prompts(w: AgentWorkload, vocab_size: int, n: int) -> list[tuple[list[int], int]]:
     """n requests of a first turn's size (system prompt and a turn) sharing
     nothing, not even the system prompt: (ids, max_tokens)."""

@@ -13,8 +13,10 @@ first use), and the TTFT p50 of the turns after each conversation's first.
 Then:
 - after a restart: a new engine on the disk tier's folder serves one more
   turn of every conversation; its hits against the ideal;
-- nothing reusable: unique prompts with the tiers off and on;
+- nothing reusable: unique prompts with the tiers off, the host tier on,
+  and the host and disk tiers on (the engines taking each request in turn);
 - what a block costs to fetch from each tier, and a token to prefill.
+With --serve, instead: the conversations on real workers (kv_tier_serve.py).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system-len", type=int, default=2000, help="tokens of the shared system prompt")
     p.add_argument("--turn-len", type=_range, default=(200, 600), help="tokens each turn adds, lo-hi")
     p.add_argument("--reply-len", type=_range, default=(16, 64), help="tokens of each reply, lo-hi")
-    p.add_argument("--unique-requests", type=int, default=8, help="requests of the nothing-reusable runs")
+    p.add_argument("--unique-requests", type=int, default=16, help="requests of the nothing-reusable runs")
     p.add_argument("--host-bytes", type=int, default=2 << 30, help="the host tier's bytes")
     p.add_argument("--disk-bytes", type=int, default=16 << 30, help="the disk tier's bytes")
     p.add_argument(
@@ -75,6 +77,22 @@ def add_parser(sub) -> None:
         "as a load balancer blind to prefixes does",
     )
     p.add_argument("--cluster-bytes", type=int, default=4 << 30, help="the cluster tier's bytes")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: the conversations on --workers real workers in a local Ray cluster, as `shoal serve` "
+        "deploys them, under each --serve-routing policy, the cluster tier off and on (kv_tier_serve.py)",
+    )
+    p.add_argument(
+        "--unique-only",
+        action="store_true",
+        help="only the nothing-reusable comparison (unique prompts, tiers off and on)",
+    )
+    p.add_argument(
+        "--serve-routing",
+        default="round-robin,kv",
+        help="with --serve: the routing policies, comma-separated (default: round-robin,kv)",
+    )
     p.add_argument("--output", default="bench_results/kv_tier.json")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
@@ -197,18 +215,39 @@ def _restart_run(args: EngineArgs, convs: list[Conversation], w: AgentWorkload, 
     return {"hit_tokens": sum(c for c, _ in rows), "ideal_tokens": ideal, "hit_share": sum(c for c, _ in rows) / ideal}
 
 
-def _unique_run(args: EngineArgs, requests) -> dict:
+def _unique_run(configs: dict[str, EngineArgs], requests) -> dict[str, dict]:
+    """The requests on one engine per configuration, all alive at once, each
+    request on every engine in turn, in an order reversed every request
+    (ABBA): this machine's speed drifts by 5-10% over minutes (a shared
+    host's neighbours), and so weighs on each alike. An engine's time for a
+    request includes writing its disk tier's file, to the disk (waited for),
+    so no write spills into another engine's time: an upper bound on what
+    the disk tier costs, whose writes would otherwise overlap the next steps."""
     from shoal.workers import LLMEngine
 
-    engine = LLMEngine(args)
+    engines = {}
     try:
-        _serve(engine, [(requests[0][0][:64], 2)])
-        t0 = time.perf_counter()
-        rows = _serve(engine, requests)
-        seconds = time.perf_counter() - t0
+        for name, cfg in configs.items():
+            engines[name] = engine = LLMEngine(cfg)
+            _serve(engine, [(requests[0][0][:64], 2)])
+        seconds = dict.fromkeys(configs, 0.0)
+        tokens = dict.fromkeys(configs, 0)
+        names = list(configs)
+        for i, request in enumerate(requests):
+            for name in names if i % 2 == 0 else names[::-1]:
+                engine = engines[name]
+                t0 = time.perf_counter()
+                (r,) = _serve(engine, [request])
+                connector = getattr(engine.runner, "kv_connector", None)
+                if getattr(connector, "disk_storage", None) is not None:
+                    connector.disk_storage.flush()
+                    os.sync()  # the kernel's writeback too, which would run into the next engine's request
+                seconds[name] += time.perf_counter() - t0
+                tokens[name] += len(r["ids"])
     finally:
-        engine.shutdown()
-    return {"seconds": seconds, "output_tok_s": sum(len(r["ids"]) for r in rows) / seconds}
+        for engine in engines.values():
+            engine.shutdown()
+    return {name: {"seconds": seconds[name], "output_tok_s": tokens[name] / seconds[name]} for name in configs}
 
 
 def _costs(args: EngineArgs, vocab: int, folder: str) -> dict:
@@ -259,6 +298,58 @@ def _costs(args: EngineArgs, vocab: int, folder: str) -> dict:
     }
 
 
+def _unique_report(ns, configs: dict[str, EngineArgs], w: AgentWorkload, vocab: int, tmp: str) -> dict:
+    """Unique prompts with the tiers off, the host tier on, both tiers on: printed, and returned."""
+    unique = unique_prompts(w, vocab, ns.unique_requests)
+    both = dataclasses.replace(
+        configs["disk tier"], kv_offload_host_bytes=ns.host_bytes, kv_offload_disk_path=os.path.join(tmp, "u")
+    )
+    u = _unique_run(
+        {"tiers off": configs["tiers off"], "host tier": configs["host tier"], "host and disk tiers": both}, unique
+    )
+    u_off = u["tiers off"]
+    ratios = {name: r["output_tok_s"] / u_off["output_tok_s"] for name, r in u.items() if r is not u_off}
+    print(
+        f"  nothing reusable ({len(unique)} unique prompts): tiers off {u_off['output_tok_s']:.2f} tok/s, "
+        + ", ".join(f"{name} {x:.3f}x" for name, x in ratios.items())
+        + f" (goal within {GOALS['unique_within']:.0%})"
+    )
+    return {**u, "on_vs_off": ratios}
+
+
+def _serve_report(ns, args: EngineArgs, w: AgentWorkload, vocab: int, report: dict) -> int:
+    from shoal.benchmarks.kv_tier_serve import serve_runs
+
+    print(f"  {'':32s} {'seconds':>8s} {'out tok/s':>10s} {'hits / ideal':>13s} {'TTFT p50, later turns':>22s}")
+    policies = [p for p in ns.serve_routing.split(",") if p]
+    runs = serve_runs(args, w, vocab, max(2, ns.workers), ns.cluster_bytes, policies)
+    for name, r in runs.items():
+        if not name.endswith("cluster tier"):
+            continue
+        off = runs[name.replace("cluster tier", "tiers off")]
+        r["ttft_p50_speedup"] = off["ttft_p50_later_turns_s"] / max(r["ttft_p50_later_turns_s"], 1e-9)
+        r["throughput_speedup"] = r["output_tok_s"] / off["output_tok_s"]
+        print(
+            f"  {name}: TTFT p50 of later turns {r['ttft_p50_speedup']:.1f}x lower (goal "
+            f"{GOALS['ttft_p50_speedup']:.0f}x), throughput {r['throughput_speedup']:.2f}x (goal "
+            f"{GOALS['throughput_speedup']:.0f}x), hits {r['hit_share_of_ideal']:.1%} of the ideal (goal "
+            f"{GOALS['cluster_hit_share']:.0%})"
+        )
+    shas = {r["replies_sha256"] for r in runs.values()}
+    print("  the replies are the same in every configuration" if len(shas) == 1 else f"  replies: {len(shas)} kinds")
+    report.update(serve_runs=runs, same_replies=len(shas) == 1)
+    return _write(ns, report)
+
+
+def _write(ns, report: dict) -> int:
+    report["goals"] = GOALS
+    os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
+    with open(ns.output, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {ns.output}")
+    return 0
+
+
 def run(ns) -> int:
     from shoal.workers.model_executor.loader.model_loader import load_model_files
 
@@ -275,6 +366,8 @@ def run(ns) -> int:
         f"{w.system_len}, turns {w.turn_len[0]}-{w.turn_len[1]}, replies {w.output_len[0]}-{w.output_len[1]} "
         f"tokens; paged cache {args.num_kv_blocks} blocks of {args.block_size}"
     )
+    if ns.serve:
+        return _serve_report(ns, args, w, vocab, report)
     with tempfile.TemporaryDirectory() as tmp:
         configs = {
             "tiers off": dataclasses.replace(args, kv_offload_host_bytes=0, kv_offload_disk_path=None),
@@ -286,6 +379,9 @@ def run(ns) -> int:
                 kv_offload_disk_bytes=ns.disk_bytes,
             ),
         }
+        if ns.unique_only:
+            report["unique"] = _unique_report(ns, configs, w, vocab, tmp)
+            return _write(ns, report)
         workers = {name: 1 for name in configs}
         if ns.workers > 1:
             rr = f"{ns.workers} engines {ns.routing}"
@@ -339,22 +435,7 @@ def run(ns) -> int:
             f"  after a restart on the disk tier's folder: {restart['hit_share']:.1%} of the next turns' reusable "
             f"prefix hit (goal {GOALS['restart_hit_share']:.0%})"
         )
-        unique = unique_prompts(w, vocab, ns.unique_requests)
-        u_off = _unique_run(configs["tiers off"], unique)
-        both = dataclasses.replace(
-            configs["disk tier"], kv_offload_host_bytes=ns.host_bytes, kv_offload_disk_path=os.path.join(tmp, "u")
-        )
-        u_on = _unique_run(both, unique)
-        report["unique"] = {
-            "tiers off": u_off,
-            "host and disk tiers": u_on,
-            "on_vs_off": u_on["output_tok_s"] / u_off["output_tok_s"],
-        }
-        print(
-            f"  nothing reusable ({len(unique)} unique prompts): tiers off {u_off['output_tok_s']:.1f} tok/s, host "
-            f"and disk tiers on {u_on['output_tok_s']:.1f} tok/s ({report['unique']['on_vs_off']:.3f}x; goal within "
-            f"{GOALS['unique_within']:.0%})"
-        )
+        report["unique"] = _unique_report(ns, configs, w, vocab, tmp)
         costs = _costs(args, vocab, tmp)
         report["costs"] = costs
         print(
@@ -363,9 +444,4 @@ def run(ns) -> int:
             f"{costs['prefill_tokens']}-token prompt), from the host tier {costs['host_ms_per_block']:.3f} ms, from the disk tier "
             f"{costs['disk_ms_per_block']:.3f} ms (page cache)"
         )
-    report["goals"] = GOALS
-    os.makedirs(os.path.dirname(ns.output) or ".", exist_ok=True)
-    with open(ns.output, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {ns.output}")
-    return 0
+    return _write(ns, report)

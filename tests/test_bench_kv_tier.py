@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def test_bench_kv_tier_runs_and_reports(tiny_model, tmp_path, capsys):
     from shoal.cluster.cli import main
@@ -38,3 +40,25 @@ def test_bench_kv_tier_runs_and_reports(tiny_model, tmp_path, capsys):
         assert runs[name]["fetch_ms_per_block"][tier] > 0
     printed = capsys.readouterr().out
     assert "after a restart on the disk tier's folder" in printed and "nothing reusable" in printed
+
+
+@pytest.mark.slow
+def test_bench_kv_tier_serve_on_real_workers(tiny_model, tmp_path, capsys):
+    """--serve: two real workers in a local Ray cluster, turns routed round-robin;
+    with the cluster tier a moved turn finds the other worker's blocks."""
+    from shoal.cluster.cli import main
+
+    out = tmp_path / "kv_tier_serve.json"
+    argv = ["bench", "kv-tier", "--serve", "--serve-routing", "round-robin", "--model", tiny_model]
+    argv += ["--conversations", "6", "--turns", "3-4", "--system-len", "96", "--turn-len", "20-40"]
+    argv += ["--reply-len", "4-8", "--num-kv-blocks", "20", "--output", str(out)]
+    assert main(argv) == 0, capsys.readouterr().out[-3000:]
+    report = json.loads(out.read_text())
+    runs = report["serve_runs"]
+    off, on = runs["2 workers round-robin, tiers off"], runs["2 workers round-robin, cluster tier"]
+    assert report["same_replies"]
+    assert on["moved_turn_share"] > 0.3  # the shuffled order moves turns between the workers
+    assert on["hit_share_of_ideal"] > max(0.9, off["hit_share_of_ideal"])
+    # counted by the workers: blocks loaded from the cluster tier, and what each took
+    assert on["tier_hit_tokens"]["cluster"] > 0 and on["fetch_ms_per_block"]["cluster"] > 0
+    assert "cluster" not in off["tier_hit_tokens"] and on["prefill_ms_per_token"] > 0

@@ -166,31 +166,52 @@ def _conversation_run(
                         into[field] = [a + b for a, b in zip(into.get(field, [0] * len(value)), value, strict=True)]
                     else:
                         into[field] = into.get(field, 0) + value
-        replies = hashlib.sha256(repr([c.context for c in convs]).encode()).hexdigest()[:16]
     finally:
         for engine in engines:
             engine.shutdown()
         reset_process_store()
+    return {
+        **summarize(rows, convs, seconds, moved),
+        # what a block loaded from each tier took, measured in the run (a load: one request's blocks)
+        "fetch_ms_per_block": {
+            name: t["load_us"] / t["loaded_blocks"] / 1000 for name, t in tiers.items() if t["loaded_blocks"]
+        },
+        "tiers": tiers,
+    }, convs
+
+
+def summarize(rows: list[dict], convs: list[Conversation], seconds: float, moved: int) -> dict:
+    """A conversation run's figures from its rows (turn, prompt, ideal, ttft_s,
+    cached: one a request) and the conversations as they ended."""
     later = [r["ttft_s"] for r in rows if r["turn"] > 0]
     ideal = sum(r["ideal"] for r in rows)
+    output_tokens = sum(r for c in convs for _, r in c.turns)
     return {
         "seconds": seconds,
         "requests": len(rows),
-        "output_tokens": sum(r for c in convs for _, r in c.turns),
-        "output_tok_s": sum(r for c in convs for _, r in c.turns) / seconds,
+        "output_tokens": output_tokens,
+        "output_tok_s": output_tokens / seconds,
         "prompt_tokens": sum(r["prompt"] for r in rows),
         "hit_tokens": sum(r["cached"] for r in rows),
         "ideal_tokens": ideal,
         "hit_share_of_ideal": sum(min(r["cached"], r["ideal"]) for r in rows) / ideal if ideal else 0.0,
         "ttft_p50_later_turns_s": statistics.median(later) if later else 0.0,
         "moved_turn_share": moved / max(1, sum(r["turn"] > 0 for r in rows)),  # on another engine than the last
-        # what a block loaded from each tier took, measured in the run (a load: one request's blocks)
-        "fetch_ms_per_block": {
-            name: t["load_us"] / t["loaded_blocks"] / 1000 for name, t in tiers.items() if t["loaded_blocks"]
-        },
-        "tiers": tiers,
-        "replies_sha256": replies,  # of every conversation's context at the end: the same with tiers on and off
-    }, convs
+        # of every conversation's context at the end: the same with tiers on and off
+        "replies_sha256": hashlib.sha256(repr([c.context for c in convs]).encode()).hexdigest()[:16],
+    }
+
+
+def _speedup(name: str, r: dict, base: dict, hit_goal: bool) -> None:
+    """r's TTFT and throughput against base's, kept in r and printed beside the goals."""
+    r["ttft_p50_speedup"] = base["ttft_p50_later_turns_s"] / max(r["ttft_p50_later_turns_s"], 1e-9)
+    r["throughput_speedup"] = r["output_tok_s"] / base["output_tok_s"]
+    print(
+        f"  {name}: TTFT p50 of later turns {r['ttft_p50_speedup']:.1f}x lower (goal "
+        f"{GOALS['ttft_p50_speedup']:.0f}x), throughput {r['throughput_speedup']:.2f}x (goal "
+        f"{GOALS['throughput_speedup']:.0f}x), hits {r['hit_share_of_ideal']:.1%} of the ideal"
+        + (f" (goal {GOALS['cluster_hit_share']:.0%})" if hit_goal else "")
+    )
 
 
 def _restart_run(args: EngineArgs, convs: list[Conversation], w: AgentWorkload, vocab: int) -> dict:
@@ -326,15 +347,7 @@ def _serve_report(ns, args: EngineArgs, w: AgentWorkload, vocab: int, report: di
     for name, r in runs.items():
         if not name.endswith("cluster tier"):
             continue
-        off = runs[name.replace("cluster tier", "tiers off")]
-        r["ttft_p50_speedup"] = off["ttft_p50_later_turns_s"] / max(r["ttft_p50_later_turns_s"], 1e-9)
-        r["throughput_speedup"] = r["output_tok_s"] / off["output_tok_s"]
-        print(
-            f"  {name}: TTFT p50 of later turns {r['ttft_p50_speedup']:.1f}x lower (goal "
-            f"{GOALS['ttft_p50_speedup']:.0f}x), throughput {r['throughput_speedup']:.2f}x (goal "
-            f"{GOALS['throughput_speedup']:.0f}x), hits {r['hit_share_of_ideal']:.1%} of the ideal (goal "
-            f"{GOALS['cluster_hit_share']:.0%})"
-        )
+        _speedup(name, r, runs[name.replace("cluster tier", "tiers off")], hit_goal=True)
     shas = {r["replies_sha256"] for r in runs.values()}
     print("  the replies are the same in every configuration" if len(shas) == 1 else f"  replies: {len(shas)} kinds")
     report.update(serve_runs=runs, same_replies=len(shas) == 1)
@@ -409,16 +422,9 @@ def run(ns) -> int:
         for name in configs:
             if name.endswith("tiers off"):
                 continue
-            base = runs[name.replace("cluster tier", "tiers off")] if name.endswith("cluster tier") else off
-            r = runs[name]
-            r["ttft_p50_speedup"] = base["ttft_p50_later_turns_s"] / max(r["ttft_p50_later_turns_s"], 1e-9)
-            r["throughput_speedup"] = r["output_tok_s"] / base["output_tok_s"]
-            print(
-                f"  {name}: TTFT p50 of later turns {r['ttft_p50_speedup']:.1f}x lower (goal "
-                f"{GOALS['ttft_p50_speedup']:.0f}x), throughput {r['throughput_speedup']:.2f}x (goal "
-                f"{GOALS['throughput_speedup']:.0f}x), hits {r['hit_share_of_ideal']:.1%} of the ideal"
-                + (f" (goal {GOALS['cluster_hit_share']:.0%})" if name.endswith("cluster tier") else "")
-            )
+            cluster = name.endswith("cluster tier")
+            base = runs[name.replace("cluster tier", "tiers off")] if cluster else off
+            _speedup(name, runs[name], base, hit_goal=cluster)
         for name, r in runs.items():
             if workers[name] > 1:
                 print(f"  {name}: {r['moved_turn_share']:.0%} of the later turns went to another engine than the last")

@@ -13,12 +13,11 @@ cluster tier) and deletes it after; the Ray cluster is shared.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import statistics
 import time
 
 from shoal.benchmarks.agent_workload import AgentWorkload, Conversation, make_conversations, shuffled
+from shoal.benchmarks.kv_tier import summarize
 from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.routing import QUIET, RAY_QUIET
 from shoal.workers.engine_args import EngineArgs
@@ -65,22 +64,11 @@ def _conversations(addr: str, w: AgentWorkload, vocab: int, block_size: int) -> 
             seen_system = True
             conv.context = prompt + r["ids"]
             conv.reused = len(conv.context) - 1
-            rows.append({"turn": t, "ideal": ideal, "ttft_s": r["ttft_s"], "cached": r["cached"]})
+            rows.append(
+                {"turn": t, "prompt": len(prompt), "ideal": ideal, "ttft_s": r["ttft_s"], "cached": r["cached"]}
+            )
         seconds = time.perf_counter() - t0
-    later = [r["ttft_s"] for r in rows if r["turn"] > 0]
-    ideal = sum(r["ideal"] for r in rows)
-    out_tokens = sum(r for c in convs for _, r in c.turns)
-    return {
-        "seconds": seconds,
-        "requests": len(rows),
-        "output_tok_s": out_tokens / seconds,
-        "hit_tokens": sum(r["cached"] for r in rows),
-        "ideal_tokens": ideal,
-        "hit_share_of_ideal": sum(min(r["cached"], r["ideal"]) for r in rows) / ideal if ideal else 0.0,
-        "ttft_p50_later_turns_s": statistics.median(later) if later else 0.0,
-        "moved_turn_share": moved / max(1, sum(r["turn"] > 0 for r in rows)),
-        "replies_sha256": hashlib.sha256(repr([c.context for c in convs]).encode()).hexdigest()[:16],
-    }, convs
+    return summarize(rows, convs, seconds, moved), convs
 
 
 def _tier_costs(handle, workers: int) -> dict:

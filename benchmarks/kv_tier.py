@@ -22,10 +22,8 @@ With --serve, instead: the conversations on real workers (kv_tier_serve.py).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import statistics
 import tempfile
 import time
 
@@ -34,6 +32,7 @@ from shoal.benchmarks.agent_workload import (
     Conversation,
     interleaved,
     make_conversations,
+    summarize,
     unique_prompts,
 )
 from shoal.workers.engine_args import EngineArgs
@@ -178,28 +177,6 @@ def _conversation_run(
         },
         "tiers": tiers,
     }, convs
-
-
-def summarize(rows: list[dict], convs: list[Conversation], seconds: float, moved: int) -> dict:
-    """A conversation run's figures from its rows (turn, prompt, ideal, ttft_s,
-    cached: one a request) and the conversations as they ended."""
-    later = [r["ttft_s"] for r in rows if r["turn"] > 0]
-    ideal = sum(r["ideal"] for r in rows)
-    output_tokens = sum(r for c in convs for _, r in c.turns)
-    return {
-        "seconds": seconds,
-        "requests": len(rows),
-        "output_tokens": output_tokens,
-        "output_tok_s": output_tokens / seconds,
-        "prompt_tokens": sum(r["prompt"] for r in rows),
-        "hit_tokens": sum(r["cached"] for r in rows),
-        "ideal_tokens": ideal,
-        "hit_share_of_ideal": sum(min(r["cached"], r["ideal"]) for r in rows) / ideal if ideal else 0.0,
-        "ttft_p50_later_turns_s": statistics.median(later) if later else 0.0,
-        "moved_turn_share": moved / max(1, sum(r["turn"] > 0 for r in rows)),  # on another engine than the last
-        # of every conversation's context at the end: the same with tiers on and off
-        "replies_sha256": hashlib.sha256(repr([c.context for c in convs]).encode()).hexdigest()[:16],
-    }
 
 
 def _speedup(name: str, r: dict, base: dict, hit_goal: bool) -> None:

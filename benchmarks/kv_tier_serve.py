@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import time
 
-from shoal.benchmarks.agent_workload import AgentWorkload, Conversation, make_conversations, shuffled
-from shoal.benchmarks.kv_tier import summarize
+from shoal.benchmarks.agent_workload import AgentWorkload, Conversation, make_conversations, shuffled, summarize
 from shoal.benchmarks.ports import free_port
 from shoal.benchmarks.routing import QUIET, RAY_QUIET
 from shoal.workers.engine_args import EngineArgs

@@ -22,28 +22,6 @@ empty one: later loads miss, and are computed.
 
 from __future__ import annotations
 
-import numpy as np
-import ray
+from shoal.workers.kv_transfer.cluster_store import KVStore
 
-from shoal.workers.kv_transfer.cluster_store import KVClusterStore, StoredBlock
-
-
-class KVStore:
-    def __init__(self, capacity_bytes: int):
-        self.store = KVClusterStore(capacity_bytes)
-
-    def contains(self, keys: list[bytes]) -> list[bool]:
-        return self.store.contains(keys)
-
-    def put_blocks(self, keys: list[bytes], crcs: list[int], blocks: list[np.ndarray]) -> int:
-        """Hold each block (its bytes) under its key, in the object store; a key held already keeps its block."""
-        held = self.store.contains(keys)
-        new = [i for i, h in enumerate(held) if not h]
-        stored = [StoredBlock([ray.put(blocks[i])], crcs[i], blocks[i].nbytes) for i in new]
-        return self.store.put([keys[i] for i in new], stored)
-
-    def get(self, keys: list[bytes]) -> list[StoredBlock | None]:
-        return self.store.get(keys)
-
-    def stats(self) -> dict[str, int]:
-        return self.store.stats()
+__all__ = ["KVStore"]

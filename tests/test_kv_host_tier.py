@@ -324,8 +324,6 @@ def test_bad_tier_settings_are_refused(tiny_model):
         LLMEngine(model=tiny_model, num_kv_blocks=8, kv_connector="nixl")
     with pytest.raises(ValueError, match="is not a KVConnectorBase"):
         LLMEngine(model=tiny_model, num_kv_blocks=8, kv_connector="collections:OrderedDict")
-    # Tensor parallelism: the host and disk tiers on every rank (tests/test_tensor_parallel.py); not yet the cluster.
-    with pytest.raises(ValueError, match="kv_cluster_tier runs on one rank"):
-        LLMEngine(model=tiny_model, tensor_parallel_size=2, kv_cluster_tier="object-store")
+    # Tensor parallelism: every tier on every rank (tests/test_tensor_parallel.py); other connectors on one.
     with pytest.raises(ValueError, match="runs on one rank for now"):
         LLMEngine(model=tiny_model, tensor_parallel_size=2, kv_connector="collections:OrderedDict")

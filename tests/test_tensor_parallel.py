@@ -184,6 +184,51 @@ def test_k2_disk_tier_every_rank_writes_its_slice_and_a_missing_one_is_computed(
     assert again == off and tiers["disk"].failed_blocks >= 1  # offered by the index, then computed
 
 
+def test_k2_cluster_tier_every_rank_publishes_its_slice_and_a_damaged_one_is_computed(ray_cluster, tp_models):
+    """The cluster tier under tensor parallelism: each rank publishes its
+    heads' slice of a block; a fresh engine loads both slices with the
+    tokens it computed; with rank 1's slices damaged (offered by the index,
+    refused by rank 1's checksum), both ranks compute those blocks."""
+    import ray
+
+    from shoal.workers.kv_transfer import cluster_tier
+
+    path = tp_models["4 heads, 2 KV, untied"]
+    prompt = tp_prompts(500, n=4, seed=7)[2][:40] + [10, 11]  # 5 full blocks of 8 before its last token
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def turn() -> tuple[list[int], dict]:
+        with LLM(path, tensor_parallel_size=2, kv_cluster_tier="object-store", **ENGINE) as llm:
+            return llm.generate([prompt], params)[0].token_ids, llm.engine.kv_tier_stats()
+
+    def slices(store) -> list[bytes]:
+        return list(store.store.entries)
+
+    cluster_tier.reset_process_store()
+    try:
+        off, tiers = turn()  # computed (the tier is empty), then published by every rank
+        assert tiers["cluster"].hit_tokens == 0 and tiers["cluster"].saved_blocks > 0
+        store = cluster_tier.job_store(1)  # the engine's, found by name
+        keys = ray.get(store.__ray_call__.remote(slices))
+        rank_1 = [k for k in keys if k.endswith(b"#1")]
+        assert rank_1 and sorted(k[:-1] for k in rank_1) == sorted(k[:-1] for k in keys if k.endswith(b"#0"))
+
+        on, tiers = turn()  # a fresh engine: both slices of each block from the cluster
+        assert on == off and tiers["cluster"].hit_tokens == 40 and tiers["cluster"].failed_blocks == 0
+
+        def damage(store) -> None:  # rank 1's bytes no longer match their checksum
+            for key, block in store.store.entries.items():
+                if key.endswith(b"#1"):
+                    block.crc32 ^= 1
+
+        ray.get(store.__ray_call__.remote(damage))
+        again, tiers = turn()  # rank 0's slices land, rank 1's fail: the ranks agree to compute them
+        assert again == off and tiers["cluster"].failed_blocks >= 1
+    finally:
+        cluster_tier.reset_process_store()
+    assert not [n for n in ray.util.list_named_actors() if "shoal-kv-cluster" in str(n)]
+
+
 def test_k2_holds_twice_the_blocks_in_the_same_bytes(ray_cluster, tp_models):
     path = tp_models["4 heads, 2 KV, untied"]
     budget = dict(kv_cache_memory_bytes=1 << 20, block_size=16)

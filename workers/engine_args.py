@@ -193,7 +193,8 @@ class EngineArgs:
     )
     kv_cluster_bytes: int = cli_field(
         4 << 30,
-        "the cluster tier's size: past it, the least recently used blocks are dropped",
+        "the cluster tier's size, every tensor-parallel rank's slices together: past it, the least recently "
+        "used blocks are dropped",
     )
     kv_offload_dtype: str = cli_field(
         "auto",

@@ -819,15 +819,7 @@ def _check_kv_connector_args(args: EngineArgs) -> None:
         raise ValueError(f"kv_offload_host_bytes must be an integer >= 0; got {args.kv_offload_host_bytes!r}")
     if args.load_format == "simulated":
         raise ValueError("load_format 'simulated' has no KV cache: a KV connector needs a real model")
-    # A rank's cluster fetch lands apart from the others', across steps, and a load that one
-    # rank lacks would have the ranks read different blocks: that tier keeps to one rank for
-    # now. The host tier's moves are the same on every rank; the disk tier's ranks agree on
-    # each step's loads before its forward (offloading._loaded_on_every_rank).
-    if args.tensor_parallel_size > 1 and args.kv_cluster_tier:
-        raise ValueError(
-            f"kv_cluster_tier runs on one rank for now (tensor_parallel_size {args.tensor_parallel_size}); "
-            "the host and disk tiers run on any"
-        )
+    # Every tier runs under tensor parallelism, its ranks agreeing on their loads (kv_transfer/offloading.py).
     if args.tensor_parallel_size > 1 and args.kv_connector not in (None, "offloading"):
         raise ValueError(f"kv_connector {args.kv_connector!r} runs on one rank for now; 'offloading' on any")
     if type(args.kv_offload_disk_bytes) is not int or args.kv_offload_disk_bytes < 0:

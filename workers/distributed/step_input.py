@@ -41,6 +41,7 @@ class StepInput:
     lora_adapters: dict = field(default_factory=dict)  # slot -> LoRAAdapter, for the slots this step changes
     # The KV connector's moves (SchedulerOutput.kv_connector_metadata): every rank makes them on its slice.
     kv_connector_metadata: object | None = None
+    kv_wait_s: float = 0.0  # how long the connector may wait for a load to land (SchedulerOutput.kv_wait_s)
     # Computed counts that are not what the mirrors made them: after a step that ran no
     # forward (its KV loads failed), rank 0's sequences went back and the mirrors went on.
     num_computed: dict[int, int] = field(default_factory=dict)
@@ -65,6 +66,7 @@ class StepInputEncoder:
             [(seq.arrival_order, n) for seq, n in sched.scheduled],
             lora_slots=sched.lora_slots,
             kv_connector_metadata=sched.kv_connector_metadata,
+            kv_wait_s=sched.kv_wait_s,
         )
         # Preempted sequences lost their blocks; finished ones are gone.
         gone = {seq.arrival_order for seq in sched.preempted}

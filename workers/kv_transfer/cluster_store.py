@@ -10,6 +10,11 @@ keys; an evicted ObjectRef is dropped, and Ray frees the block.
 
 It does no I/O and holds no lock of its own beyond one mutex, so its methods
 are cheap enough to run on an actor's event loop.
+
+KVStore puts the blocks it is sent into the object store and indexes them:
+the application's KVStore Serve deployment (cluster/kv_store.py), or, for
+tensor-parallel ranks outside Serve, a plain actor of the Ray job
+(cluster_tier.job_store).
 """
 
 from __future__ import annotations
@@ -102,3 +107,29 @@ class KVClusterStore:
                 "queried_blocks": self.num_queries,
                 "hit_blocks": self.num_hits,
             }
+
+
+class KVStore:
+    """The index, holding each block as an ObjectRef this actor put (so the
+    block is the store's, and outlives the worker that sent it)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.store = KVClusterStore(capacity_bytes)
+
+    def contains(self, keys: list[bytes]) -> list[bool]:
+        return self.store.contains(keys)
+
+    def put_blocks(self, keys: list[bytes], crcs: list[int], blocks: list) -> int:
+        """Hold each block (its bytes) under its key, in the object store; a key held already keeps its block."""
+        import ray
+
+        held = self.store.contains(keys)
+        new = [i for i, h in enumerate(held) if not h]
+        stored = [StoredBlock([ray.put(blocks[i])], crcs[i], blocks[i].nbytes) for i in new]
+        return self.store.put([keys[i] for i in new], stored)
+
+    def get(self, keys: list[bytes]) -> list[StoredBlock | None]:
+        return self.store.get(keys)
+
+    def stats(self) -> dict[str, int]:
+        return self.store.stats()

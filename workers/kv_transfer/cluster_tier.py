@@ -11,7 +11,9 @@ Two stores answer (cluster_store.py holds the index of both):
   object store, without a copy on the store's own node;
 - anywhere else (one process, no Serve), the process's own store, which
   every engine of the process shares: what the tests and an in-process
-  router with several workers use.
+  router with several workers use; under tensor parallelism, whose ranks
+  are processes of their own, a KVStore actor of the Ray job (job_store)
+  that the ranks of every engine of the job share.
 
 Each block travels as its bytes in the tier's dtype with a CRC-32; a load
 checks it, so a block that was evicted, lost with its node, or damaged on
@@ -26,7 +28,7 @@ import logging
 import threading
 import time
 import zlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -102,7 +104,8 @@ class LocalClusterClient:
 
 
 class ServeClusterClient:
-    """The application's KVStore deployment; blocks in Ray's object store.
+    """The application's KVStore deployment, or the job's KVStore actor;
+    blocks in Ray's object store.
 
     The replicas run their handles' routers on their own event loop
     (cluster/app.py): a call is made there, from this client's threads,
@@ -122,7 +125,12 @@ class ServeClusterClient:
     def _call(self, method: str, *args):
         """handle.method.remote(*args)'s result, waited for on this (non-loop) thread."""
         if self.loop is None:
-            return getattr(self.handle, method).remote(*args).result(timeout_s=FETCH_TIMEOUT_S)
+            import ray
+
+            response = getattr(self.handle, method).remote(*args)
+            if isinstance(response, ray.ObjectRef):  # an actor's (job_store)
+                return ray.get(response, timeout=FETCH_TIMEOUT_S)
+            return response.result(timeout_s=FETCH_TIMEOUT_S)
 
         async def call():
             return await getattr(self.handle, method).remote(*args)
@@ -192,10 +200,41 @@ def process_store(capacity_bytes: int) -> KVClusterStore:
 
 
 def reset_process_store() -> None:
-    """Forget the process's store (tests: a fresh cluster tier)."""
-    global _process_store
+    """Forget the process's store, and end the job's (tests: a fresh cluster tier)."""
+    global _process_store, _job_store
     with _process_lock:
         _process_store = None
+        if _job_store is not None:
+            import ray
+
+            try:
+                ray.kill(_job_store[1])
+            except Exception:  # the cluster went first
+                pass
+            _job_store = None
+
+
+_job_store: tuple[str, Any] | None = None  # (the Ray job, its store's handle: an ActorHandle)
+
+
+def job_store(capacity_bytes: int):
+    """The KVStore actor of this Ray job, made by the first caller (the
+    first caller sizes it): where the ranks of tensor-parallel engines
+    outside Serve keep their slices. The engine's process makes it before
+    its ranks start and hands it to them, and keeps the handle that made
+    it: the actor is that process's, and lives as long as it (or until
+    reset_process_store), through the engines that come and go."""
+    global _job_store
+    import ray
+
+    from shoal.workers.kv_transfer.cluster_store import KVStore
+
+    with _process_lock:
+        job = ray.get_runtime_context().get_job_id()
+        if _job_store is None or _job_store[0] != job:  # none yet, or one of a cluster since shut down
+            actor = ray.remote(KVStore).options(name=f"shoal-kv-cluster-{job}", get_if_exists=True, num_cpus=0)
+            _job_store = (job, actor.remote(capacity_bytes))
+        return _job_store[1]
 
 
 _store_handle = None
@@ -210,8 +249,17 @@ def use_store_handle(handle, loop: asyncio.AbstractEventLoop | None = None) -> N
     _store_handle, _store_loop = handle, loop
 
 
-def cluster_client(capacity_bytes: int) -> ClusterTierClient:
-    """The KVStore deployment's client where this process was given one; else the process's store's."""
+def store_handle():
+    """The KVStore deployment this process was given (use_store_handle), or None."""
+    return _store_handle
+
+
+def cluster_client(capacity_bytes: int, tensor_parallel: bool = False) -> ClusterTierClient:
+    """The KVStore deployment's client where this process was given one;
+    else, for a rank of a tensor-parallel engine, the job's KVStore actor's;
+    else the process's store's."""
     if _store_handle is not None:
         return ServeClusterClient(_store_handle, _store_loop)
+    if tensor_parallel:
+        return ServeClusterClient(job_store(capacity_bytes))
     return LocalClusterClient(process_store(capacity_bytes))

@@ -21,6 +21,12 @@ them instead (WAITING_FOR_REMOTE_KVS), holding its blocks and no step's
 budget, while the fetch runs on a thread of its own and other requests'
 steps go on; the fetched blocks are written by the first pass after they
 arrive, and the request joins the next step.
+
+Under tensor parallelism every rank makes the same moves on its heads'
+slice: a host slot or disk file holds each rank's slice (the disk's one
+file a rank), and the cluster one entry a rank's slice. A load that failed
+on any rank is computed by all of them, and a cluster load lands when it
+has landed on every rank: the ranks agree on both by a collective.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from shoal.workers.kv_transfer.base import (
     KVConnectorRole,
     KVLoadError,
 )
-from shoal.workers.kv_transfer.cluster_tier import ClusterTierClient, cluster_client
+from shoal.workers.kv_transfer.cluster_tier import Block, ClusterTierClient, cluster_client
 from shoal.workers.kv_transfer.disk_tier import DiskTierIndex, DiskTierStorage, tier_folder
 from shoal.workers.kv_transfer.host_tier import HostTierIndex, HostTierStorage, block_shape, num_host_slots
 from shoal.workers.kv_transfer.keys import tier_key
@@ -141,7 +147,7 @@ class OffloadingConnector(KVConnectorBase):
         folder = tier_folder(disk_path, spec.fingerprint, self.dtype) if disk_path else None
         self.cluster: ClusterTierClient | None = None
         if options.kv_cluster_tier:
-            self.cluster = cluster_client(options.kv_cluster_bytes)
+            self.cluster = cluster_client(options.kv_cluster_bytes, tensor_parallel=spec.num_ranks > 1)
         # The cluster's blocks are in the storage dtype: engines that store another one never share them.
         self._cluster_tag = str(self.dtype).encode() + b":"
         if role is KVConnectorRole.SCHEDULER:
@@ -159,9 +165,10 @@ class OffloadingConnector(KVConnectorBase):
                 self.tiers["disk"] = TierStats(
                     total_blocks=disk_bytes // self.block_bytes, bytes_per_block=self.block_bytes
                 )
-            if self.cluster is not None:
+            if self.cluster is not None:  # each rank's slice of a block is an entry of its own
                 self.tiers["cluster"] = TierStats(
-                    total_blocks=options.kv_cluster_bytes // self.block_bytes, bytes_per_block=self.block_bytes
+                    total_blocks=options.kv_cluster_bytes // (self.block_bytes * spec.num_ranks),
+                    bytes_per_block=self.block_bytes,
                 )
             # request_id -> ((first block, blocks), presence of each in the cluster, on its way)
             self._lookups: dict[str, tuple[tuple[int, int], concurrent.futures.Future]] = {}
@@ -175,14 +182,13 @@ class OffloadingConnector(KVConnectorBase):
             self._events: list | None = [] if events and options.kv_events_block_hash == "shoal" else None
         else:
             self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
-            rank = get_tp_group().rank if spec.num_ranks > 1 else 0
+            rank = self.rank = get_tp_group().rank if spec.num_ranks > 1 else 0
             self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype, rank) if folder else None
             self.kv_cache: torch.Tensor | None = None
             # request_id -> (its blocks' fetch, the paged blocks they go to, when it began)
             self._fetches: dict[str, tuple[concurrent.futures.Future, list[int], float]] = {}
             self._fetched_at: dict[concurrent.futures.Future, float] = {}  # when each fetch came back
             self._timings: dict[str, list[tuple[int, float]]] = {}  # tier -> loads since get_finished
-            self._failed_now: set[str] = set()  # loads that failed before their fetch began
             self._saves: list[tuple[int, bytes]] = []  # the step's cluster saves, made after its forward
 
     def _key(self, block_hash: bytes) -> bytes:
@@ -190,6 +196,10 @@ class OffloadingConnector(KVConnectorBase):
 
     def _cluster_key(self, key: bytes) -> bytes:
         return self._cluster_tag + key
+
+    def _slice_key(self, cluster_key: bytes, rank: int) -> bytes:
+        """Under tensor parallelism each rank publishes and fetches its heads' slice of a block on its own."""
+        return cluster_key if self.spec.num_ranks == 1 else cluster_key + b"#%d" % rank
 
     # ---- scheduler side ----------------------------------------------
 
@@ -225,13 +235,16 @@ class OffloadingConnector(KVConnectorBase):
         if self.cluster is None:
             return [False] * len(keys)
         entry = self._lookups.get(request_id)
+        ranks = self.spec.num_ranks
         if entry is None or entry[0] != (first, len(keys)):
             if len(self._lookups) >= MAX_LOOKUPS:
                 self._lookups.clear()
-            entry = ((first, len(keys)), self.cluster.contains([self._cluster_key(k) for k in keys]))
+            slices = [self._slice_key(self._cluster_key(k), r) for k in keys for r in range(ranks)]
+            entry = ((first, len(keys)), self.cluster.contains(slices))
             self._lookups[request_id] = entry
         try:
-            return entry[1].result(timeout=LOOKUP_WAIT_S)
+            held = entry[1].result(timeout=LOOKUP_WAIT_S)
+            return [all(held[j * ranks : (j + 1) * ranks]) for j in range(len(keys))]  # a block: every rank's slice
         except concurrent.futures.TimeoutError:
             return _PENDING
         except Exception as e:  # the store is gone or restarting: a miss
@@ -427,7 +440,8 @@ class OffloadingConnector(KVConnectorBase):
         if self.disk is not None:
             self.tiers["disk"].used_blocks = len(self.disk)
         if self.cluster is not None:  # the whole cluster's, in blocks of this engine's size
-            self.tiers["cluster"].used_blocks = self.cluster.stats().get("used_bytes", 0) // self.block_bytes
+            used = self.cluster.stats().get("used_bytes", 0)
+            self.tiers["cluster"].used_blocks = used // (self.block_bytes * self.spec.num_ranks)
         return dict(self.tiers)
 
     # ---- worker side ----------------------------------------------------
@@ -478,16 +492,19 @@ class OffloadingConnector(KVConnectorBase):
             self.disk_storage is not None and self.disk_storage.load(kv, name, index, key, block_id)
             for name, index, key, block_id in load.disk
         )
-        if not disk_ok or self.cluster is None:
-            self._failed_now.add(load.request_id)
+        block_ids = [b for _, b in load.cluster]
+        if not disk_ok or self.cluster is None:  # a fetch that failed before it began
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_result([None])
+            self._fetches[load.request_id] = (failed, block_ids, time.perf_counter())
             return
         if load.disk:
             self._timed("disk", len(load.disk), t0)
         t0 = time.perf_counter()
-        fetch = self.cluster.fetch([k for k, _ in load.cluster])
+        fetch = self.cluster.fetch([self._slice_key(k, self.rank) for k, _ in load.cluster])
         # (on the fetch's thread: a dict's item set is atomic)
         fetch.add_done_callback(lambda f: self._fetched_at.__setitem__(f, time.perf_counter()))
-        self._fetches[load.request_id] = (fetch, [b for _, b in load.cluster], t0)
+        self._fetches[load.request_id] = (fetch, block_ids, t0)
 
     def _timed(self, tier: str, blocks: int, t0: float) -> None:
         self._timings.setdefault(tier, []).append((blocks, time.perf_counter() - t0))
@@ -500,27 +517,25 @@ class OffloadingConnector(KVConnectorBase):
         ids = torch.tensor([b for b, _ in saves], device=self.kv_cache.device)
         blocks = self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).to("cpu", self.dtype).contiguous()
         raw = blocks.view(torch.uint8).reshape(len(saves), -1).numpy()
-        self.cluster.publish([k for _, k in saves], list(raw))
+        self.cluster.publish([self._slice_key(k, self.rank) for _, k in saves], list(raw))
 
     def get_finished(self, timeout_s: float = 0.0) -> KVConnectorOutput | None:
-        if not self._fetches and not self._failed_now and not self._timings:
+        # Every rank holds the same fetches (started by the same steps, ended by agreement below): under
+        # tensor parallelism all of them take the collective, or none does.
+        if not self._fetches and not self._timings:
             return None
-        if timeout_s > 0 and not self._failed_now and not any(f.done() for f, _, _ in self._fetches.values()):
+        if timeout_s > 0 and not any(f.done() for f, _, _ in self._fetches.values()):
             futures = [f for f, _, _ in self._fetches.values()]
             concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
-        out = KVConnectorOutput(failed_recving=self._failed_now, kv_connector_stats=self._timings)
-        self._failed_now, self._timings = set(), {}
-        for request_id, (fetch, block_ids, t0) in list(self._fetches.items()):
-            if not fetch.done():
-                continue
-            del self._fetches[request_id]
+        out = KVConnectorOutput(kv_connector_stats=self._timings)
+        self._timings = {}
+        landed = self._landed()
+        if self.spec.num_ranks > 1 and self._fetches:
+            landed = self._landed_on_every_rank(landed)
+        for request_id, blocks in landed.items():
+            fetch, block_ids, t0 = self._fetches.pop(request_id)
             fetched_at = self._fetched_at.pop(fetch, None) or time.perf_counter()
-            try:
-                blocks = fetch.result()
-            except Exception as e:  # the store or the block's node is gone: computed instead
-                logger.warning("request %s: cluster-tier fetch failed: %s", request_id, e)
-                blocks = [None]
-            if any(b is None or b.nbytes != self.block_bytes for b in blocks):
+            if blocks is None:
                 out.failed_recving.add(request_id)
                 continue
             self._write_blocks(np.stack(blocks), block_ids)
@@ -530,6 +545,41 @@ class OffloadingConnector(KVConnectorBase):
             live = {f for f, _, _ in self._fetches.values()}
             for f in [f for f in list(self._fetched_at) if f not in live]:
                 self._fetched_at.pop(f, None)
+        return out
+
+    def _landed(self) -> dict[str, list[Block] | None]:
+        """The fetches that came back, by request: their blocks, or None
+        where any is missing or damaged, or the fetch failed."""
+        landed: dict[str, list[Block] | None] = {}
+        for request_id, (fetch, _, _) in self._fetches.items():
+            if not fetch.done():
+                continue
+            try:
+                blocks = fetch.result()
+            except Exception as e:  # the store or the block's node is gone: computed instead
+                logger.warning("request %s: cluster-tier fetch failed: %s", request_id, e)
+                blocks = [None]
+            good = all(b is not None and b.nbytes == self.block_bytes for b in blocks)
+            landed[request_id] = cast(list[Block], blocks) if good else None
+        return landed
+
+    def _landed_on_every_rank(self, landed: dict[str, list[Block] | None]) -> dict[str, list[Block] | None]:
+        """What landed on every rank: a request fails when its fetch failed on
+        any rank, and lands when it landed whole on all of them; the rest wait."""
+        ids = list(self._fetches)
+        flags = torch.tensor(
+            [int(r in landed) for r in ids] + [int(r in landed and landed[r] is None) for r in ids],
+            dtype=torch.int32,
+            device=cast(torch.Tensor, self.kv_cache).device,
+        )
+        get_tp_group().all_reduce(flags)
+        done, failed = flags[: len(ids)].tolist(), flags[len(ids) :].tolist()
+        out: dict[str, list[Block] | None] = {}
+        for r, n_done, n_failed in zip(ids, done, failed, strict=True):
+            if n_failed:
+                out[r] = None  # this rank's blocks, landed or still on their way, are dropped
+            elif n_done == self.spec.num_ranks:
+                out[r] = landed[r]
         return out
 
     def _write_blocks(self, raw: np.ndarray, block_ids: list[int]) -> None:

@@ -19,6 +19,7 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.distributed.placement import tp_bundles
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.kv_transfer import cluster_tier
 from shoal.workers.model_executor.layers.parallel_state import destroy_tp_group
 from shoal.workers.model_executor.loader.model_loader import LoadedModel
 from shoal.workers.model_executor.runner.rank_worker import RENDEZVOUS_TIMEOUT, DistributedInit, RankWorker
@@ -54,6 +55,11 @@ class RayExecutor:
             backend = "nccl" if gpu else "gloo"
             rank_args = dataclasses.replace(args, device="cuda") if gpu else args  # each actor sees its GPU as cuda:0
             tag = uuid.uuid4().hex[:8]
+            # The cluster tier's store, for the ranks' own processes: the application's, else the job's (made
+            # here, so that it is this process's and outlives this engine's ranks).
+            kv_store = None
+            if args.kv_cluster_tier:
+                kv_store = cluster_tier.store_handle() or cluster_tier.job_store(args.kv_cluster_bytes)
             cls = ray.remote(RankWorker)
             for rank in range(1, size):
                 bundle = pg.bundle_specs[rank]
@@ -63,7 +69,7 @@ class RayExecutor:
                         num_cpus=bundle.get("CPU", 0),
                         num_gpus=bundle.get("GPU", 0),
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                    ).remote(rank_args, rank, size, DistributedInit(host, store.port, backend))
+                    ).remote(rank_args, rank, size, DistributedInit(host, store.port, backend), kv_store)
                 )
             self.driver_worker = RankWorker(args, 0, size, DistributedInit(host, store.port, backend, store))
             self.collective_rpc("init_device")

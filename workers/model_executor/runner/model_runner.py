@@ -343,12 +343,14 @@ class ModelRunner:
         lora_slots: dict | None = None,
         lora_adapters: dict | None = None,
         kv_connector_metadata: object | None = None,
+        kv_wait_s: float = 0.0,
     ) -> tuple[list, torch.Tensor | None]:
         """The forward pass alone (tensor-parallel ranks other than 0): the
         sequences due a token and their logits (None on those ranks).
         lora_slots: the adapters the step's slots must hold (rank 0's SchedulerOutput.lora_slots);
         lora_adapters: the held adapters of the slots the step changes, sent by rank 0;
-        kv_connector_metadata: the KV connector's moves, made on this rank's slice before the forward."""
+        kv_connector_metadata: the KV connector's moves, made on this rank's slice before the forward;
+        kv_wait_s: how long its loads in flight may be waited for (rank 0's SchedulerOutput.kv_wait_s)."""
         if self.lora_manager is not None and lora_slots:
             self.lora_manager.set_active(lora_slots, lora_adapters)
         try:
@@ -356,10 +358,13 @@ class ModelRunner:
         except KVLoadError:  # every rank agreed on it (the connector's collective): rank 0 skips the forward too
             return [], None
         if self.kv_connector is not None:
-            self.kv_connector.get_finished()  # rank 0 reports the step's loads; drop this rank's record
+            # Writes what landed on every rank, agreed with rank 0's call; rank 0 reports the step's loads.
+            self.kv_connector.get_finished(kv_wait_s)
         if not scheduled:  # the connector's moves alone
             return [], None
         seqs, logits, _ = self._run(scheduled, sample=False)
+        if self.kv_connector is not None:  # this rank's slice of the step's blocks, written by its forward
+            self.kv_connector.wait_for_save()
         return seqs, logits
 
     def _run(self, scheduled: list, sample: bool, grammar_bitmask=None):

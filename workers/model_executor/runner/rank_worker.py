@@ -27,6 +27,7 @@ from shoal.workers.core.outputs import ModelRunnerOutput
 from shoal.workers.core.scheduler import SchedulerOutput
 from shoal.workers.distributed.step_input import StepInputDecoder, StepInputEncoder
 from shoal.workers.engine_args import EngineArgs
+from shoal.workers.kv_transfer import cluster_tier
 from shoal.workers.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from shoal.workers.kv_transfer.factory import connector_name, kv_cache_spec, make_connector
 from shoal.workers.kv_transfer.keys import checkpoint_digest, engine_fingerprint
@@ -72,9 +73,18 @@ class DistributedInit:
 
 
 class RankWorker:
-    def __init__(self, args: EngineArgs, rank: int = 0, size: int = 1, distributed: DistributedInit | None = None):
-        """Holds nothing yet (it may be built as a Ray actor): init_device starts it."""
+    def __init__(
+        self,
+        args: EngineArgs,
+        rank: int = 0,
+        size: int = 1,
+        distributed: DistributedInit | None = None,
+        kv_store=None,
+    ):
+        """Holds nothing yet (it may be built as a Ray actor): init_device starts it.
+        kv_store: the cluster tier's store (a KVStore handle) for a rank in a process of its own."""
         self.args, self.rank, self.size = args, rank, size
+        self.kv_store = kv_store
         self.distributed = distributed  # needed when size > 1
         self.runner: Runner | None = None  # a ModelRunner, or a SimulatedRunner for load_format 'simulated'
         self.cuda_graphs: CaptureStats | None = None
@@ -95,6 +105,8 @@ class RankWorker:
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # sizes the KV blocks
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
+        if self.kv_store is not None:  # before the KV connector looks for it
+            cluster_tier.use_store_handle(self.kv_store)
         if self.size > 1:
             d = cast(DistributedInit, self.distributed)  # passed where size > 1
             store = d.store or dist.TCPStore(d.host, d.port, self.size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
@@ -265,7 +277,9 @@ class RankWorker:
             tp = get_tp_group()
             while (step := tp.broadcast_object()) is not None:
                 scheduled = decoder.decode(step)
-                runner.execute_model(scheduled, step.lora_slots, step.lora_adapters, step.kv_connector_metadata)
+                runner.execute_model(
+                    scheduled, step.lora_slots, step.lora_adapters, step.kv_connector_metadata, step.kv_wait_s
+                )
                 decoder.advance(scheduled)
             if runner.kv_connector is not None:  # rank 0 ended the loop: the disk writes asked for are done
                 runner.kv_connector.shutdown()  # before the actor is killed

@@ -115,6 +115,21 @@ def test_blocks_from_the_host_tier_give_the_tokens_a_prefill_gives(tiny_model, r
     assert host.load_us > 0 and 1 <= sum(host.load_buckets) <= host.loaded_blocks
 
 
+def test_written_through_the_tier_holds_every_finished_prefill(tiny_model, reference, monkeypatch):
+    """On a GPU the tier is written through (offloading.saves_prefills): every
+    full prompt block is saved after the forward that finishes its prefill,
+    once, and an eviction saves nothing more."""
+    from shoal.workers.kv_transfer import offloading
+
+    monkeypatch.setattr(offloading, "saves_prefills", lambda options: True)
+    out, tiers = run_once(_engine(tiny_model, host_blocks=64), WORKLOAD, GREEDY)
+    host = tiers["host"]
+    assert out == reference["greedy"] and host.hit_tokens == HOST_HITS
+    # no output fills a block here: the blocks saved are the prompts' full blocks, each once
+    full_blocks = {tuple(p[: BLOCK * (i + 1)]) for p in WORKLOAD for i in range(len(p) // BLOCK)}
+    assert host.saved_blocks == len(full_blocks) <= 64
+
+
 def test_the_tiers_report_the_chain_hashes_they_hold_for_the_router(tiny_model):
     """offloaded_hashes: the router's keys (block_hash.chain_hashes) of what
     the host tier holds and the device no longer does, latest first; gone

@@ -92,22 +92,46 @@ class HostTierIndex:
 
 
 class HostTierStorage:
-    """The slots' memory, and the copies between them and the paged cache
-    (on a GPU, synchronous for now: pinned memory and a copy stream are
-    the GPU run's work)."""
+    """The slots' memory, and the copies between them and the paged cache.
 
-    def __init__(self, spec: KVCacheSpec, num_slots: int, dtype: torch.dtype):
-        self.data = torch.empty((num_slots, *block_shape(spec)), dtype=dtype)
+    On a GPU the slots are pinned and the copies run on a stream of their
+    own: the host thread queues them and goes on, and the compute stream
+    waits for them where a forward needs it (a load before the forward
+    that reads its blocks; a save before a forward that may overwrite its
+    block). One stream keeps a slot's save and a later load of it in order."""
 
-    def save(self, kv_cache: torch.Tensor, block_ids: list[int], slots: list[int]) -> None:
+    def __init__(self, spec: KVCacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device | None = None):
+        self.cuda = device is not None and device.type == "cuda"
+        self.data = torch.empty((num_slots, *block_shape(spec)), dtype=dtype, pin_memory=self.cuda)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def save(self, kv_cache: torch.Tensor, block_ids: list[int], slots: list[int], wait: bool = True) -> None:
         """Paged blocks -> slots (converted to the tier's dtype): on the CPU a copy
-        a block, on a device one gather."""
+        a block, on a device one gather. wait: the compute stream waits for the
+        copies (a block about to be overwritten); else barrier() does, later."""
         if kv_cache.device.type == "cpu":  # a gathered temporary is fresh memory: its page faults cost 10x the copy
             for b, s in zip(block_ids, slots, strict=True):
                 self.data[s].copy_(kv_cache[:, :, b])
             return
-        blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]  # [2, layers, n, ...]
-        self.data[torch.tensor(slots)] = blocks.permute(2, 0, 1, 3, 4, 5).to("cpu", self.data.dtype)
+        if self.stream is None:
+            blocks = kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)]  # [2, layers, n, ...]
+            self.data[torch.tensor(slots)] = blocks.permute(2, 0, 1, 3, 4, 5).to("cpu", self.data.dtype)
+            return
+        compute = torch.cuda.current_stream(kv_cache.device)
+        self.stream.wait_stream(compute)  # after the forward that wrote the blocks
+        with torch.cuda.stream(self.stream):
+            ids = torch.tensor(block_ids, device=kv_cache.device)
+            blocks = kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).to(self.data.dtype).contiguous()
+            for i, s in enumerate(slots):
+                self.data[s].copy_(blocks[i], non_blocking=True)
+        if wait:
+            compute.wait_stream(self.stream)  # the blocks are read before a later forward overwrites them
+
+    def barrier(self, device: torch.device) -> None:
+        """The compute stream waits for every copy queued so far (before a
+        forward that may overwrite blocks saved without waiting)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
 
     def load(self, kv_cache: torch.Tensor, slots: list[int], block_ids: list[int]) -> None:
         """Slots -> paged blocks (converted to the cache's dtype)."""
@@ -115,5 +139,16 @@ class HostTierStorage:
             for s, b in zip(slots, block_ids, strict=True):
                 kv_cache[:, :, b].copy_(self.data[s])
             return
-        src = self.data[torch.tensor(slots)].permute(1, 2, 0, 3, 4, 5)  # [2, layers, n, ...]
-        kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = src.to(kv_cache.device, kv_cache.dtype)
+        if self.stream is None:
+            src = self.data[torch.tensor(slots)].permute(1, 2, 0, 3, 4, 5)  # [2, layers, n, ...]
+            kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = src.to(kv_cache.device, kv_cache.dtype)
+            return
+        compute = torch.cuda.current_stream(kv_cache.device)
+        self.stream.wait_stream(compute)  # the blocks' earlier readers and writers first
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty((len(slots), *self.data.shape[1:]), dtype=self.data.dtype, device=kv_cache.device)
+            for i, s in enumerate(slots):
+                staged[i].copy_(self.data[s], non_blocking=True)
+            ids = torch.tensor(block_ids, device=kv_cache.device)
+            kv_cache[:, :, ids] = staged.permute(1, 2, 0, 3, 4, 5).to(kv_cache.dtype)
+        compute.wait_stream(self.stream)  # the forward reads them

@@ -71,6 +71,14 @@ MAX_LOOKUPS = 4096  # lookups kept for requests not yet admitted (a bound, shoul
 MAX_OFFLOADED_HASHES = 4096
 
 
+def saves_prefills(options) -> bool:
+    """Whether the host tier is written through (every finished prefill's
+    blocks saved after its forward), as on a GPU, where a copy to the host
+    runs beside the compute; on the CPU a block is copied when evicted, as
+    the copy takes the cores the step runs on."""
+    return options.resolved_device().type == "cuda"
+
+
 def _loaded_on_every_rank(ok: list[bool], device: torch.device) -> list[bool]:
     """Each load's outcome on every tensor-parallel rank together (each rank
     calls this with the step's same loads)."""
@@ -95,6 +103,7 @@ class OffloadingMetadata(KVConnectorMetadata):
     """One step's moves, made in this order: saves, deletes, loads."""
 
     saves: list[tuple[int, int]] = field(default_factory=list)  # (paged block, host slot)
+    saves_after: list[tuple[int, int]] = field(default_factory=list)  # (paged block, host slot): after the forward
     disk_saves: list[tuple[str, list[int], list[bytes]]] = field(default_factory=list)  # (path, blocks, keys)
     disk_deletes: list[str] = field(default_factory=list)  # paths
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, paged block)
@@ -105,7 +114,13 @@ class OffloadingMetadata(KVConnectorMetadata):
     @property
     def is_empty(self) -> bool:
         return not (
-            self.saves or self.disk_saves or self.disk_deletes or self.loads or self.disk_loads or self.cluster_loads
+            self.saves
+            or self.saves_after
+            or self.disk_saves
+            or self.disk_deletes
+            or self.loads
+            or self.disk_loads
+            or self.cluster_loads
         )
 
 
@@ -152,6 +167,7 @@ class OffloadingConnector(KVConnectorBase):
         self._cluster_tag = str(self.dtype).encode() + b":"
         if role is KVConnectorRole.SCHEDULER:
             self.host = HostTierIndex(self.num_slots) if self.num_slots else None
+            self.saves_prefills = self.host is not None and saves_prefills(options)
             # Under tensor parallelism each rank writes its heads' slice of a file (disk_tier.rank_path): the
             # bytes are all ranks' together, as the host tier's.
             disk_bytes //= spec.num_ranks
@@ -181,7 +197,7 @@ class OffloadingConnector(KVConnectorBase):
             events = getattr(options, "enable_kv_cache_events", False)
             self._events: list | None = [] if events and options.kv_events_block_hash == "shoal" else None
         else:
-            self.host_storage = HostTierStorage(spec, self.num_slots, self.dtype) if self.num_slots else None
+            self.host_storage: HostTierStorage | None = None  # made beside the cache (register_kv_caches)
             rank = self.rank = get_tp_group().rank if spec.num_ranks > 1 else 0
             self.disk_storage = DiskTierStorage(block_shape(spec), self.dtype, rank) if folder else None
             self.kv_cache: torch.Tensor | None = None
@@ -190,6 +206,8 @@ class OffloadingConnector(KVConnectorBase):
             self._fetched_at: dict[concurrent.futures.Future, float] = {}  # when each fetch came back
             self._timings: dict[str, list[tuple[int, float]]] = {}  # tier -> loads since get_finished
             self._saves: list[tuple[int, bytes]] = []  # the step's cluster saves, made after its forward
+            self._host_saves: list[tuple[int, int]] = []  # the step's host saves made after its forward
+            self._copies_queued = False  # host saves queued without the compute stream waiting for them
 
     def _key(self, block_hash: bytes) -> bytes:
         return tier_key(self.spec.fingerprint, block_hash)
@@ -287,16 +305,38 @@ class OffloadingConnector(KVConnectorBase):
         if key in self.host:
             self.host.touch(key)
             return
-        before = self.host.num_evictions
-        slot = self.host.allocate(key)
+        self._save_to_host(block_id, key, block_hash, self._meta.saves)
+
+    def _save_to_host(self, block_id: int, key: bytes, block_hash: bytes, saves: list[tuple[int, int]]) -> None:
+        host = cast(HostTierIndex, self.host)
+        before = host.num_evictions
+        slot = host.allocate(key)
         if slot is None:  # every slot feeds this step's loads: the block is lost, as without a tier
             return
-        self.tiers["host"].evicted_blocks += self.host.num_evictions - before
-        self._meta.saves.append((block_id, slot))
+        self.tiers["host"].evicted_blocks += host.num_evictions - before
+        saves.append((block_id, slot))
         self._stored("host", [block_hash])
-        self._removed("host", self.host)
+        self._removed("host", host)
         self._remember_offloaded([(key, block_hash)])
         self.tiers["host"].saved_blocks += 1
+
+    def _save_prefills(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The full prompt blocks of each prefill the step finishes, saved to
+        the host tier after its forward (write-through): copied beside the
+        step's sampling and the next step's scheduling, so evicting them
+        later costs no copy on the step that evicts."""
+        host, bs = cast(HostTierIndex, self.host), self.spec.block_size
+        for seq, n in scheduled:
+            if not seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n:
+                continue
+            end = seq.num_prompt_tokens // bs
+            hashes = seq.prefix_keys(bs, end)
+            for i in range(end):
+                key = self._key(hashes[i])
+                if key in host:
+                    host.touch(key)
+                else:
+                    self._save_to_host(seq.block_table[i], key, hashes[i], self._meta.saves_after)
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._lookups.pop(seq.request_id, None)
@@ -332,6 +372,8 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:
         if scheduler_output is not None and self.cluster is not None:
             self._publish_computed(scheduler_output.scheduled)
+        if scheduler_output is not None and self.saves_prefills:
+            self._save_prefills(scheduler_output.scheduled)
         meta, self._meta = self._meta, OffloadingMetadata()
         self._sources.clear()
         for index in (self.host, self.disk):
@@ -448,10 +490,17 @@ class OffloadingConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
+        if self.num_slots:  # on the cache's device: a GPU's tier is pinned, its copies on a stream of their own
+            self.host_storage = HostTierStorage(self.spec, self.num_slots, self.dtype, kv_cache.device)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, OffloadingMetadata) and self.kv_cache is not None
         kv = self.kv_cache
+        if self._copies_queued and self.host_storage is not None:
+            # The step before's write-through copies ran beside its sampling and this step's scheduling; this
+            # forward may write into any block freed since (it knows not which), so they end first.
+            self.host_storage.barrier(kv.device)
+            self._copies_queued = False
         if metadata.saves and self.host_storage is not None:
             self.host_storage.save(kv, [b for b, _ in metadata.saves], [s for _, s in metadata.saves])
         if self.disk_storage is not None:
@@ -476,6 +525,7 @@ class OffloadingConnector(KVConnectorBase):
         for load in metadata.cluster_loads:
             self._start_cluster_load(load)
         self._saves = metadata.cluster_saves
+        self._host_saves = metadata.saves_after
         if failed:
             raise KVLoadError(failed, "a disk tier file is missing, or its key or checksum does not match")
 
@@ -510,7 +560,13 @@ class OffloadingConnector(KVConnectorBase):
         self._timings.setdefault(tier, []).append((blocks, time.perf_counter() - t0))
 
     def wait_for_save(self) -> None:
-        """The step's computed blocks, published now that its forward wrote them."""
+        """The step's computed blocks, saved to the host tier and published
+        now that its forward wrote them."""
+        host_saves, self._host_saves = self._host_saves, []
+        if host_saves and self.host_storage is not None and self.kv_cache is not None:
+            paged, slots = [b for b, _ in host_saves], [s for _, s in host_saves]
+            self.host_storage.save(self.kv_cache, paged, slots, wait=False)
+            self._copies_queued = True
         saves, self._saves = self._saves, []
         if not saves or self.cluster is None or self.kv_cache is None:
             return

@@ -6,7 +6,9 @@
    weight bytes / the device-to-device copy rate measured at start.
 3. offline: the workload of `shoal bench offline` against transformers'
    continuous batching on the same card.
-Parts 2 and 3 run on each --shapes shape (gpu_shapes.py) with dummy
+4. kv_offload: TTFT from the host KV tier against computed, and decode with
+   the tier on against the decode part's (gpu_kv_offload.py).
+Parts 2 to 4 run on each --shapes shape (gpu_shapes.py) with dummy
 weights. With --quantization fp8 (or int8) they run twice on each shape,
 unquantized and quantized at load, and a speedup row gives the quantized
 run's ratios (fp8's goal: decode >= 1.6x at batch 1, offline >= 1.5x); the
@@ -25,7 +27,7 @@ import time
 
 from shoal.workers.engine_args import EngineArgs
 
-PARTS = ("tokens", "decode", "offline")
+PARTS = ("tokens", "decode", "offline", "kv_offload")
 # What --quantization's speed-up is measured against, per shape: batch-1 decode and offline throughput.
 GOALS = {"fp8": {"decode": 1.6, "offline": 1.5}}
 
@@ -43,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--check-tokens", type=int, default=32)
     # Looser than the tests' 1e-4: 30 float32 layers on GPU kernels sum in other orders.
     p.add_argument("--tie-tol", type=float, default=1e-3, help="top-2 logit gap under which a difference is a near-tie")
+    p.add_argument(
+        "--kv-offload-lens", default="1024,4096,16384", help="comma list of the kv_offload part's prompt lengths"
+    )
     p.add_argument("--skip", default="", help=f"comma list of parts to skip: {', '.join(PARTS)}")
     p.add_argument("--output", default="bench_results/gpu.json")
     EngineArgs.add_cli_args(p)
@@ -278,13 +283,22 @@ def run(ns) -> int:
             # the first run keeps the plain keys and names; a quantized one is suffixed
             first = label == runs[0][0]
             key, shown = ("", name) if first else (f"_{label}", f"{name} {label}")
+            batches = [int(b) for b in ns.batch_sizes.split(",")] if ns.batch_sizes else list(shape.batch_sizes)
             if "decode" not in skip:
-                batches = [int(b) for b in ns.batch_sizes.split(",")] if ns.batch_sizes else list(shape.batch_sizes)
                 try:
                     got["decode" + key] = run_decode(args, ns, batches, rate, shown, table)
                 except Exception as e:
                     got["decode" + key] = _error(e)
                     table.add("decode", shown, "load", got["decode" + key]["error"])
+                _free(device)
+            if "kv_offload" not in skip and first:  # the host tier in the model's dtype
+                from shoal.benchmarks.gpu_kv_offload import run_kv_offload
+
+                try:
+                    got["kv_offload"] = run_kv_offload(args, ns, batches, got.get("decode"), shown, table)
+                except Exception as e:
+                    got["kv_offload"] = _error(e)
+                    table.add("kv_offload", shown, "all", got["kv_offload"]["error"])
                 _free(device)
             if "offline" not in skip and shape.offline:
                 got["offline" + key] = run_offline(args, ns, folder, shown, table, baseline=first)

@@ -19,9 +19,13 @@ lease):
    (the default model's file is not on the device);
 3. one stage per --shapes shape: decode ms/step against the bandwidth floor
    and offline against transformers' continuous batching, with dummy
-   weights, in bfloat16 and with --quantization fp8 beside it.
+   weights, in bfloat16 and with --quantization fp8 beside it;
+4. kv-offload, on the first shape: TTFT of 1k, 4k and 16k-token prompts
+   loaded from the host KV tier against computed, and decode with the
+   tier on against off (the least important stage: last, so that it is
+   the one a short budget drops).
 
-Each stage writes JSON under $OUT (tests.json, tokens.json, <shape>.json)
+Each stage writes JSON under $OUT (tests.json, tokens.json, <shape>.json, kv-offload.json)
 as soon as it ends, and check.json sums them up, so a stage cut off by its
 limit loses only itself. The exit code is 0 when every stage ran and passed.
 No module these stages import imports Ray (tests/test_gpu_check.py checks
@@ -45,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("workers", "router", "cluster", "proto", "benchmarks")
 SHAPES = ("smollm2-1.7b", "llama-3.1-8b")
 # Seconds each stage may take at most, within the budget (the rest of it, when less is left).
-LIMITS = {"tests": 90, "tokens": 75, "smollm2-1.7b": 130, "llama-3.1-8b": 150}
+LIMITS = {"tests": 80, "tokens": 70, "smollm2-1.7b": 120, "llama-3.1-8b": 140, "kv-offload": 70}
 BUDGET = 450.0  # all stages together: under the 8 minutes that leave a second try room in the lease
 # The token check's random model: SmolLM2-135M's shape (tests/tiny_models.py's tokenizer and initialisation).
 TOKENS_MODEL = dict(
@@ -105,16 +109,28 @@ def stages(
         dict(name="tests", argv=run_tests, json="tests.json", limit=LIMITS["tests"]),
         dict(
             name="tokens",
-            argv=[*bench, "--model", model, "--skip", "decode,offline", "--output", os.path.join(out, "tokens.json")],
+            argv=[
+                *bench,
+                "--model",
+                model,
+                "--skip",
+                "decode,offline,kv_offload",
+                "--output",
+                os.path.join(out, "tokens.json"),
+            ],
             before=made,
             json="tokens.json",
             limit=LIMITS["tokens"],
         ),
     ]
     for shape in shapes:
-        argv = [*bench, "--shapes", shape, "--skip", "tokens", "--quantization", "fp8"]
+        argv = [*bench, "--shapes", shape, "--skip", "tokens,kv_offload", "--quantization", "fp8"]
         argv += ["--output", os.path.join(out, f"{shape}.json")]
         out_stages.append(dict(name=shape, argv=argv, json=f"{shape}.json", limit=LIMITS.get(shape, 150)))
+    if shapes:
+        argv = [*bench, "--shapes", shapes[0], "--skip", "tokens,offline", "--batch-sizes", "1,32"]
+        argv += ["--output", os.path.join(out, "kv-offload.json")]
+        out_stages.append(dict(name="kv-offload", argv=argv, json="kv-offload.json", limit=LIMITS["kv-offload"]))
     return out_stages
 
 

@@ -67,6 +67,8 @@ def tiny_run(tiny_model, tmp_path_factory) -> tuple[dict, str]:
         "1",
         "--kv-cache-memory-bytes",
         str(64 << 20),
+        "--kv-offload-lens",
+        "32,64",
     ]
     code = f"import sys\nfrom shoal.cluster.cli import main\nrc = main({argv!r})"
     done = _python(code + NO_RAY + "\nsys.exit(rc)")
@@ -98,7 +100,17 @@ def test_decode_and_offline_are_timed_against_their_baselines(tiny_run):
     assert decode["start"]["kv_blocks"] > 0 and decode["start"]["cuda_graphs"] is None  # no CUDA here
     # one table at the end, a row per result, none an error
     table = stdout[stdout.index("\npart ") :]
-    assert len(report["rows"]) == 3 + 1 + 2 + 1 and "error" not in table
+    assert len(report["rows"]) == 3 + 1 + 2 + 1 + 3 and "error" not in table
+
+
+def test_host_tier_hits_are_timed_against_computed_and_decode_beside_tier_off(tiny_run):
+    report, _ = tiny_run
+    offload = report["shapes"]["tiny"]["kv_offload"]
+    for n, r in offload["ttft"].items():  # every block but the last token's, from the host tier
+        assert r["host_hit_tokens"] == (int(n) - 1) // 16 * 16 and r["computed_ms"] > 0 and r["loaded_ms"] > 0
+    # the batches the paged cache (sized to the longest prompt) holds, beside the decode part's
+    assert list(offload["decode"]) == ["1"]
+    assert offload["decode"]["1"]["off_ms"] == report["shapes"]["tiny"]["decode"]["batches"]["1"]["ms"]
 
 
 @pytest.mark.parametrize(

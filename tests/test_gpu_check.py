@@ -44,7 +44,7 @@ for name in {MISSING_ON_DEVICE!r}:
 """
 TINY_BENCH = (
     "--device cpu --num-threads 1 --no-cpu-kernels --batch-sizes 1 --decode-steps 2 --prompt-len 16 "
-    "--num-prompts 2 --input-len 16 64 --output-len 8 8 --check-prompts 2 --check-tokens 4"
+    "--num-prompts 2 --input-len 16 64 --output-len 8 8 --check-prompts 2 --check-tokens 4 --kv-offload-lens 32,64"
 )
 
 
@@ -67,10 +67,12 @@ def test_layout_puts_the_source_under_shoal(tmp_path):
 def test_the_stages_fit_the_budget_and_measure_fp8_beside_bfloat16(tmp_path, capsys):
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["tests", "tokens", *gpu_check.SHAPES]
+    assert [line.split()[0] for line in lines] == ["tests", "tokens", *gpu_check.SHAPES, "kv-offload"]
     assert "-m gpu" in lines[0] and "test_fp8_quantization.py" in lines[0] and "test_cuda_graph.py" in lines[0]
-    for line in lines[2:]:
-        assert "--quantization fp8" in line and "--skip tokens" in line
+    assert "--skip decode,offline,kv_offload" in lines[1]  # the token check alone, on its own model
+    for line in lines[2:-1]:
+        assert "--quantization fp8" in line and "--skip tokens,kv_offload" in line
+    assert "--skip tokens,offline" in lines[-1] and f"--shapes {gpu_check.SHAPES[0]}" in lines[-1]
     # under 8 minutes in all, so that a second try fits the 15-minute lease
     assert sum(gpu_check.LIMITS.values()) <= 480 and gpu_check.BUDGET <= 480
 
@@ -97,6 +99,7 @@ def test_the_check_runs_on_the_cpu_without_what_the_device_lacks(tmp_path):
         "tests": "passed",
         "tokens": "passed",
         "tiny": "passed",
+        "kv-offload": "passed",
     }
     tests = json.loads((out / "tests.json").read_text())["junit"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # no CUDA here: every gpu test skips
@@ -106,7 +109,11 @@ def test_the_check_runs_on_the_cpu_without_what_the_device_lacks(tmp_path):
     tiny = json.loads((out / "tiny.json").read_text())["shapes"]["tiny"]
     assert tiny["fp8_vs_float32"]["decode batch 1"] > 0
     assert tiny["offline"]["shoal"]["output_tok_s"] > 0
-    assert sorted(os.listdir(out)) == ["check.json", "tests.json", "tests.xml", "tiny.json", "tokens.json"]
+    offload = json.loads((out / "kv-offload.json").read_text())["shapes"]["tiny"]["kv_offload"]
+    assert set(offload["ttft"]) == {"32", "64"} and all(r["host_hit_tokens"] > 0 for r in offload["ttft"].values())
+    assert offload["decode"]["1"]["x_off"] > 0  # beside the same run's decode with the tier off
+    files = ["check.json", "kv-offload.json", "tests.json", "tests.xml", "tiny.json", "tokens.json"]
+    assert sorted(os.listdir(out)) == files
 
 
 @pytest.mark.parametrize("module", ["ray", "gguf", "opentelemetry.trace", "llguidance"])

@@ -192,6 +192,53 @@ def test_a_file_gives_back_its_blocks_as_stored(tmp_path, dtype):
         assert torch.equal(back[:, :, dst], stored[:, :, src])
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["o_direct", "refused"])
+def test_files_are_written_past_the_page_cache_where_the_file_system_allows(tmp_path, monkeypatch, refused):
+    """Blocks of whole pages are written with O_DIRECT from page-aligned
+    staging; where the file system refuses it (EINVAL, as tmpfs), buffered
+    from then on; either way the file reads back as stored."""
+    import errno
+    import os
+
+    import torch
+
+    from shoal.workers.kv_transfer import disk_tier
+
+    if refused:
+        real_open = os.open
+
+        def no_direct(path, flags, *a):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "O_DIRECT refused (test)")
+            return real_open(path, flags, *a)
+
+        monkeypatch.setattr(disk_tier.os, "open", no_direct)
+    shape = (2, 4, BLOCK, 2, 16)  # 16 KiB a block in float32: whole pages
+    kv = torch.randn(2, 4, 5, BLOCK, 2, 16, generator=torch.Generator().manual_seed(3))
+    storage = disk_tier.DiskTierStorage(shape, torch.float32)
+    assert storage.direct
+    path, keys = str(tmp_path / "f.kv"), [bytes([i]) * 32 for i in range(3)]
+    try:
+        storage.save(kv, path, [3, 0, 4], keys)
+        storage.flush()
+        assert [b.data_ptr() % disk_tier.PAGE for b in storage._spare] == [0]  # staged on a page, kept for reuse
+        back = torch.zeros_like(kv)
+        assert all(storage.load(back, path, i, keys[i], b) for i, b in enumerate([1, 2, 0]))
+    finally:
+        storage.shutdown()
+    for src, dst in ((3, 1), (0, 2), (4, 0)):
+        assert torch.equal(back[:, :, dst], kv[:, :, src])
+    assert storage.write_errors == 0 and os.stat(path).st_mode & 0o777 == 0o600
+    if refused:
+        assert not storage.direct  # buffered from now on
+    else:  # kept on where this file system takes it
+        try:
+            os.close(os.open(str(tmp_path / "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+            assert storage.direct
+        except OSError:
+            assert not storage.direct
+
+
 def test_the_writer_reuses_its_buffers_bounds_what_waits_and_outlives_a_failed_write(tmp_path, monkeypatch):
     """A save waits once too much is unwritten; a written file's staging buffer
     serves the next save; a write that raises leaves the writer running."""

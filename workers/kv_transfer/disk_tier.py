@@ -31,6 +31,7 @@ reads and deletes them.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -43,6 +44,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from shoal.workers.kv_transfer.host_memory import host_empty
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +265,16 @@ STAGING_ROUND = 64
 SPARE_STAGING_BYTES = 512 << 20
 MAX_PENDING_BYTES = 2 << 30
 WRITER_NICE = 10  # the writer's niceness: about a tenth of a step thread's share of a core they both want
+# Files are written with O_DIRECT where the folder's file system takes it: a buffered write
+# allocates page-cache pages for every 4 KiB it writes, several times the CPU time of the
+# write itself, on the cores the steps run on. The staging buffers are page-aligned for it
+# (host_memory.py).
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class DiskTierStorage:
@@ -281,6 +294,7 @@ class DiskTierStorage:
         self._written = threading.Condition(self._lock)
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self.write_errors = 0
+        self.direct = self.block_bytes % PAGE == 0  # O_DIRECT writes, until the file system refuses one
         self._writer = threading.Thread(target=self._write_loop, name="shoal-kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -312,7 +326,7 @@ class DiskTierStorage:
                 best = min(fits, key=lambda b: b.shape[0])
                 self._spare = [b for b in self._spare if b is not best]
                 return best
-        return torch.empty((-(-n // STAGING_ROUND) * STAGING_ROUND, *self.block_shape), dtype=self.dtype)
+        return host_empty((-(-n // STAGING_ROUND) * STAGING_ROUND, *self.block_shape), self.dtype)
 
     def delete(self, path: str) -> None:
         self._ops.put(("delete", rank_path(path, self.rank)))
@@ -390,6 +404,33 @@ class DiskTierStorage:
                     self.write_errors += 1
                     logger.exception("KV disk tier: writing %s failed", arg)
 
+    def _write_direct(self, tmp: str, header: bytes, data: torch.Tensor) -> bool:
+        """The file at tmp written with O_DIRECT from page-aligned memory (the
+        header copied into some; the blocks a whole number of pages, in their
+        staging buffer); False, and buffered writes from now on, where the
+        file system refuses it (tmpfs, some network file systems)."""
+        aligned = mmap.mmap(-1, len(header))  # a page multiple (_header pads it), on a page
+        aligned.write(header)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            return False
+        try:
+            _write_all(fd, aligned)
+            _write_all(fd, data.view(torch.uint8).reshape(-1).numpy())
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            return False
+        finally:
+            os.close(fd)
+            aligned.close()
+        return True
+
     def _write(self, path: str) -> None:
         with self._lock:
             keys, data, _ = self._pending[path]  # set before the op was queued; popped only here
@@ -401,11 +442,13 @@ class DiskTierStorage:
             flat = data.view(_BITS.get(self.dtype, self.dtype))
             raw = [flat[i].numpy().data.cast("B") for i in range(len(keys))]
             os.makedirs(folder, mode=0o700, exist_ok=True)  # a rank on another node than the index's
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(_header(keys, [zlib.crc32(b) for b in raw], self.block_bytes, self.dtype))
-                for b in raw:
-                    f.write(b)
+            header = _header(keys, [zlib.crc32(b) for b in raw], self.block_bytes, self.dtype)
+            if not (self.direct and self._write_direct(tmp, header, data)):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(header)
+                    for b in raw:
+                        f.write(b)
             os.replace(tmp, path)
         except Exception as e:  # a full disk, or worse: the blocks are not on disk, and loads will say so
             self.write_errors += 1

@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from shoal.workers.kv_transfer.base import KVCacheSpec
+from shoal.workers.kv_transfer.host_memory import host_empty
 
 
 def block_shape(spec: KVCacheSpec) -> tuple[int, ...]:
@@ -102,7 +103,9 @@ class HostTierStorage:
 
     def __init__(self, spec: KVCacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device | None = None):
         self.cuda = device is not None and device.type == "cuda"
-        self.data = torch.empty((num_slots, *block_shape(spec)), dtype=dtype, pin_memory=self.cuda)
+        shape = (num_slots, *block_shape(spec))
+        # Pinned beside a GPU; on the CPU, populated now rather than faulted in by the steps that fill it.
+        self.data = torch.empty(shape, dtype=dtype, pin_memory=True) if self.cuda else host_empty(shape, dtype)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
     def save(self, kv_cache: torch.Tensor, block_ids: list[int], slots: list[int], wait: bool = True) -> None:

@@ -411,14 +411,9 @@ class DiskTierStorage:
         file system refuses it (tmpfs, some network file systems)."""
         aligned = mmap.mmap(-1, len(header))  # a page multiple (_header pads it), on a page
         aligned.write(header)
+        fd = None
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.direct = False
-            return False
-        try:
             _write_all(fd, aligned)
             _write_all(fd, data.view(torch.uint8).reshape(-1).numpy())
         except OSError as e:
@@ -427,7 +422,8 @@ class DiskTierStorage:
             self.direct = False
             return False
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             aligned.close()
         return True
 
